@@ -1,0 +1,199 @@
+"""The `onnxfuse` command: a thin layer over the Python API. Errors print as one line (traceback with --verbose)."""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+import traceback
+
+from .errors import ConfigError, OnnxFuseError
+
+__all__ = ["main", "build_parser"]
+
+
+def _numbers(text: str | None, flag: str, cast=float) -> list | None:
+    """'0.1' -> [0.1]; '0.1,0.05' -> [0.1, 0.05] (one per model)."""
+    if text is None:
+        return None
+    try:
+        return [cast(v) for v in str(text).split(",") if v.strip() != ""]
+    except ValueError:
+        raise ConfigError(f"{flag}: '{text}' is not a number or a comma-separated list of numbers") from None
+
+
+def _natural(path: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def _model_files(items: list[str]) -> list[str]:
+    """Files as given; a folder stands for its *.onnx files in natural order (model_2 before model_10)."""
+    out = []
+    for item in items:
+        if os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "*.onnx")), key=_natural)
+            if not found:
+                raise ConfigError(f"folder '{item}' holds no .onnx files")
+            out += found
+        else:
+            out.append(item)
+    return out
+
+
+def cmd_export(args) -> int:
+    from .exporters import export_array, load_factory
+
+    shape = _numbers(args.input_shape, "--input-shape", int)
+    if not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"--input-shape must be positive integers like 32,3,32,32, got '{args.input_shape}'")
+    seeds = _numbers(args.seeds, "--seeds", int)
+    factory = load_factory(args.factory)
+    paths = export_array(factory, args.output, args.count, shape, seeds=seeds, overwrite=args.overwrite,
+                         opset=args.opset)
+    print(f"exported {len(paths)} models to {args.output}/ (model_0.onnx .. model_{len(paths) - 1}.onnx)")
+    return 0
+
+
+def cmd_fuse(args) -> int:
+    from ._io import check_output_dir
+    from .passes import fuse_models, save_array
+
+    check_output_dir(args.output, args.overwrite)
+    files = _model_files(args.models)
+    fa = fuse_models(files)
+    save_array(fa, args.output, overwrite=args.overwrite)
+    s = fa.spec.summary
+    print(f"fused {fa.B} models into {args.output}/fused.onnx: {s['nodes']} nodes per model -> {s['fused_nodes']} "
+          f"fused nodes ({s['fused']} by rules, {s['shared']} shared, {s['layout_changes']} layout changes); "
+          f"fused fraction {100 * s['fused_fraction']:.0f}%; {len(fa.spec.weights)} fused weights")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .training import TrainConfig, train_array
+
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, loss=args.loss, optimizer=args.optimizer,
+        lr=_numbers(args.lr, "--lr"), momentum=_numbers(args.momentum, "--momentum") or 0.0,
+        weight_decay=_numbers(args.weight_decay, "--weight-decay"), shuffle=not args.no_shuffle, seed=args.seed,
+        device=args.device, log_every=args.log_every,
+    )
+    res = train_array(args.array, args.data, cfg, progress=not args.quiet)
+    print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
+          f"({res.samples_per_s:,.0f} samples/s); metrics in {res.metrics_path}")
+    lrs = cfg.optimizer_config(len(res.final_loss)).lr
+    print(f"{'model':>5}  {'lr':>10}  {'final loss':>10}")
+    for b, loss in enumerate(res.final_loss):
+        print(f"{b:>5}  {lrs[b]:>10.4g}  {loss:>10.4f}")
+    return 0
+
+
+def cmd_split(args) -> int:
+    from .split import split_array
+
+    paths = split_array(args.array, args.output, overwrite=args.overwrite)
+    print(f"wrote {len(paths)} models to {args.output}/ (model_b.onnx for inference, model_b.safetensors state_dicts)")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .training.demo import run_demo
+
+    run_demo(args.output, models=args.models, steps=args.steps, progress=not args.quiet)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .training.bench import run_benchmark
+
+    run_benchmark(B_values=_numbers(args.models, "--models", int), steps=args.steps, warmup=args.warmup,
+                  batch_size=args.batch_size, repeats=args.repeats, out=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
+                                "ONNX graph and train them together with ONNX Runtime.")
+    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX")
+    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make")
+    e.add_argument("--count", type=int, required=True, help="number of models B")
+    e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1)")
+    e.add_argument("--input-shape", required=True, help="example input shape, e.g. 32,3,32,32 (batch dim is dynamic)")
+    e.add_argument("--opset", type=int, default=17)
+    e.add_argument("-o", "--output", required=True, metavar="JOBS_DIR")
+    e.add_argument("--overwrite", action="store_true")
+    e.set_defaults(func=cmd_export)
+
+    f = sub.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
+    f.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
+    f.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR")
+    f.add_argument("--overwrite", action="store_true")
+    f.set_defaults(func=cmd_fuse)
+
+    t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
+    t.add_argument("array", metavar="ARRAY_DIR")
+    t.add_argument("--data", required=True, help=".npz with one array per graph input (by name) and 'labels'")
+    t.add_argument("--loss", default="cross-entropy", choices=["cross-entropy", "mse"])
+    t.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    t.add_argument("--lr", help="learning rate: one value, or one per model (comma-separated); default 1e-3")
+    t.add_argument("--momentum", help="SGD momentum, one or one per model (default 0)")
+    t.add_argument("--weight-decay", help="one or one per model (default: SGD 0, AdamW 0.01 as in torch.optim)")
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--batch-size", type=int, required=True)
+    t.add_argument("--no-shuffle", action="store_true", help="take batches in file order")
+    t.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    t.add_argument("--device", default="cpu", help="cpu or cuda[:id]")
+    t.add_argument("--log-every", type=int, default=1, help="write metrics every K steps")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
+    s.add_argument("array", metavar="ARRAY_DIR")
+    s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(func=cmd_split)
+
+    d = sub.add_parser("demo", help="train 8 small CNNs with 8 learning rates on scikit-learn's digits")
+    d.add_argument("-o", "--output", default="onnxfuse-demo")
+    d.add_argument("--models", type=int, default=8)
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("-q", "--quiet", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="fused array vs the same models trained one after another (ORT)")
+    b.add_argument("--models", default="4,16", help="array sizes B to measure, e.g. 4,16")
+    b.add_argument("--steps", type=int, default=30)
+    b.add_argument("--warmup", type=int, default=5)
+    b.add_argument("--batch-size", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=3, help="alternating fused/sequential rounds; medians reported")
+    b.add_argument("--json", help="also write the results to this JSON file")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except OnnxFuseError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"onnxfuse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("onnxfuse: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug: still one line unless --verbose
+        if args.verbose:
+            traceback.print_exc()
+        print(f"onnxfuse: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "
+              "(run with --verbose for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""The fusion engine: walk the B aligned graphs node by node and let each op's rule emit the fused nodes.
+
+The engine knows layouts (:mod:`onnxfuse.layout`), weights (:mod:`onnxfuse.weights`) and how to convert a tensor
+between layouts; it never names a specific op. A rule receives a :class:`NodeGroup` (the B aligned nodes plus
+access to their fused inputs) and either emits fused nodes and sets the layout of every output, or calls
+``g.fail(reason)`` when it cannot fuse this instance.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .errors import NotFusibleError, UnsupportedOpError
+from .identity import AlignedModels
+from .layout import SHARED, Layout, packed, stacked
+from .source import SourceModel
+from .weights import FusedWeight, WeightSlot, pack_weights
+
+__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned"]
+
+
+class RuleFailed(Exception):
+    """Raised by a rule (via ``g.fail``) when a node cannot be fused; carries the reason."""
+
+
+@dataclass
+class FusionResult:
+    model: onnx.ModelProto
+    weights: dict[str, FusedWeight]
+    summary: dict = field(default_factory=dict)
+
+
+class FusionState:
+    """Everything built so far: fused nodes, initializers, and where each original tensor lives."""
+
+    def __init__(self, aligned: AlignedModels):
+        self.aligned = aligned
+        self.models: list[SourceModel] = aligned.models
+        self.B = aligned.B
+        self.src = aligned.models[0]
+        self.opset = self.src.opset
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: dict[str, np.ndarray] = {}
+        self.weights: dict[str, FusedWeight] = {}
+        self.weight_of: dict[str, str] = {}  # model-0 initializer name -> fused weight name
+        self.tensors: dict[str, tuple[str, Layout]] = {}  # model-0 tensor name -> (fused name, layout)
+        self.consts: dict[str, np.ndarray] = {}  # model-0 tensor name -> value, for shared constants
+        self.conversions: dict[tuple[str, Layout], str] = {}
+        self.output_names = {o.name for o in self.src.outputs}
+        self.used_names: set[str] = set()
+        self._counter = itertools.count()
+        self.layout_changes = 0
+        for vi in self.src.inputs:
+            self.tensors[vi.name] = (vi.name, SHARED)
+            self.used_names.add(vi.name)
+        for name in self.src.initializers:
+            self.used_names.add(name)
+            if name not in self.src.weight_names:
+                self.inits[name] = self.src.array(name)
+                self.consts[name] = self.inits[name]
+                self.tensors[name] = (name, SHARED)
+
+    # ---- names
+    def fresh(self, hint: str) -> str:
+        base = hint.replace(" ", "_") or "t"
+        name = base
+        while name in self.used_names:
+            name = f"{base}__{next(self._counter)}"
+        self.used_names.add(name)
+        return name
+
+    def fused_name_for(self, orig: str) -> str:
+        # Graph outputs get their original name back at the very end, in stacked(0) layout.
+        return self.fresh(orig + "__fused" if orig in self.output_names else orig)
+
+    # ---- emitting
+    def emit(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
+             name: str | None = None, **attrs) -> list[str]:
+        outs = [self.fresh(f"{name or op}_out{k}") for k in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op, inputs, outs, name=self.fresh(name or op), domain=domain, **attrs))
+        return outs
+
+    def const(self, value, hint: str = "const", dtype=np.int64) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        name = self.fresh(hint)
+        self.inits[name] = arr
+        return name
+
+    # ---- layout conversion
+    def convert(self, orig: str, dst: Layout) -> str:
+        """The fused name of original tensor ``orig`` in layout ``dst``, inserting conversion nodes once."""
+        name, src = self.tensors[orig]
+        return self.convert_tensor(name, src, dst, self.src.shapes.get(orig), orig)
+
+    def convert_tensor(self, name: str, src: Layout, dst: Layout, shape: list | None, orig: str) -> str:
+        """Convert fused tensor ``name`` (original shape ``shape``) from layout ``src`` to ``dst``."""
+        if src == dst:
+            return name
+        if (name, dst) in self.conversions:
+            return self.conversions[(name, dst)]
+        if shape is None:
+            raise RuleFailed(f"the rank of tensor '{orig}' is unknown, so its layout {src} cannot be changed to {dst}")
+        r, B = len(shape), self.B
+        if dst.is_shared:
+            raise RuleFailed(f"tensor '{orig}' differs per model but is used where one shared value is required")
+        self.layout_changes += 1
+        cur, cl = name, src
+        if cl.is_shared:
+            a = dst.axis
+            if dst.kind == "packed":
+                reps = self.const([B if k == a else 1 for k in range(r)], "tile_reps")
+                out = self.emit("Tile", [cur, reps], [self.fresh(f"{orig}__{dst.kind}{a}")])[0]
+            else:
+                u = self.emit("Unsqueeze", [cur, self.const([a], "axes")])[0]
+                to = self.const([B if k == a else 1 for k in range(r + 1)], "expand_shape")
+                out = self.emit("Expand", [u, to], [self.fresh(f"{orig}__{dst.kind}{a}")])[0]
+            self.conversions[(name, dst)] = out
+            return out
+        if cl.kind == "packed":
+            cur = self._reshape_packed_stacked(cur, shape, cl.axis, to_stacked=True)
+            cl = stacked(cl.axis)
+        if cl.axis != dst.axis:
+            perm = list(range(r + 1))
+            perm.remove(cl.axis)
+            perm.insert(dst.axis, cl.axis)
+            cur = self.emit("Transpose", [cur], perm=perm)[0]
+            cl = stacked(dst.axis)
+        if dst.kind == "packed":
+            cur = self._reshape_packed_stacked(cur, shape, dst.axis, to_stacked=False)
+        self.conversions[(name, dst)] = cur
+        return cur
+
+    def _reshape_packed_stacked(self, x: str, shape: list, a: int, to_stacked: bool) -> str:
+        """packed(a) <-> stacked(a): same bytes, so a Reshape. Leading dims are copied with 0, the model block
+        size is B (stacked) or inferred (-1); trailing dims must be static, else they come from Shape at run time."""
+        r, B = len(shape), self.B
+        trailing = shape[a + 1 :]
+        if all(isinstance(d, int) for d in trailing):
+            mid = [B, -1] if to_stacked else [-1]
+            target = self.const([0] * a + mid + list(trailing), "shape")
+        else:
+            sh = self.emit("Shape", [x])[0]
+            lo = self.emit("Slice", [sh, self.const([0], "start"), self.const([a], "end")])[0]
+            # trailing dims sit after the model block: from a+1 in the packed tensor, a+2 in the stacked one
+            start, end = (a + 1, r) if to_stacked else (a + 2, r + 1)
+            hi = self.emit("Slice", [sh, self.const([start], "start"), self.const([end], "end")])[0]
+            mid = self.const([B, -1] if to_stacked else [-1], "shape")
+            target = self.emit("Concat", [lo, mid, hi], axis=0)[0]
+        return self.emit("Reshape", [x, target])[0]
+
+    # ---- weights
+    def pack_weight(self, sources: list[str], slot: WeightSlot, role: str, extra: dict | None = None) -> str:
+        key = sources[0]
+        if key in self.weight_of:
+            fw = self.weights[self.weight_of[key]]
+            if fw.slot != slot:
+                raise RuleFailed(
+                    f"weight '{key}' is used by two nodes that need different layouts (tied weights are not supported)"
+                )
+            return fw.name
+        arrays = [m.array(s) for m, s in zip(self.models, sources)]
+        trainable = self.src.trainable
+        if role == "param" and trainable is not None and key not in trainable:
+            role = "frozen"
+        name = key  # the fused weight keeps model 0's initializer name (each is packed once)
+        self.inits[name] = pack_weights(slot, arrays)
+        self.weights[name] = FusedWeight(
+            name=name, slot=slot, orig_shape=tuple(arrays[0].shape), dtype=str(arrays[0].dtype), role=role,
+            sources=list(sources), extra=dict(extra or {}),
+        )
+        self.weight_of[key] = name
+        return name
+
+
+class NodeGroup:
+    """The B aligned nodes a rule fuses, and the tools to read their inputs and emit the fused nodes."""
+
+    def __init__(self, st: FusionState, nodes: list[onnx.NodeProto]):
+        self._st = st
+        self.nodes = nodes
+        self.node = nodes[0]
+        self.B = st.B
+        self.opset = st.opset
+        self._outputs_set: set[int] = set()
+
+    # ---- reading
+    @property
+    def op_type(self) -> str:
+        return self.node.op_type
+
+    @property
+    def name(self) -> str:
+        return self.node.name or f"<unnamed {self.node.op_type}>"
+
+    def attr(self, name: str, default=None):
+        for a in self.node.attribute:
+            if a.name == name:
+                v = helper.get_attribute_value(a)
+                return v.decode() if isinstance(v, bytes) else v
+        return default
+
+    def attrs(self) -> dict:
+        return {a.name: helper.get_attribute_value(a) for a in self.node.attribute}
+
+    def has_input(self, i: int) -> bool:
+        return i < len(self.node.input) and self.node.input[i] != ""
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.node.input)
+
+    def input_shape(self, i: int) -> list | None:
+        return self._st.src.shapes.get(self.node.input[i])
+
+    def output_shape(self, j: int = 0) -> list | None:
+        return self._st.src.shapes.get(self.node.output[j])
+
+    def rank(self, i: int) -> int:
+        s = self.input_shape(i)
+        if s is None:
+            self.fail(f"the rank of input {i} ('{self.node.input[i]}') is unknown")
+        return len(s)
+
+    def output_rank(self, j: int = 0) -> int:
+        s = self.output_shape(j)
+        if s is None:
+            self.fail(f"the rank of output {j} ('{self.node.output[j]}') is unknown")
+        return len(s)
+
+    def is_weight(self, i: int) -> bool:
+        t = self.node.input[i] if i < len(self.node.input) else ""
+        return t in self._st.src.weight_names
+
+    def is_shared(self, i: int) -> bool:
+        """True when input i holds the same value for every model (absent inputs count as shared)."""
+        if not self.has_input(i):
+            return True
+        if self.is_weight(i):
+            return False
+        return self._st.tensors[self.node.input[i]][1].is_shared
+
+    def layout(self, i: int) -> Layout | None:
+        """Input i's layout, or None for a per-model weight (an initializer not yet packed)."""
+        if self.is_weight(i):
+            return None
+        return self._st.tensors[self.node.input[i]][1]
+
+    def const(self, i: int) -> np.ndarray | None:
+        """Input i's value when it is a constant known now (shared initializer or Constant node output)."""
+        return self._st.consts.get(self.node.input[i]) if self.has_input(i) else None
+
+    def weight_sources(self, i: int) -> list[str]:
+        return [n.input[i] for n in self.nodes]
+
+    # ---- getting fused inputs
+    def get(self, i: int, layout: Layout) -> str:
+        """Fused name of input i in ``layout`` (a per-model weight is first packed as stacked(0))."""
+        t = self.node.input[i]
+        if self.is_weight(i):
+            if t not in self._st.tensors:
+                shape = self._st.src.shapes[t]
+                self.weight(i, WeightSlot(None, (1, *shape)))  # registers it as a stacked(0) tensor
+            return self._st.convert(t, layout)
+        return self._st.convert(t, layout)
+
+    def shared(self, i: int) -> str:
+        if not self.is_shared(i):
+            self.fail(f"input {i} ('{self.node.input[i]}') must be the same for all models")
+        return self._st.tensors[self.node.input[i]][0]
+
+    def weight(self, i: int, slot: WeightSlot, role: str = "param", extra: dict | None = None) -> str:
+        """Pack input i's B per-model initializers into one model-major fused weight laid out by ``slot``."""
+        if not self.is_weight(i):
+            self.fail(f"input {i} ('{self.node.input[i]}') must be an initializer (a weight), not a computed tensor")
+        name = self._st.pack_weight(self.weight_sources(i), slot, role, extra)
+        t = self.node.input[i]
+        if slot.perm is None and slot.block_shape == (1, *self._st.src.shapes[t]):
+            self._st.tensors.setdefault(t, (name, stacked(0)))
+        return name
+
+    # ---- emitting
+    def emit(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs) -> list[str]:
+        return self._st.emit(op, inputs, outputs, domain=domain, name=self.node.name or op, **attrs)
+
+    def convert(self, name: str, src: Layout, dst: Layout, orig_shape: list) -> str:
+        """Convert an intermediate fused tensor the rule made itself (original shape ``orig_shape``)."""
+        return self._st.convert_tensor(name, src, dst, orig_shape, name)
+
+    def new_const(self, value, hint: str = "const", dtype=np.int64) -> str:
+        return self._st.const(value, hint, dtype)
+
+    def out_name(self, j: int = 0) -> str:
+        return self._st.fused_name_for(self.node.output[j])
+
+    def set_output(self, j: int, name: str, layout: Layout, value: np.ndarray | None = None) -> None:
+        self._st.tensors[self.node.output[j]] = (name, layout)
+        if value is not None:
+            self._st.consts[self.node.output[j]] = value
+        self._outputs_set.add(j)
+
+    def emit_same(self, inputs: list[str], layout: Layout, **override_attrs) -> list[str]:
+        """Emit this node's op with its own attributes on fused ``inputs``; every output gets ``layout``."""
+        attrs = self.attrs()
+        attrs.update(override_attrs)
+        outs = [self.out_name(j) if o else "" for j, o in enumerate(self.node.output)]
+        self.emit(self.op_type, inputs, outs, domain=self.node.domain, **attrs)
+        for j, o in enumerate(outs):
+            if o:
+                self.set_output(j, o, layout)
+        return outs
+
+    def fail(self, reason: str):
+        raise RuleFailed(reason)
+
+    # ---- used by the engine
+    def passthrough(self) -> None:
+        """Emit the node once, unchanged: every input is shared, so every model computes the same value."""
+        ins = [self._st.tensors[t][0] if t else "" for t in self.node.input]
+        self.emit_same(ins, SHARED)
+        if self.op_type == "Constant" and not self.node.domain:
+            value = _constant_value(self.node)
+            if value is not None:
+                self._st.consts[self.node.output[0]] = value
+
+    def unset_outputs(self) -> list[int]:
+        return [j for j, o in enumerate(self.node.output) if o and j not in self._outputs_set]
+
+
+def fuse_aligned(aligned: AlignedModels) -> FusionResult:
+    """Run every node group through its rule; return the fused model (graph outputs in stacked(0))."""
+    from .rules import RULES, supported_ops
+
+    st = FusionState(aligned)
+    counts = {"fused": 0, "shared": 0}
+    for nodes in aligned.aligned:
+        g = NodeGroup(st, nodes)
+        node = g.node
+        rule = RULES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        all_shared = all(g.is_shared(i) for i in range(len(node.input)))
+        try:
+            if all_shared and (rule is None or rule.shared_passthrough):
+                g.passthrough()
+                counts["shared"] += 1
+            elif rule is None:
+                raise UnsupportedOpError(g.name, node.op_type, aligned.models[0].label, supported_ops())
+            else:
+                rule.fuse(g)
+                counts["fused"] += 1
+        except RuleFailed as e:
+            raise NotFusibleError(
+                f"{aligned.models[0].label}: node '{g.name}' ({node.op_type}) cannot be fused: {e}"
+            ) from e
+        missing = g.unset_outputs()
+        if missing:
+            raise NotFusibleError(
+                f"internal error: the {node.op_type} rule left output(s) {missing} of node '{g.name}' unset"
+            )
+    return FusionResult(model=_assemble(st), weights=st.weights,
+                        summary={"B": st.B, "nodes": len(aligned.aligned), **counts,
+                                 "layout_changes": st.layout_changes, "fused_nodes": len(st.nodes)})
+
+
+def _assemble(st: FusionState) -> onnx.ModelProto:
+    """Graph outputs -> stacked(0) under their original names; build the ModelProto."""
+    renames: dict[str, str] = {}
+    outputs = []
+    for vi in st.src.outputs:
+        try:
+            name = st.convert(vi.name, stacked(0))
+        except RuleFailed as e:
+            raise NotFusibleError(f"graph output '{vi.name}': {e}") from e
+        producers = {o: n for n in st.nodes for o in n.output}
+        if name in producers and name not in renames and name not in {v.name for v in st.src.inputs}:
+            renames[name] = vi.name
+        else:
+            st.emit("Identity", [name], [vi.name])
+        shape = st.src.shapes.get(vi.name)
+        outputs.append(helper.make_tensor_value_info(
+            vi.name, st.src.dtypes.get(vi.name, onnx.TensorProto.FLOAT),
+            None if shape is None else [st.B] + [d if not (isinstance(d, str) and d.startswith("unk__")) else None
+                                                 for d in shape]))
+    for n in st.nodes:
+        for k, t in enumerate(n.input):
+            if t in renames:
+                n.input[k] = renames[t]
+        for k, t in enumerate(n.output):
+            if t in renames:
+                n.output[k] = renames[t]
+    used = {t for n in st.nodes for t in n.input}
+    inits = [numpy_helper.from_array(np.asarray(v), k) for k, v in st.inits.items() if k in used]
+    graph = helper.make_graph(st.nodes, f"fused_{st.B}x_{st.src.model.graph.name or 'model'}",
+                              list(st.src.inputs), outputs, inits)
+    model = helper.make_model(graph, opset_imports=list(st.src.model.opset_import),
+                              producer_name="onnxfuse")
+    model.ir_version = min(st.src.model.ir_version, 10)
+    return model
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """The value of a Constant node (any of its attribute forms), or None for sparse values."""
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if a.name == "value":
+            return numpy_helper.to_array(v)
+        if a.name in ("value_float", "value_floats"):
+            return np.asarray(v, dtype=np.float32)
+        if a.name in ("value_int", "value_ints"):
+            return np.asarray(v, dtype=np.int64)
+    return None

@@ -1,0 +1,43 @@
+"""One exception type per kind of bad input; every message names the thing and says how to fix it."""
+from __future__ import annotations
+
+__all__ = [
+    "OnnxFuseError",
+    "InputFileError",
+    "NotFusibleError",
+    "UnsupportedOpError",
+    "ConfigError",
+    "DataError",
+]
+
+
+class OnnxFuseError(Exception):
+    """Base class of every error onnxfuse reports to a user (the CLI prints these as one line)."""
+
+
+class InputFileError(OnnxFuseError):
+    """A file or folder given to onnxfuse is missing, unreadable or not what it should be."""
+
+
+class NotFusibleError(OnnxFuseError):
+    """The B models are not the same graph up to weights, or a node cannot be fused as it is."""
+
+
+class UnsupportedOpError(NotFusibleError):
+    """A node's op type has no fusion rule."""
+
+    def __init__(self, node_name: str, op_type: str, model: str, supported: list[str]):
+        self.node_name, self.op_type, self.supported = node_name, op_type, supported
+        super().__init__(
+            f"{model}: node '{node_name}' has op type '{op_type}', which has no fusion rule; "
+            f"supported op types: {', '.join(sorted(supported))}. "
+            f"To fix this, replace the layer that exports to '{op_type}' or add a rule in onnxfuse/rules/."
+        )
+
+
+class ConfigError(OnnxFuseError):
+    """A training or command-line setting is invalid (wrong length, negative, unknown name...)."""
+
+
+class DataError(OnnxFuseError):
+    """A data file does not match the graph's inputs."""

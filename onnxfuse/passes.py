@@ -1,0 +1,139 @@
+"""The fusion pipeline as passes, each a function a test can run alone:
+
+    load -> identity check -> fuse -> clean up -> topological sort -> onnx.checker
+"""
+from __future__ import annotations
+
+import heapq
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import onnx
+from onnx import numpy_helper
+
+from ._io import atomic_dir
+from .engine import fuse_aligned
+from .errors import NotFusibleError
+from .identity import check_identical
+from .source import SourceModel, load_source
+from .weights import ArraySpec
+
+__all__ = ["FusedArray", "fuse_models", "save_array", "cleanup_pass", "toposort_pass", "check_pass"]
+
+
+@dataclass
+class FusedArray:
+    model: onnx.ModelProto
+    spec: ArraySpec
+    sources: list[SourceModel]
+
+    @property
+    def B(self) -> int:
+        return self.spec.B
+
+
+def cleanup_pass(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop nodes none of whose outputs is used (e.g. a layout change a rule made but did not need)."""
+    g = model.graph
+    needed = {o.name for o in g.output}
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o in needed for o in n.output if o):
+            keep.append(n)
+            needed.update(t for t in n.input if t)
+    used = needed
+    inits = [t for t in g.initializer if t.name in used]
+    del g.node[:]
+    g.node.extend(reversed(keep))
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    return model
+
+
+def toposort_pass(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Order nodes topologically; ties keep the original node order. A cycle raises ValueError."""
+    g = model.graph
+    nodes = list(g.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps = [{producer[t] for t in n.input if t in producer} for n in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, d in enumerate(deps):
+        for p in d:
+            users[p].append(i)
+    indeg = [len(d) for d in deps]
+    ready = [i for i, d in enumerate(indeg) if d == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        stuck = next(i for i in range(len(nodes)) if i not in set(order))
+        raise ValueError(f"the fused graph has a cycle through node '{nodes[stuck].name}' ({nodes[stuck].op_type})")
+    del g.node[:]
+    g.node.extend(nodes[i] for i in order)
+    return model
+
+
+def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx.checker with shape inference: the fused graph must be valid ONNX."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:
+        raise NotFusibleError(f"internal error: the fused graph is not valid ONNX: {str(e).splitlines()[0]}") from e
+    return model
+
+
+def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None) -> FusedArray:
+    """Fuse B models that are the same graph up to weights into one horizontally fused model."""
+    sources = [load_source(m, None if labels is None else labels[k]) for k, m in enumerate(models)]
+    aligned = check_identical(sources)
+    result = fuse_aligned(aligned)
+    model = check_pass(toposort_pass(cleanup_pass(result.model)))
+    src = sources[0]
+    io = lambda vis: [{"name": v.name, "shape": src.shapes.get(v.name), "dtype": onnx.helper.tensor_dtype_to_np_dtype(  # noqa: E731
+        src.dtypes.get(v.name, onnx.TensorProto.FLOAT)).name} for v in vis]
+    summary = dict(result.summary)
+    summary["fused_nodes"] = len(model.graph.node)
+    summary["fused_fraction"] = 1.0
+    spec = ArraySpec(
+        B=len(sources),
+        sources=[s.label for s in sources],
+        inputs=io(src.inputs),
+        outputs=io(src.outputs),
+        weights=result.weights,
+        extra_state=[dict(s.meta.get("extra_state", {})) for s in sources],
+        summary=summary,
+    )
+    return FusedArray(model=model, spec=spec, sources=sources)
+
+
+def _strip_weights(src: SourceModel) -> onnx.ModelProto:
+    """The source graph without its weight data (split puts trained weights back)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(src.model)
+    keep = [t for t in m.graph.initializer if t.name not in src.weight_names]
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(keep)
+    return m
+
+
+def save_array(fa: FusedArray, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
+    """Write ``fused.onnx``, ``array.json`` and the weightless source graphs to ``out_dir`` atomically."""
+    out_dir = os.fspath(out_dir)
+    with atomic_dir(out_dir, overwrite) as tmp:
+        onnx.save(fa.model, os.path.join(tmp, "fused.onnx"))
+        fa.spec.save(os.path.join(tmp, "array.json"))
+        os.makedirs(os.path.join(tmp, "sources"))
+        for b, src in enumerate(fa.sources):
+            onnx.save(_strip_weights(src), os.path.join(tmp, "sources", f"model_{b}.onnx"))
+    return out_dir
+
+
+def fused_initial_weights(model: onnx.ModelProto) -> dict:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}

@@ -1,0 +1,87 @@
+"""Helpers shared by rules: numpy-style broadcasting of per-model operands, axis arithmetic."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ..layout import Layout, stacked
+from ..weights import WeightSlot
+
+if TYPE_CHECKING:
+    from ..engine import NodeGroup
+
+__all__ = ["broadcast_layout", "broadcast_input", "broadcast_inputs", "norm_axis", "unsqueeze"]
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def unsqueeze(g: "NodeGroup", x: str, axes: Sequence[int]) -> str:
+    return g.emit("Unsqueeze", [x, g.new_const(list(axes), "axes")])[0]
+
+
+def _layout_ok(g: "NodeGroup", idx: Sequence[int], L: Layout, r: int) -> bool:
+    """Can every input of ``idx`` be brought into output layout ``L`` by broadcasting alone?"""
+    out = g.output_shape(0)
+    a = L.axis
+    for i in idx:
+        if not g.has_input(i) or (g.is_shared(i) and L.kind == "stacked"):
+            continue
+        s = g.input_shape(i)
+        off = r - len(s)
+        k = a - off  # the input's own axis that lines up with output axis a
+        if g.is_shared(i):  # packed: a shared operand covering axis a with size > 1 would need tiling
+            if k >= 0 and s[k] != 1:
+                return False
+            continue
+        if L.kind == "packed" and (k < 0 or s[k] != out[a]):
+            return False  # a per-model operand that broadcasts along the model axis cannot be packed
+        if g.is_weight(i) and k > 0 and any(d != 1 for d in s[:k]):
+            return False  # the weight's model blocks would not be contiguous
+    return True
+
+
+def broadcast_layout(g: "NodeGroup", idx: Sequence[int]) -> Layout:
+    """Output layout for an elementwise op with numpy broadcasting over inputs ``idx``.
+
+    Keeps the layout of the first full-rank per-model activation when every operand can follow it by plain
+    broadcasting; otherwise stacked on the same axis; otherwise stacked(0), which always works.
+    """
+    r = g.output_rank(0)
+    firsts = [g.layout(i) for i in idx
+              if g.has_input(i) and not g.is_weight(i) and not g.is_shared(i) and g.rank(i) == r]
+    candidates = ([firsts[0], stacked(firsts[0].axis)] if firsts else []) + [stacked(0)]
+    return next(L for L in candidates if _layout_ok(g, idx, L, r))
+
+
+def broadcast_input(g: "NodeGroup", i: int, L: Layout) -> str:
+    """Fused input i, shaped so that numpy broadcasting against an output in layout ``L`` is per model.
+
+    stacked(a): an operand covering output axis a gets the model axis there (weights: [B, ...]).
+    packed(a):  an operand covering axis a is concatenated there (weights: [B*d_a, ...]).
+    """
+    if not g.has_input(i):
+        return ""
+    r = g.output_rank(0)
+    s = g.input_shape(i)
+    off, a = r - len(s), L.axis
+    if g.is_shared(i):
+        x = g.shared(i)
+        if L.kind == "stacked" and off < a:  # operand reaches left of the model axis: give it a size-1 model axis
+            return unsqueeze(g, x, [a - off])
+        return x  # packed: _layout_ok guaranteed size 1 (or absent) at axis a
+    if g.is_weight(i):
+        span = r - a  # output axes a..r-1 are what the fused weight must cover
+        block = [1] * max(0, span - len(s)) + list(s[max(0, len(s) - span):])
+        if L.kind == "stacked":
+            block = [1] + block
+        return g.weight(i, WeightSlot(None, tuple(block)))
+    if len(s) < r:  # lower-rank activation: make it full rank in stacked(0), then convert
+        x = unsqueeze(g, g.get(i, stacked(0)), list(range(1, off + 1)))
+        return g.convert(x, stacked(0), L, [1] * off + list(s))
+    return g.get(i, L)
+
+
+def broadcast_inputs(g: "NodeGroup", idx: Sequence[int]) -> tuple[list[str], Layout]:
+    L = broadcast_layout(g, idx)
+    return [broadcast_input(g, i, L) for i in idx], L

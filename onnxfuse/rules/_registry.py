@@ -1,0 +1,41 @@
+"""The rule catalog: op type -> rule. Rules register themselves with :func:`rule`; the engine only looks them up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..engine import NodeGroup
+
+__all__ = ["Rule", "RULES", "rule", "supported_ops"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    op_type: str
+    fuse: "Callable[[NodeGroup], None]"
+    domain: str = ""
+    # When every input is shared (same in all models), the engine emits the node once, unchanged. Rules for ops
+    # whose result must differ per model even then (random ops such as Dropout) turn this off.
+    shared_passthrough: bool = True
+
+
+RULES: dict[tuple[str, str], Rule] = {}
+
+
+def rule(*op_types: str, domain: str = "", shared_passthrough: bool = True):
+    """Register the decorated function as the fusion rule of ``op_types``."""
+
+    def register(fn):
+        for op in op_types:
+            key = (domain, op)
+            if key in RULES:
+                raise ValueError(f"two rules for op type {op!r}: {RULES[key].fuse.__module__} and {fn.__module__}")
+            RULES[key] = Rule(op, fn, domain, shared_passthrough)
+        return fn
+
+    return register
+
+
+def supported_ops() -> list[str]:
+    return sorted(op if not d else f"{d}::{op}" for d, op in RULES)

@@ -1,0 +1,61 @@
+"""Elementwise ops: unary ones keep any layout; n-ary ones broadcast their operands per model."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..layout import stacked
+from ._common import broadcast_inputs
+from ._registry import rule
+
+if TYPE_CHECKING:
+    from ..engine import NodeGroup
+
+UNARY = (
+    "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Abs", "Neg", "Sqrt", "Reciprocal", "Erf", "Softplus", "Softsign",
+    "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Gelu", "Mish", "ThresholdedRelu", "Floor",
+    "Ceil", "Round", "Sign", "Not", "IsNaN", "IsInf", "Cast", "Sin", "Cos", "Identity",
+)
+NARY = (
+    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Mod", "Equal", "Less", "LessOrEqual",
+    "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "PRelu",
+)
+
+
+def _own_layout(g: "NodeGroup"):
+    L = g.layout(0)
+    return stacked(0) if L is None or L.is_shared else L
+
+
+@rule(*UNARY)
+def fuse_unary(g: "NodeGroup") -> None:
+    """f(x) elementwise: any layout in, the same layout out (y_b = f(x_b) wherever x_b lives)."""
+    L = _own_layout(g)
+    g.emit_same([g.get(0, L)], L)
+
+
+@rule("Clip")
+def fuse_clip(g: "NodeGroup") -> None:
+    """Clip(x, min, max): x keeps its layout; min and max must be shared scalars (the same for every model)."""
+    L = _own_layout(g)
+    g.emit_same([g.get(0, L)] + [g.shared(i) if g.has_input(i) else "" for i in range(1, g.num_inputs)], L)
+
+
+@rule(*NARY)
+def fuse_nary(g: "NodeGroup") -> None:
+    """f(x, y, ...) with numpy broadcasting.
+
+    Layout: the first full-rank per-model operand's layout when the others can follow by broadcasting, else
+    stacked on that axis, else stacked(0). Per-model weights are packed to cover the output axes from the model
+    axis on (e.g. a [C,1,1] bias next to [N, B*C, H, W] becomes [B*C,1,1]); shared operands gain a size-1 model
+    axis where needed. Math: broadcasting then pairs model b's operands only with each other.
+    """
+    inputs, L = broadcast_inputs(g, range(g.num_inputs))
+    g.emit_same(inputs, L)
+
+
+@rule("Dropout", shared_passthrough=False)
+def fuse_dropout(g: "NodeGroup") -> None:
+    """Dropout: any layout in and out; ratio and training_mode are shared. A shared input is first given one
+    copy per model, so each model draws its own mask as it would when trained alone."""
+    L = _own_layout(g)
+    g.emit_same([g.get(0, L)] + [g.shared(i) if g.has_input(i) else "" for i in range(1, g.num_inputs)], L)

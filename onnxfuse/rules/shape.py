@@ -1,0 +1,116 @@
+"""Shape ops: Shape/Size report the original (per-model) shape; Reshape/Flatten keep the model axis outside."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from onnx import numpy_helper
+
+from ..layout import SHARED, packed, stacked
+from ._common import norm_axis
+from ._registry import rule
+
+if TYPE_CHECKING:
+    from ..engine import NodeGroup
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _same_dim(a, b) -> bool:
+    known = lambda d: isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__"))  # noqa: E731
+    return known(a) and a == b
+
+
+def _own_layout(g: "NodeGroup"):
+    L = g.layout(0)
+    return stacked(0) if L is None else L
+
+
+@rule("Shape")
+def fuse_shape(g: "NodeGroup") -> None:
+    """Shape of model b's tensor, the same for every model (output shared).
+
+    Static shapes become a constant. Otherwise Shape of the fused tensor, minus the model axis (stacked(a):
+    Gather the other axes) or with axis a divided by B (packed(a)).
+    """
+    shape = g.input_shape(0)
+    if shape is None:
+        g.fail("the rank of the input is unknown")
+    r = len(shape)
+    start = norm_axis(int(g.attr("start", 0)), r)
+    end = norm_axis(int(g.attr("end", r)), r) if g.attr("end") is not None else r
+    dims = list(range(max(0, start), min(r, end)))
+    if all(isinstance(shape[d], int) for d in dims):
+        value = np.array([shape[d] for d in dims], dtype=np.int64)
+        out = g.emit("Constant", [], [g.out_name(0)], value=numpy_helper.from_array(value))[0]
+        g.set_output(0, out, SHARED, value=value)
+        return
+    L = _own_layout(g)
+    full = g.emit("Shape", [g.get(0, L)])[0]
+    last = L.kind != "packed" or L.axis not in dims
+    out = g.emit("Gather", [full, g.new_const([L.fused_axis(d) for d in dims], "axes")],
+                 [g.out_name(0)] if last else 1, axis=0)[0]
+    if not last:
+        div = g.new_const([g.B if d == L.axis else 1 for d in dims], "model_divisor")
+        out = g.emit("Div", [out, div], [g.out_name(0)])[0]
+    g.set_output(0, out, SHARED)
+
+
+@rule("Size")
+def fuse_size(g: "NodeGroup") -> None:
+    """Element count of model b's tensor = Size(fused) / B (shared)."""
+    L = _own_layout(g)
+    n = g.emit("Size", [g.get(0, L)])[0]
+    g.set_output(0, g.emit("Div", [n, g.new_const(g.B, "B")], [g.out_name(0)])[0], SHARED)
+
+
+@rule("Reshape")
+def fuse_reshape(g: "NodeGroup") -> None:
+    """Reshape every model's tensor to the (shared) target shape t.
+
+    Layout: stacked(a) input whose first a dims the reshape leaves alone (e.g. the batch dim of
+    x.view(x.size(0), -1)) -> target t[:a] + [B] + t[a:], output stacked(a); otherwise stacked(0) with target
+    [B] + t. A 0 in t keeps meaning "copy this input dim": with the model axis inserted at a, original dim i >= a
+    sits at fused index i + 1 on both sides. packed(a) inputs are viewed as stacked(a) first (free).
+    """
+    if g.attr("allowzero", 0):
+        g.fail("allowzero=1 is not supported")
+    target, value = g.shared(1), g.const(1)
+    L = _own_layout(g)
+    in_s, out_s = g.input_shape(0), g.output_shape(0)
+    a = L.axis
+    keep = (a > 0 and in_s is not None and out_s is not None and len(out_s) >= a
+            and all(_same_dim(in_s[k], out_s[k]) for k in range(a)))
+    a = a if keep else 0
+    x = g.get(0, stacked(a))
+    if value is not None:
+        new_target = g.new_const(np.insert(value.astype(np.int64), a, g.B), "shape")
+    else:
+        model = g.new_const([g.B], "B")
+        if a == 0:
+            new_target = g.emit("Concat", [model, target], axis=0)[0]
+        else:
+            lo = g.emit("Slice", [target, g.new_const([0], "start"), g.new_const([a], "end")])[0]
+            hi = g.emit("Slice", [target, g.new_const([a], "start"), g.new_const([INT64_MAX], "end")])[0]
+            new_target = g.emit("Concat", [lo, model, hi], axis=0)[0]
+    out = g.emit("Reshape", [x, new_target], [g.out_name(0)])[0]
+    g.set_output(0, out, stacked(a))
+
+
+@rule("Flatten")
+def fuse_flatten(g: "NodeGroup") -> None:
+    """Flatten at axis k: [d0..] -> [prod(d<k), prod(d>=k)].
+
+    Layout: packed(k) or stacked(k) input -> Flatten(k) gives [prod(d<k), B*prod(d>=k)] = packed(1) (the model is
+    the outermost of the flattened dims); stacked(0)/packed(0) (k >= 1) -> [B*prod(d<k), ...] = packed(0);
+    anything else is made stacked(0) first.
+    """
+    r = g.rank(0)
+    k = norm_axis(int(g.attr("axis", 1)), r)
+    L = _own_layout(g)
+    if L.axis == k and k > 0:
+        g.emit_same([g.get(0, L)], packed(1), axis=k)
+    elif L.axis == 0 and k >= 1:
+        g.emit_same([g.get(0, L)], packed(0), axis=k + (1 if L.kind == "stacked" else 0))
+    else:
+        g.emit_same([g.get(0, stacked(0))], packed(0), axis=k + 1)

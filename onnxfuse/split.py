@@ -1,0 +1,97 @@
+"""Split a fused array back into B ordinary models: ``model_{b}.onnx`` (inference-ready, the original graph with
+its trained weights) and ``model_{b}.safetensors`` (the original state_dict keys, loadable with
+``load_state_dict(strict=True)``)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ._io import atomic_dir
+from .errors import InputFileError
+from .weights import ArraySpec, unpack_weight
+
+__all__ = ["to_inference", "load_fused_weights", "split_weights", "split_array", "TRAINED_DIR"]
+
+TRAINED_DIR = "trained"
+
+
+def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """BatchNorm on running statistics (one output) and Dropout off, in place; returns the model."""
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            for a in node.attribute:
+                if a.name == "training_mode":
+                    a.i = 0
+            del node.output[1:]
+        elif node.op_type == "Dropout" and len(node.input) > 2:
+            node.input[2] = ""
+    return model
+
+
+def load_fused_weights(array_dir: str) -> tuple[dict[str, np.ndarray], dict]:
+    """Trained fused weights if the array was trained, else the initial ones from fused.onnx; plus train state."""
+    trained = os.path.join(array_dir, TRAINED_DIR)
+    wfile, sfile = os.path.join(trained, "weights.safetensors"), os.path.join(trained, "train_state.json")
+    if os.path.exists(wfile):
+        from safetensors.numpy import load_file
+
+        with open(sfile) as f:
+            return load_file(wfile), json.load(f)
+    fused = os.path.join(array_dir, "fused.onnx")
+    if not os.path.exists(fused):
+        raise InputFileError(f"'{array_dir}' has no fused.onnx; create the array with `onnxfuse fuse`")
+    try:
+        model = onnx.load(fused)
+    except Exception as e:
+        raise InputFileError(f"'{fused}' is not a readable ONNX model; re-run `onnxfuse fuse`") from e
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, {"steps": 0}
+
+
+def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0) -> list[dict[str, np.ndarray]]:
+    """Per-model {original name: tensor}, including state that is not in the graph (BatchNorm counters advance
+    by the number of training steps, as torch's num_batches_tracked does once per training forward)."""
+    out = []
+    for b in range(spec.B):
+        state = {fw.sources[b]: unpack_weight(fw, fused[fw.name], b) for fw in spec.weights.values()}
+        for key, e in spec.extra_state[b].items():
+            value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
+            if e.get("kind") == "bn_counter":
+                value = value + steps
+            state[key] = value
+        out.append(state)
+    return out
+
+
+def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> list[str]:
+    """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths."""
+    from safetensors.numpy import save_file
+
+    array_dir, out_dir = os.fspath(array_dir), os.fspath(out_dir)
+    if not os.path.isdir(array_dir):
+        raise InputFileError(f"array folder '{array_dir}' does not exist; create it with `onnxfuse fuse`")
+    spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
+    fused, train_state = load_fused_weights(array_dir)
+    missing = [n for n in spec.weights if n not in fused]
+    if missing:
+        raise InputFileError(f"'{array_dir}': fused weight '{missing[0]}' is missing from the stored weights; "
+                             "re-run `onnxfuse fuse` or `onnxfuse train`")
+    per_model = split_weights(spec, fused, int(train_state.get("steps", 0)))
+    sources = []
+    for b in range(spec.B):
+        path = os.path.join(array_dir, "sources", f"model_{b}.onnx")
+        if not os.path.exists(path):
+            raise InputFileError(f"'{path}' is missing; re-run `onnxfuse fuse`")
+        sources.append(onnx.load(path))
+    paths = []
+    with atomic_dir(out_dir, overwrite) as tmp:
+        for b, (src, state) in enumerate(zip(sources, per_model)):
+            graph_names = {i for n in src.graph.node for i in n.input}
+            src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
+            onnx.save(to_inference(src), os.path.join(tmp, f"model_{b}.onnx"))
+            save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(tmp, f"model_{b}.safetensors"))
+            paths.append(os.path.join(out_dir, f"model_{b}.onnx"))
+    return paths

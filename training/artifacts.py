@@ -1,0 +1,267 @@
+"""Training artifacts for a fused array: one ONNX Runtime training graph that does forward, loss, backward,
+BatchNorm statistics and the per-model optimizer update in a single session call, plus an eval graph.
+
+Passes, in order (each a function of the model):
+
+1. ``add_loss_pass``        per-model losses [B] and their sum (the gradient root)
+2. ``batchnorm_pass``       BatchNorm in training mode computes batch statistics only (zero dummy running stats,
+                            momentum 0, so outputs 1 and 2 are the batch mean and biased variance); the running
+                            statistics are updated with torch's rule, including the unbiased variance n/(n-1)
+3. ``optimizer_state_pass`` zero-initialized optimizer state as extra (frozen) checkpoint parameters
+4. gradient graph (onnxruntime.training.onnxblock)
+5. ``update_pass``          drop ORT's gradient accumulation, append the running-stat writes and the optimizer
+                            update behind an ordering guard that depends on every gradient
+6. ``eval_model``           BatchNorm on running statistics, Dropout off, same parameter names
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxfuse.errors import ConfigError
+from onnxfuse.weights import ArraySpec
+
+from ._builder import GraphBuilder
+from .losses import LossSpec, add_loss
+from .optim import HYPER_INPUT, OptimizerConfig
+
+__all__ = ["TrainingArtifacts", "build_artifacts"]
+
+UPDATED = "updated"
+
+
+@dataclass
+class TrainingArtifacts:
+    folder: str
+    training_model: str
+    eval_model: str
+    checkpoint: str
+    user_inputs: list[str]  # what the training graph takes each step, in order
+    eval_inputs: list[str]
+    eval_outputs: list[str]  # per_model_loss, then the fused model outputs
+    trainable: list[str]
+    buffers: list[str]
+    optimizer_state: list[str]
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec) -> tuple[onnx.ModelProto, onnx.ValueInfoProto]:
+    if len(spec.outputs) != 1:
+        raise ConfigError(f"the model has {len(spec.outputs)} outputs; training needs exactly one "
+                                    "(the logits or prediction the loss reads)")
+    out = spec.outputs[0]
+    gb = GraphBuilder(model.graph, _opset(model), "loss/")
+    _, _, labels = add_loss(gb, loss, out["name"], out["shape"], spec.B)
+    gb.flush()
+    model.graph.input.append(labels)
+    del model.graph.output[:]
+    model.graph.output.extend([_value_info("loss", onnx.TensorProto.FLOAT, []),
+                               _value_info("per_model_loss", onnx.TensorProto.FLOAT, [spec.B])])
+    return model, labels
+
+
+def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """Rewrite training-mode BatchNorms; returns [(running stat, its new value)] to write after the step.
+
+    torch: running_mean = (1-m)*running_mean + m*mean;  running_var = (1-m)*running_var + m*var*n/(n-1)
+    (ONNX's momentum attribute is 1 - m). n = elements per channel = Size(x) / channels.
+    """
+    g = model.graph
+    gb = GraphBuilder(g, _opset(model), "bn/")
+    inits = {t.name: t for t in g.initializer}
+    writes: list[tuple[str, str]] = []
+    for node in list(g.node):
+        if node.op_type != "BatchNormalization":
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if "training_mode" not in attrs or attrs["training_mode"].i != 1:
+            continue
+        m = 1.0 - (attrs["momentum"].f if "momentum" in attrs else 0.9)
+        rm, rv = node.input[3], node.input[4]
+        C = int(inits[rm].dims[0]) if rm in inits else None
+        if C is None:
+            raise ConfigError(f"BatchNorm node '{node.name}': running statistics are not initializers")
+        # Batch statistics only: zero dummy stats and momentum 0 make outputs 1, 2 the batch mean and biased var.
+        node.input[3] = gb.const(np.zeros(C, np.float32), hint="dummy_stat")
+        node.input[4] = gb.const(np.zeros(C, np.float32), hint="dummy_stat")
+        for a in node.attribute:
+            if a.name == "momentum":
+                a.f = 0.0
+        if not any(a.name == "momentum" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("momentum", 0.0))
+        while len(node.output) < 3:
+            node.output.append("")
+        for k in (1, 2):
+            if not node.output[k]:
+                node.output[k] = gb.name(f"batch_stat{k}")
+        mean, var = node.output[1], node.output[2]
+        count = gb.one("Cast", [gb.one("Div", [gb.one("Size", [node.input[0]]), gb.const(C, np.int64)])],
+                       to=onnx.TensorProto.FLOAT)
+        unbias = gb.one("Div", [count, gb.one("Sub", [count, gb.const(1.0)])])
+        keep, mom = gb.const(1.0 - m), gb.const(m)
+        new_rm = gb.one("Add", [gb.one("Mul", [rm, keep]), gb.one("Mul", [mean, mom])], output=gb.name("new_rm"))
+        new_rv = gb.one("Add", [gb.one("Mul", [rv, keep]), gb.one("Mul", [gb.one("Mul", [var, unbias]), mom])],
+                        output=gb.name("new_rv"))
+        writes += [(rm, new_rm), (rv, new_rv)]
+    gb.flush()
+    for _, value in writes:
+        g.output.append(_value_info(value, onnx.TensorProto.FLOAT, None))
+    return writes
+
+
+def optimizer_state_pass(model: onnx.ModelProto, params: list[str], opt: OptimizerConfig) -> list[str]:
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    names = []
+    for p in params:
+        for s in opt.state_names():
+            name = f"{p}.{s}"
+            model.graph.initializer.append(numpy_helper.from_array(np.zeros(shapes[p], np.float32), name))
+            names.append(name)
+    return names
+
+
+@contextlib.contextmanager
+def _native_stderr_captured():
+    """ORT's gradient builder logs every graph transformer at INFO level to the C++ stderr, whatever the Python
+    logger severity: hold that output in a temporary file and show it only if building fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        except Exception:
+            os.dup2(saved, 2)
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-20:]
+            if tail:
+                print("\n".join(tail), file=sys.stderr)
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _build_gradient(model: onnx.ModelProto, trainable: list[str], frozen: list[str], outputs: list[str]):
+    from onnxruntime.training import onnxblock
+
+    class _Passthrough(onnxblock.TrainingBlock):
+        def build(self, *names):
+            return tuple(names)
+
+    block = _Passthrough()
+    for p in trainable:
+        block.requires_grad(p, True)
+    for p in frozen:
+        block.requires_grad(p, False)
+    with onnxblock.base(model), _native_stderr_captured():
+        block(*outputs)
+        training_model, _ = block.to_model_proto()
+        parameters = block.parameters()
+    return training_model, parameters
+
+
+def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: list[str],
+                opt: OptimizerConfig, n_user_inputs: int) -> None:
+    g = tm.graph
+    # ORT's gradient accumulation (grad buffers += grad) is not needed: updates read the fresh gradients. The
+    # buffer inputs stay because the training Module binds them.
+    keep = [n for n in g.node if not (n.op_type == "InPlaceAccumulatorV2" and n.output[0].endswith(".accumulation.out"))]
+    del g.node[:]
+    g.node.extend(keep)
+    gb = GraphBuilder(g, _opset(tm), "update/")
+    true = gb.const([True], np.bool_, "overwrite")
+    # Ordering guard: a 0.0 that depends on every gradient (Greater(x, x) is False even for NaN/inf), added to the
+    # coefficients, so no parameter is overwritten before every backward node that reads it has run.
+    firsts = [gb.one("Slice", [gb.one("Reshape", [f"{p}_grad", gb.const([-1], np.int64)]),
+                               gb.const([0], np.int64), gb.const([1], np.int64)]) for p in trainable]
+    c = gb.one("Concat", firsts, axis=0)
+    guard = gb.reduce("ReduceSum", gb.one("Cast", [gb.one("Greater", [c, c])], to=onnx.TensorProto.FLOAT), None)
+    hyper = gb.one("Add", [HYPER_INPUT, guard])
+    done = [gb.one("InPlaceAccumulatorV2", [stat, value, true], domain="com.microsoft") for stat, value in writes]
+    done += opt.append_update(gb, [(p, f"{p}_grad") for p in trainable], hyper)
+    flags = gb.one("Concat", done, axis=0)
+    gb.one("ReduceMin", [gb.one("Cast", [flags], to=onnx.TensorProto.INT32)], output=UPDATED, keepdims=0)
+    gb.flush()
+    outs = [o for o in g.output if o.name in ("loss", "per_model_loss")]
+    del g.output[:]
+    g.output.extend(outs + [_value_info(UPDATED, onnx.TensorProto.INT32, [])])
+    hyper_vi = _value_info(HYPER_INPUT, onnx.TensorProto.FLOAT, [len(opt.rows()), opt.B, 1])
+    g.input.insert(n_user_inputs, hyper_vi)
+    if "com.microsoft" not in {o.domain for o in tm.opset_import}:
+        tm.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+
+def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: list[str]) -> onnx.ModelProto:
+    """Inference-mode fused graph + loss: outputs per_model_loss and the fused model outputs."""
+    from onnxfuse.split import to_inference
+
+    m = to_inference(copy.deepcopy(fused))
+    model_outputs = [o.name for o in m.graph.output]
+    gb = GraphBuilder(m.graph, _opset(m), "loss/")
+    _, per_model, labels = add_loss(gb, loss, spec.outputs[0]["name"], spec.outputs[0]["shape"], spec.B)
+    gb.flush()
+    m.graph.input.append(labels)
+    outs = {o.name: o for o in m.graph.output}
+    del m.graph.output[:]
+    m.graph.output.extend([_value_info(per_model, onnx.TensorProto.FLOAT, [spec.B])] + [outs[n] for n in model_outputs])
+    inits = [t for t in m.graph.initializer if t.name not in set(params)]
+    for t in m.graph.initializer:
+        if t.name in set(params):
+            m.graph.input.append(_value_info(t.name, t.data_type, list(t.dims)))
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(inits)
+    return m
+
+
+def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt: OptimizerConfig,
+                    folder: str) -> TrainingArtifacts:
+    """Write training_model.onnx, eval_model.onnx and checkpoint to ``folder``."""
+    import onnxruntime
+    from onnxruntime.training import onnxblock
+
+    onnxruntime.set_default_logger_severity(3)
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    trainable = [n for n, w in spec.weights.items() if w.role == "param"]
+    buffers = [n for n, w in spec.weights.items() if w.role != "param"]
+    if not trainable:
+        raise ConfigError("the array has no trainable parameters")
+    user_inputs = [i["name"] for i in spec.inputs]
+
+    fwd = copy.deepcopy(fused)
+    fwd, _ = add_loss_pass(fwd, spec, loss)
+    writes = batchnorm_pass(fwd)
+    state = optimizer_state_pass(fwd, trainable, opt)
+    frozen = buffers + state
+    outputs = ["loss", "per_model_loss"] + [v for _, v in writes]
+    tm, parameters = _build_gradient(fwd, trainable, frozen, outputs)
+    update_pass(tm, writes, trainable, opt, n_user_inputs=len(user_inputs) + 1)
+    em = eval_model(fused, spec, loss, trainable + buffers)
+
+    paths = {k: os.path.join(folder, f) for k, f in
+             (("train", "training_model.onnx"), ("eval", "eval_model.onnx"), ("ckpt", "checkpoint"))}
+    onnx.save(tm, paths["train"])
+    onnx.save(em, paths["eval"])
+    onnxblock.save_checkpoint(parameters, paths["ckpt"])
+    return TrainingArtifacts(
+        folder=folder, training_model=paths["train"], eval_model=paths["eval"], checkpoint=paths["ckpt"],
+        user_inputs=user_inputs + ["labels", HYPER_INPUT], eval_inputs=user_inputs + ["labels"],
+        eval_outputs=["per_model_loss"] + [o["name"] for o in spec.outputs],
+        trainable=trainable, buffers=buffers, optimizer_state=state,
+    )

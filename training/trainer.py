@@ -1,0 +1,240 @@
+"""Training a fused array with onnxruntime-training: one session call per step for all B models."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import onnx
+
+from onnxfuse._io import atomic_dir
+from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.split import TRAINED_DIR
+from onnxfuse.weights import ArraySpec
+
+from .artifacts import build_artifacts
+from .data import Dataset, batches, load_npz, make_dataset
+from .losses import get_loss
+from .optim import OptimizerConfig, make_optimizer
+
+__all__ = ["FusedTrainer", "TrainConfig", "TrainResult", "train_array", "load_array", "check_device"]
+
+
+def check_device(device: str) -> str:
+    """'cpu' or 'cuda[:id]'; CUDA needs the onnxruntime-training GPU build (the `gpu` extra)."""
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device '{device}'; use cpu or cuda")
+    if kind == "cuda":
+        import onnxruntime
+
+        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+            raise ConfigError("--device cuda: this onnxruntime-training build has no CUDA support; install the GPU "
+                              "build with `pip install onnxfuse[gpu]` (see README, GPU) or use --device cpu")
+    return device
+
+
+def load_array(array_dir: str) -> tuple[onnx.ModelProto, ArraySpec]:
+    if not os.path.isdir(array_dir):
+        raise InputFileError(f"array folder '{array_dir}' does not exist; create it with `onnxfuse fuse`")
+    spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
+    path = os.path.join(array_dir, "fused.onnx")
+    if not os.path.exists(path):
+        raise InputFileError(f"'{path}' is missing; re-run `onnxfuse fuse`")
+    try:
+        return onnx.load(path), spec
+    except Exception as e:
+        raise InputFileError(f"'{path}' is not a readable ONNX model; re-run `onnxfuse fuse`") from e
+
+
+class FusedTrainer:
+    """The ORT training Module of one fused array. ``step(feeds)`` trains all B models on one batch."""
+
+    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str, optimizer: OptimizerConfig,
+                 device: str = "cpu", workdir: str | None = None, threads: int | None = None):
+        import onnxruntime
+        from onnxruntime.training.api import CheckpointState, Module
+
+        if optimizer.B != spec.B:
+            raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
+        self.spec, self.opt, self.loss = spec, optimizer, get_loss(loss)
+        self.device = check_device(device)
+        self.workdir = workdir or tempfile.mkdtemp(prefix="onnxfuse-artifacts-")
+        os.makedirs(self.workdir, exist_ok=True)
+        self.art = build_artifacts(fused, spec, self.loss, optimizer, self.workdir)
+        self.state = CheckpointState.load_checkpoint(self.art.checkpoint)
+        so = onnxruntime.SessionOptions()
+        so.log_severity_level = 3
+        # Denormal floats (e.g. weights of a model that stalled) make x86 arithmetic many times slower; flushing
+        # them to zero changes values only below 1e-38.
+        so.add_session_config_entry("session.set_denormal_as_zero", "1")
+        if threads:
+            so.intra_op_num_threads = threads
+        self.module = Module(self.art.training_model, self.state, self.art.eval_model, device=self.device,
+                             session_options=so)
+        self.module.train()
+        self.steps = 0
+
+    def _args(self, arrays: Sequence[np.ndarray]):
+        if self.device.startswith("cuda"):
+            from onnxruntime import OrtValue
+
+            dev_id = int(self.device.split(":")[1]) if ":" in self.device else 0
+            return [OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", dev_id) for a in arrays]
+        return list(arrays)
+
+    @staticmethod
+    def _np(x) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else x.numpy()
+
+    def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """One training step of every model on the same batch; returns the per-model losses [B]."""
+        self.steps += 1
+        arrays = [feeds[n] for n in self.art.eval_inputs] + [self.opt.coefficients(self.steps)]
+        _, per_model, _ = self.module(*self._args(arrays))
+        return self._np(per_model)
+
+    def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
+        """Per-model mean loss (and accuracy for classification) over ``data`` with the eval graph
+        (BatchNorm on running statistics, Dropout off)."""
+        self.module.eval()
+        n = len(data)
+        loss_sum = np.zeros(self.spec.B)
+        correct = np.zeros(self.spec.B)
+        try:
+            for start in range(0, n, batch_size):
+                sl = slice(start, min(n, start + batch_size))
+                arrays = [data.arrays[k][sl] for k in self.art.eval_inputs]
+                outs = self.module(*self._args(arrays))
+                per_model, logits = self._np(outs[0]), self._np(outs[1])
+                m = sl.stop - sl.start
+                loss_sum += per_model * m
+                if self.loss.name == "cross-entropy":
+                    correct += (logits.argmax(-1) == data.arrays["labels"][sl][None, :]).sum(1)
+        finally:
+            self.module.train()
+        out = {"loss": loss_sum / n}
+        if self.loss.name == "cross-entropy":
+            out["accuracy"] = correct / n
+        return out
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Copies of the fused weights (parameters and buffers), by fused name."""
+        return {n: self.state.parameters[n].data.copy() for n in self.art.trainable + self.art.buffers}
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        return {n: self.state.parameters[n].data.copy() for n in self.art.optimizer_state}
+
+    def save_checkpoint(self, path: str) -> None:
+        from onnxruntime.training.api import CheckpointState
+
+        CheckpointState.save_checkpoint(self.state, path)
+
+
+@dataclass
+class TrainConfig:
+    """Everything `onnxfuse train` takes; per-model values are a scalar or a list of B."""
+
+    steps: int
+    batch_size: int
+    loss: str = "cross-entropy"
+    optimizer: str = "sgd"
+    lr: float | list[float] | None = None
+    momentum: float | list[float] = 0.0
+    weight_decay: float | list[float] | None = None
+    shuffle: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    log_every: int = 1
+
+    def optimizer_config(self, B: int) -> OptimizerConfig:
+        return make_optimizer(self.optimizer, B, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: list[float]
+    elapsed_s: float
+    samples_per_s: float
+    metrics_path: str
+    trained_dir: str
+    eval: dict = field(default_factory=dict)
+
+
+def _loss_summary(losses: np.ndarray) -> str:
+    if len(losses) <= 4:
+        return "/".join(f"{v:.3f}" for v in losses)
+    return f"min {np.min(losses):.3f} med {np.median(losses):.3f} max {np.max(losses):.3f}"
+
+
+def train_array(array_dir: str | os.PathLike, data: str | os.PathLike | dict, config: TrainConfig,
+                progress: bool = True) -> TrainResult:
+    """Train every model of the array in ``array_dir``; write ``trained/`` and ``metrics.csv`` there.
+
+    Everything is validated before anything is written; ``trained/`` is replaced in one rename at the end.
+    """
+    from tqdm import tqdm
+
+    array_dir = os.fspath(array_dir)
+    fused, spec = load_array(array_dir)
+    if config.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {config.steps}")
+    if config.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
+    if config.log_every < 1:
+        raise ConfigError("--log-every must be at least 1")
+    loss = get_loss(config.loss)
+    opt = config.optimizer_config(spec.B)
+    check_device(config.device)
+    source = data if isinstance(data, (str, os.PathLike)) else "data"
+    arrays = load_npz(data) if isinstance(data, (str, os.PathLike)) else data
+    if len(spec.outputs) != 1:
+        raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
+    out_shape = spec.outputs[0]["shape"]
+    label_shape = out_shape[:1] if loss.name == "cross-entropy" else out_shape
+    dataset = make_dataset(arrays, spec.inputs, loss.label_dtype, label_shape, source=os.fspath(source))
+    batch_iter = batches(len(dataset), config.batch_size, config.shuffle, config.seed)
+
+    trained = os.path.join(array_dir, TRAINED_DIR)
+    with atomic_dir(trained, overwrite=True) as tmp:
+        trainer = FusedTrainer(fused, spec, config.loss, opt, config.device, workdir=os.path.join(tmp, "artifacts"))
+        metrics_tmp = os.path.join(tmp, "metrics.csv")
+        B, N = spec.B, config.batch_size
+        with open(metrics_tmp, "w", newline="") as mf:
+            writer = csv.writer(mf)
+            writer.writerow(["step", "model", "loss", "lr", "elapsed_s"])
+            bar = tqdm(total=config.steps, unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True,
+                       desc=f"training {B} models")
+            t0 = time.perf_counter()
+            losses = np.full(B, np.nan)
+            for step in range(1, config.steps + 1):
+                idx = next(batch_iter)
+                losses = trainer.step({k: v[idx] for k, v in dataset.arrays.items()})
+                if step % config.log_every == 0 or step == config.steps:
+                    el = time.perf_counter() - t0
+                    writer.writerows([step, b, f"{losses[b]:.7g}", f"{opt.lr[b]:.7g}", f"{el:.4f}"] for b in range(B))
+                    bar.set_postfix_str(f"loss {_loss_summary(losses)} | {B * N * step / el:,.0f} samples/s")
+                bar.update(1)
+            elapsed = time.perf_counter() - t0
+            bar.close()
+        from safetensors.numpy import save_file
+
+        save_file(trainer.weights(), os.path.join(tmp, "weights.safetensors"))
+        state = trainer.optimizer_state()
+        if state:
+            save_file(state, os.path.join(tmp, "optimizer_state.safetensors"))
+        trainer.save_checkpoint(os.path.join(tmp, "ort_checkpoint"))
+        with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            json.dump({"steps": config.steps, "config": asdict(config), "final_loss": losses.tolist(),
+                       "elapsed_s": elapsed}, f, indent=1)
+    os.replace(os.path.join(trained, "metrics.csv"), os.path.join(array_dir, "metrics.csv"))
+    return TrainResult(steps=config.steps, final_loss=losses.tolist(), elapsed_s=elapsed,
+                       samples_per_s=B * N * config.steps / elapsed, metrics_path=os.path.join(array_dir, "metrics.csv"),
+                       trained_dir=trained)
