@@ -202,11 +202,16 @@ def _compare_interface(m0: SourceModel, m1: SourceModel) -> None:
             ta, tb = m0.dtypes.get(va.name), m1.dtypes.get(vb.name)
             if sa != sb or ta != tb:
                 raise NotFusibleError(
-                    f"{m1.label} graph {kind[:-1]} {k} '{vb.name}' has shape {list(sb or [])} dtype {tb} but "
-                    f"{m0.label} '{va.name}' has shape {list(sa or [])} dtype {ta}"
+                    f"{m1.label} graph {kind[:-1]} {k} '{vb.name}' has shape {list(sb or [])} {_dtype(tb)} but "
+                    f"{m0.label} '{va.name}' has shape {list(sa or [])} {_dtype(ta)}; fuse only models that are "
+                    "the same graph up to weight values"
                 )
     if m0.opset != m1.opset:
         raise NotFusibleError(f"{m1.label} uses opset {m1.opset} but {m0.label} uses opset {m0.opset}; export both alike")
+
+
+def _dtype(elem_type: int | None) -> str:
+    return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name if elem_type else "unknown dtype"
 
 
 def _canon_input(s: _Structure, name: str, pos: dict[int, int]) -> tuple:
@@ -241,5 +246,5 @@ def _node_difference(s0: _Structure, n0, pos0, s1: _Structure, n1, pos1) -> str 
         if sh0 != sh1:
             return f"output {k} shape {list(sh1) if sh1 else '?'} vs {list(sh0) if sh0 else '?'}"
         if s0.src.dtypes.get(t0) != s1.src.dtypes.get(t1):
-            return f"output {k} dtype {s1.src.dtypes.get(t1)} vs {s0.src.dtypes.get(t0)}"
+            return f"output {k} dtype {_dtype(s1.src.dtypes.get(t1))} vs {_dtype(s0.src.dtypes.get(t0))}"
     return None

@@ -91,7 +91,9 @@ def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None) -> FusedArray:
     """Fuse B models that are the same graph up to weights into one horizontally fused model."""
-    sources = [load_source(m, None if labels is None else labels[k]) for k, m in enumerate(models)]
+    if labels is None:
+        labels = _labels(models)
+    sources = [load_source(m, labels[k]) for k, m in enumerate(models)]
     aligned = check_identical(sources)
     result = fuse_aligned(aligned)
     model = check_pass(toposort_pass(cleanup_pass(result.model)))
@@ -111,6 +113,13 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         summary=summary,
     )
     return FusedArray(model=model, spec=spec, sources=sources)
+
+
+def _labels(models) -> list[str]:
+    """How each model is named in messages: its file name, or its path when file names repeat."""
+    paths = [os.fspath(m) if not isinstance(m, onnx.ModelProto) else f"model {k}" for k, m in enumerate(models)]
+    names = [os.path.basename(p) for p in paths]
+    return names if len(set(names)) == len(names) else paths
 
 
 def _strip_weights(src: SourceModel) -> onnx.ModelProto:

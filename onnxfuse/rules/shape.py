@@ -114,3 +114,21 @@ def fuse_flatten(g: "NodeGroup") -> None:
         g.emit_same([g.get(0, L)], packed(0), axis=k + (1 if L.kind == "stacked" else 0))
     else:
         g.emit_same([g.get(0, stacked(0))], packed(0), axis=k + 1)
+
+
+@rule("Transpose")
+def fuse_transpose(g: "NodeGroup") -> None:
+    """Permute every model's axes with the original perm p; the model axis rides along.
+
+    Layout: stacked(a) in (packed(a) is viewed as stacked(a), free) -> stacked(a') out, where the model axis
+    follows the output position of original axis a-1 (a' = 0 when a = 0). Fused perm: original axis j sits at
+    fused index j + (j >= a), and the model axis (fused index a) is inserted at position a'.
+    """
+    r = g.rank(0)
+    perm = [norm_axis(int(p), r) for p in (g.attr("perm") or list(range(r))[::-1])]
+    L = _own_layout(g)
+    a = L.axis
+    a_out = 0 if a == 0 else perm.index(a - 1) + 1
+    fused_perm = [p + (1 if p >= a else 0) for p in perm]
+    fused_perm.insert(a_out, a)
+    g.emit_same([g.get(0, stacked(a))], stacked(a_out), perm=fused_perm)

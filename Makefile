@@ -1,0 +1,39 @@
+# onnxfuse: `make demo` and `make test` work on a fresh machine (Python 3.10-3.12, pip, gcc).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.onnxfuse-installed
+# torch first, pinned: a plain range resolves to a multi-GB CUDA build on Linux; 2.13.0 here is a CPU build.
+# Elsewhere, e.g.: make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH  ?= torch==2.13.0
+EXTRA  ?= cpu
+
+.PHONY: install demo test test-all bench clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 10) <= v <= (3, 12) else \
+	  "onnxfuse needs Python 3.10-3.12 (onnxruntime-training 1.19.2 has no wheels for %d.%d); set PYTHON=python3.11" % v)'
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[$(EXTRA),dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/onnxfuse demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ""
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/fused_vs_sequential.py
+
+clean:
+	rm -rf onnxfuse-demo build *.egg-info .pytest_cache

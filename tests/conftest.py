@@ -1,0 +1,62 @@
+"""Shared helpers: build real torch models, export them, run ONNX with onnxruntime, compare numbers."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from onnxfuse.exporters import export_module, zoo
+
+ort.set_default_logger_severity(3)
+
+# name -> (factory, example input shape)
+MODELS = {
+    "lenet": (lambda: zoo.LeNet(), (8, 1, 28, 28)),
+    "cnn_bn": (lambda: zoo.CNNBN(in_ch=3, width=8), (8, 3, 12, 12)),
+    "mlp": (lambda: zoo.MLP(in_features=48, hidden=32), (8, 3, 4, 4)),
+}
+
+
+def rel_err(actual, expected) -> float:
+    """Norm-wise relative error ||a - e|| / ||e|| (0 when both are zero)."""
+    a, e = np.asarray(actual, np.float64).ravel(), np.asarray(expected, np.float64).ravel()
+    denom = np.linalg.norm(e)
+    return float(np.linalg.norm(a - e) / denom) if denom > 0 else float(np.linalg.norm(a - e))
+
+
+def make_modules(name: str, B: int, seed0: int = 0) -> list[torch.nn.Module]:
+    factory, _ = MODELS[name]
+    mods = []
+    for b in range(B):
+        torch.manual_seed(seed0 + b)
+        mods.append(factory())
+    return mods
+
+
+def export_all(mods, shape, folder) -> list[str]:
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for b, m in enumerate(mods):
+        p = os.path.join(folder, f"model_{b}.onnx")
+        export_module(m, p, input_shape=shape)
+        paths.append(p)
+    return paths
+
+
+def run_onnx(model, feeds: dict) -> list[np.ndarray]:
+    """Run with graph optimizations off: onnxruntime 1.19's ConvBNFusion ignores BatchNormalization's
+    training_mode, so an optimized session computes a training-mode graph wrongly (seen on exported models)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

@@ -1,0 +1,36 @@
+"""Weight mapping: pack -> unpack is the identity, bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxfuse.layout import SHARED, packed, stacked
+from onnxfuse.weights import FusedWeight, WeightSlot, pack_weights, unpack_weight
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+@pytest.mark.parametrize("shape,slot", [
+    ((6, 3, 5, 5), WeightSlot(None, (6, 3, 5, 5))),          # conv filters, packed along Cout
+    ((10, 84), WeightSlot((1, 0), (1, 84, 10))),              # Gemm transB weight -> [B, K, N]
+    ((7,), WeightSlot(None, (1, 1, 7))),                      # bias -> [B, 1, N]
+    ((4, 1, 1), WeightSlot(None, (4, 1, 1))),                 # [C,1,1] bias next to a channel-packed tensor
+    ((2, 3, 4), WeightSlot((2, 0, 1), (1, 1, 4, 2, 3))),      # any transpose + reshape
+])
+def test_pack_unpack_roundtrip_bit_exact(B, shape, slot, rng):
+    arrays = [rng.standard_normal(shape).astype(np.float32) * 10.0 ** rng.integers(-30, 30) for _ in range(B)]
+    fused = pack_weights(slot, arrays)
+    fw = FusedWeight("w", slot, tuple(shape), "float32", "param", [f"w{b}" for b in range(B)])
+    assert list(fused.shape) == fw.fused_shape
+    for b in range(B):
+        back = unpack_weight(fw, fused, b)
+        assert back.shape == arrays[b].shape
+        assert back.tobytes() == arrays[b].tobytes()
+        # model-major: model b's block is a contiguous slice, so the optimizer's [B, -1] view is per model
+        assert np.array_equal(fused.reshape(B, -1)[b], slot.to_block(arrays[b]).reshape(-1))
+
+
+def test_layout_shapes():
+    assert packed(1).fused_shape(["N", 6, 5, 5], 3) == ["N", 18, 5, 5]
+    assert stacked(0).fused_shape(["N", 10], 4) == [4, "N", 10]
+    assert stacked(2).fused_axis(1) == 1 and stacked(2).fused_axis(2) == 3
+    assert SHARED.fused_shape([2, 3], 7) == [2, 3]
