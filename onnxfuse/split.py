@@ -60,7 +60,7 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0)
         for key, e in spec.extra_state[b].items():
             value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
             if e.get("kind") == "bn_counter":
-                value = value + steps
+                value = np.asarray(value + steps, dtype=e["dtype"])
             state[key] = value
         out.append(state)
     return out

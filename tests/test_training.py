@@ -8,7 +8,7 @@ import torch
 from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
 from onnxfuse.split import split_weights
-from onnxfuse.training import FusedTrainer, make_optimizer
+from onnxfuse.training import FusedTrainer, make_dataset, make_optimizer
 
 STEPS = 6
 CONFIGS = {  # per-model hyper-parameters: every value differs between models
@@ -101,3 +101,18 @@ def test_models_are_independent(tmp_path):
         for k in outs[0][b]:
             assert outs[0][b][k].tobytes() == outs[1][b][k].tobytes(), (b, k)
     assert any(outs[0][1][k].tobytes() != outs[1][1][k].tobytes() for k in outs[0][1])
+
+
+def test_evaluate_uses_running_statistics_like_torch_eval(tmp_path):
+    mods, fa, trainer = train_both("cnn_bn", "adamw", tmp_path)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((40,) + MODELS["cnn_bn"][1][1:]).astype(np.float32)
+    y = rng.integers(0, 10, 40)
+    data = make_dataset({"input": x, "labels": y}, fa.spec.inputs, np.int64, ["N"])
+    ev = trainer.evaluate(data, batch_size=16)  # batches of 16, 16, 8
+    for b, m in enumerate(mods):
+        with torch.no_grad():
+            logits = m.eval()(torch.from_numpy(x))
+        ref_loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item()
+        assert abs(ev["loss"][b] - ref_loss) < 1e-4 * max(1, abs(ref_loss))
+        assert ev["accuracy"][b] == float((logits.argmax(1).numpy() == y).mean())

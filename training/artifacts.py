@@ -208,8 +208,12 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
         tm.opset_import.append(helper.make_opsetid("com.microsoft", 1))
 
 
-def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: list[str]) -> onnx.ModelProto:
-    """Inference-mode fused graph + loss: outputs per_model_loss and the fused model outputs."""
+def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: list[str],
+               unused: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+    """Inference-mode fused graph + loss: outputs per_model_loss and the fused model outputs.
+
+    The training Module feeds every checkpoint parameter to the eval graph too, in the training graph's order,
+    so ``params`` must follow that order and ``unused`` (optimizer state) are declared as inputs as well."""
     from onnxfuse.split import to_inference
 
     m = to_inference(copy.deepcopy(fused))
@@ -221,12 +225,16 @@ def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: 
     outs = {o.name: o for o in m.graph.output}
     del m.graph.output[:]
     m.graph.output.extend([_value_info(per_model, onnx.TensorProto.FLOAT, [spec.B])] + [outs[n] for n in model_outputs])
-    inits = [t for t in m.graph.initializer if t.name not in set(params)]
-    for t in m.graph.initializer:
-        if t.name in set(params):
-            m.graph.input.append(_value_info(t.name, t.data_type, list(t.dims)))
+    by_name = {t.name: t for t in m.graph.initializer}
+    unused_by_name = {vi.name: vi for vi in unused}
+    for name in params:
+        if name in by_name:
+            t = by_name.pop(name)
+            m.graph.input.append(_value_info(name, t.data_type, list(t.dims)))
+        else:
+            m.graph.input.append(unused_by_name[name])
     del m.graph.initializer[:]
-    m.graph.initializer.extend(inits)
+    m.graph.initializer.extend(by_name.values())
     return m
 
 
@@ -252,7 +260,9 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     outputs = ["loss", "per_model_loss"] + [v for _, v in writes]
     tm, parameters = _build_gradient(fwd, trainable, frozen, outputs)
     update_pass(tm, writes, trainable, opt, n_user_inputs=len(user_inputs) + 1)
-    em = eval_model(fused, spec, loss, trainable + buffers)
+    param_inputs = [i for i in tm.graph.input if i.name in set(trainable) | set(frozen)]
+    em = eval_model(fused, spec, loss, [i.name for i in param_inputs],
+                    [i for i in param_inputs if i.name in set(state)])
 
     paths = {k: os.path.join(folder, f) for k, f in
              (("train", "training_model.onnx"), ("eval", "eval_model.onnx"), ("ckpt", "checkpoint"))}
