@@ -166,10 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="fused array vs the same models trained one after another (ORT)")
     b.add_argument("--models", default="4,16", help="array sizes B to measure, e.g. 4,16")
-    b.add_argument("--steps", type=int, default=30)
-    b.add_argument("--warmup", type=int, default=5)
+    b.add_argument("--steps", type=int, default=50, help="timed steps per model")
+    b.add_argument("--warmup", type=int, default=5, help="untimed steps per model before timing")
     b.add_argument("--batch-size", type=int, default=32)
-    b.add_argument("--repeats", type=int, default=3, help="alternating fused/sequential rounds; medians reported")
+    b.add_argument("--repeats", type=int, default=5,
+                   help="rounds of fused / sequential runs back to back; medians of per-round ratios reported")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.set_defaults(func=cmd_bench)
     return p

@@ -10,7 +10,8 @@ Passes, in order (each a function of the model):
 3. ``optimizer_state_pass`` zero-initialized optimizer state as extra (frozen) checkpoint parameters
 4. gradient graph (onnxruntime.training.onnxblock)
 5. ``update_pass``          drop ORT's gradient accumulation, append the running-stat writes and the optimizer
-                            update behind an ordering guard that depends on every gradient
+                            update (one flat [B, P] update that reads every gradient, so no parameter is
+                            overwritten before the backward pass is done with it)
 6. ``eval_model``           BatchNorm on running statistics, Dropout off, same parameter names
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from onnxfuse.weights import ArraySpec
 
 from ._builder import GraphBuilder
 from .losses import LossSpec, add_loss
-from .optim import HYPER_INPUT, OptimizerConfig
+from .optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
 
 __all__ = ["TrainingArtifacts", "build_artifacts"]
 
@@ -126,13 +127,14 @@ def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
 
 
 def optimizer_state_pass(model: onnx.ModelProto, params: list[str], opt: OptimizerConfig) -> list[str]:
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    """Zero flat [B, P] state buffers (P = parameters per model, in ``params`` order) as initializers."""
+    sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer}
+    per_model = sum(sizes[p] for p in params) // opt.B
     names = []
-    for p in params:
-        for s in opt.state_names():
-            name = f"{p}.{s}"
-            model.graph.initializer.append(numpy_helper.from_array(np.zeros(shapes[p], np.float32), name))
-            names.append(name)
+    for s in opt.state_names():
+        name = STATE_PREFIX + s
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros((opt.B, per_model), np.float32), name))
+        names.append(name)
     return names
 
 
@@ -187,15 +189,9 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     g.node.extend(keep)
     gb = GraphBuilder(g, _opset(tm), "update/")
     true = gb.const([True], np.bool_, "overwrite")
-    # Ordering guard: a 0.0 that depends on every gradient (Greater(x, x) is False even for NaN/inf), added to the
-    # coefficients, so no parameter is overwritten before every backward node that reads it has run.
-    firsts = [gb.one("Slice", [gb.one("Reshape", [f"{p}_grad", gb.const([-1], np.int64)]),
-                               gb.const([0], np.int64), gb.const([1], np.int64)]) for p in trainable]
-    c = gb.one("Concat", firsts, axis=0)
-    guard = gb.reduce("ReduceSum", gb.one("Cast", [gb.one("Greater", [c, c])], to=onnx.TensorProto.FLOAT), None)
-    hyper = gb.one("Add", [HYPER_INPUT, guard])
     done = [gb.one("InPlaceAccumulatorV2", [stat, value, true], domain="com.microsoft") for stat, value in writes]
-    done += opt.append_update(gb, [(p, f"{p}_grad") for p in trainable], hyper)
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
+    done += opt.append_update(gb, [(p, f"{p}_grad", shapes[p]) for p in trainable], HYPER_INPUT)
     flags = gb.one("Concat", done, axis=0)
     gb.one("ReduceMin", [gb.one("Cast", [flags], to=onnx.TensorProto.INT32)], output=UPDATED, keepdims=0)
     gb.flush()

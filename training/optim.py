@@ -4,9 +4,10 @@ ONNX Runtime's optimizer graph takes one scalar learning rate for every paramete
 update maths to the training graph as standard ONNX ops, with per-model coefficients fed each step as one small
 input ``[K, B, 1]`` (K coefficient rows, B models): no optimizer session, no host copies of parameters.
 
-Every fused parameter is model-major (see ``onnxfuse.weights``), so it is viewed as ``[B, -1]`` and multiplied
-by ``[B, 1]`` coefficients. Optimizer state (momentum buffer, Adam moments) lives in extra checkpoint parameters
-``<param>.<state>`` and is written in place with ``com.microsoft`` ``InPlaceAccumulatorV2(overwrite)``.
+Every fused parameter is model-major (see ``onnxfuse.weights``), so it is viewed as ``[B, -1]``; all of them
+together form one ``[B, P]`` matrix multiplied by ``[B, 1]`` coefficients. Optimizer state (momentum buffer, Adam
+moments) lives in flat ``[B, P]`` checkpoint parameters ``optim.<state>`` and, like the parameters, is written in
+place with ``com.microsoft`` ``InPlaceAccumulatorV2(overwrite)``.
 
 The maths mirrors torch.optim's single-tensor implementations operation by operation:
 
@@ -26,10 +27,11 @@ from onnxfuse.errors import ConfigError
 
 from ._builder import GraphBuilder
 
-__all__ = ["OptimizerConfig", "make_optimizer", "OPTIMIZERS", "HYPER_INPUT"]
+__all__ = ["OptimizerConfig", "make_optimizer", "OPTIMIZERS", "HYPER_INPUT", "STATE_PREFIX"]
 
 OPTIMIZERS = ("sgd", "adamw")
 HYPER_INPUT = "optim.hyper"
+STATE_PREFIX = "optim."
 
 
 def _per_model(name: str, value, B: int, cast=float) -> list:
@@ -66,7 +68,7 @@ class OptimizerConfig:
 
     # ---- graph side
     def state_names(self) -> list[str]:
-        """Per-parameter state buffers this configuration needs (suffixes)."""
+        """The flat [B, P] state buffers this configuration needs (named ``optim.<name>``)."""
         if self.kind == "sgd":
             return ["momentum_buffer"] if any(m != 0 for m in self.momentum) else []
         return ["exp_avg", "exp_avg_sq"]
@@ -94,8 +96,15 @@ class OptimizerConfig:
                 rows[:, b] = [1.0 - lr * wd, 1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, eps, lr / bc1]
         return rows.astype(np.float32)[:, :, None]
 
-    def append_update(self, gb: GraphBuilder, params: Sequence[tuple[str, str]], hyper: str) -> list[str]:
-        """Append the update of every (param, grad) pair; returns the InPlaceAccumulatorV2 outputs."""
+    def append_update(self, gb: GraphBuilder, params: Sequence[tuple[str, str, Sequence[int]]], hyper: str) -> list[str]:
+        """Append the update of every (param, grad, fused shape); returns the InPlaceAccumulatorV2 outputs.
+
+        All parameters are updated as one flat ``[B, P]`` matrix (P = parameters per model): the views
+        ``[B, -1]`` of every parameter and gradient are concatenated, the maths runs once, and Split hands each
+        parameter its columns back. A handful of kernels instead of ~20 per parameter, and because the
+        concatenated gradient depends on every gradient, no parameter is overwritten before the whole backward
+        pass has read it. Optimizer state is one flat ``[B, P]`` buffer per kind (``optim.exp_avg`` ...).
+        """
         B = self.B
         view = gb.const([B, -1], np.int64, "model_view")
         row = {name: gb.one("Gather", [hyper, gb.const(k, np.int64, "row")], axis=0)
@@ -103,41 +112,41 @@ class OptimizerConfig:
         true = gb.const([True], np.bool_, "overwrite")
         done = []
 
-        def write(buffer: str, value_view: str) -> None:
-            value = gb.one("Reshape", [value_view, gb.one("Shape", [buffer])])
+        def flat(names: list[str]) -> str:
+            views = [gb.one("Reshape", [n, view]) for n in names]
+            return views[0] if len(views) == 1 else gb.one("Concat", views, axis=1)
+
+        def write(buffer: str, value: str) -> None:
             done.append(gb.one("InPlaceAccumulatorV2", [buffer, value, true], domain="com.microsoft"))
 
-        for p, g in params:
-            P = gb.one("Reshape", [p, view])
-            G = gb.one("Reshape", [g, view])
-            if self.kind == "sgd":
-                if any(w != 0 for w in self.weight_decay):
-                    G = gb.one("Add", [G, gb.one("Mul", [P, row["wd"]])])
-                if self.state_names():
-                    buf = f"{p}.momentum_buffer"
-                    Bf = gb.one("Reshape", [buf, view])
-                    Bn = gb.one("Add", [gb.one("Mul", [Bf, row["mom_c"]]), gb.one("Mul", [G, row["damp_c"]])])
-                    write(buf, Bn)
-                    if any(self.nesterov):
-                        D = gb.one("Add", [gb.one("Mul", [G, row["g_c"]]), gb.one("Mul", [Bn, row["buf_c"]])])
-                    else:
-                        D = Bn
-                else:
-                    D = G
-                Pn = gb.one("Sub", [P, gb.one("Mul", [D, row["lr"]])])
+        P, G = flat([p for p, _, _ in params]), flat([g for _, g, _ in params])
+        if self.kind == "sgd":
+            if any(w != 0 for w in self.weight_decay):
+                G = gb.one("Add", [G, gb.one("Mul", [P, row["wd"]])])
+            if self.state_names():
+                buf = STATE_PREFIX + "momentum_buffer"
+                Bn = gb.one("Add", [gb.one("Mul", [buf, row["mom_c"]]), gb.one("Mul", [G, row["damp_c"]])])
+                write(buf, Bn)
+                D = gb.one("Add", [gb.one("Mul", [G, row["g_c"]]), gb.one("Mul", [Bn, row["buf_c"]])]) \
+                    if any(self.nesterov) else Bn
             else:
-                if any(w != 0 for w in self.weight_decay):
-                    P = gb.one("Mul", [P, row["decay"]])
-                M = gb.one("Reshape", [f"{p}.exp_avg", view])
-                V = gb.one("Reshape", [f"{p}.exp_avg_sq", view])
-                Mn = gb.one("Add", [M, gb.one("Mul", [gb.one("Sub", [G, M]), row["one_minus_b1"]])])
-                Vn = gb.one("Add", [gb.one("Mul", [V, row["b2"]]),
-                                    gb.one("Mul", [gb.one("Mul", [G, G]), row["one_minus_b2"]])])
-                denom = gb.one("Add", [gb.one("Div", [gb.one("Sqrt", [Vn]), row["sqrt_bc2"]]), row["eps"]])
-                Pn = gb.one("Sub", [P, gb.one("Mul", [gb.one("Div", [Mn, denom]), row["step_size"]])])
-                write(f"{p}.exp_avg", Mn)
-                write(f"{p}.exp_avg_sq", Vn)
-            write(p, Pn)
+                D = G
+            Pn = gb.one("Sub", [P, gb.one("Mul", [D, row["lr"]])])
+        else:
+            if any(w != 0 for w in self.weight_decay):
+                P = gb.one("Mul", [P, row["decay"]])
+            M, V = STATE_PREFIX + "exp_avg", STATE_PREFIX + "exp_avg_sq"
+            Mn = gb.one("Add", [M, gb.one("Mul", [gb.one("Sub", [G, M]), row["one_minus_b1"]])])
+            Vn = gb.one("Add", [gb.one("Mul", [V, row["b2"]]),
+                                gb.one("Mul", [gb.one("Mul", [G, G]), row["one_minus_b2"]])])
+            denom = gb.one("Add", [gb.one("Div", [gb.one("Sqrt", [Vn]), row["sqrt_bc2"]]), row["eps"]])
+            Pn = gb.one("Sub", [P, gb.one("Mul", [gb.one("Div", [Mn, denom]), row["step_size"]])])
+            write(M, Mn)
+            write(V, Vn)
+        sizes = [int(np.prod(shape)) // B for _, _, shape in params]
+        pieces = [Pn] if len(params) == 1 else gb.node("Split", [Pn, gb.const(sizes, np.int64, "sizes")], len(params), axis=1)
+        for (p, _, shape), piece in zip(params, pieces):
+            write(p, gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")]))
         return done
 
 
