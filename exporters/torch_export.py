@@ -75,15 +75,22 @@ def export_module(
     module.train()
     dynamic_axes = {n: {0: "N"} for n in list(input_names) + list(output_names)} if dynamic_batch else None
     buf = io.BytesIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module, example_inputs, buf, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False, opset_version=opset, input_names=list(input_names),
-            output_names=list(output_names), dynamic_axes=dynamic_axes,
-        )
-    module.load_state_dict(snapshot)
-    module.train(was_training)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module, example_inputs, buf, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False, opset_version=opset, input_names=list(input_names),
+                output_names=list(output_names), dynamic_axes=dynamic_axes,
+            )
+    except Exception as e:
+        shapes = [list(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        first = " ".join(str(e).split())[:300]
+        raise ConfigError(f"torch could not export {type(module).__name__} with input shape(s) {shapes}: {first}; "
+                          "check --input-shape against what the model expects") from e
+    finally:
+        module.load_state_dict(snapshot)
+        module.train(was_training)
     proto = onnx.load_from_string(buf.getvalue())
     for init in proto.graph.initializer:
         if init.name in snapshot:

@@ -102,7 +102,8 @@ def test_fuse_bad_input(case, array_dir, tmp_path, capsys):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".array_out")]  # no temporary leftovers
 
 
-@pytest.mark.parametrize("case", ["lr_length", "missing_input", "missing_data_file", "negative_lr"])
+@pytest.mark.parametrize("case", ["lr_length", "missing_input", "missing_data_file", "negative_lr", "bad_labels",
+                                  "no_cuda"])
 def test_train_bad_input_leaves_array_untouched(case, array_dir, tmp_path, capsys):
     d = array_dir
     data = d / "data.npz"
@@ -114,11 +115,21 @@ def test_train_bad_input_leaves_array_untouched(case, array_dir, tmp_path, capsy
         data, expect = tmp_path / "d.npz", "has no array 'input'"
     elif case == "missing_data_file":
         data, expect = tmp_path / "none.npz", "none.npz' does not exist"
+    elif case == "bad_labels":
+        np.savez(tmp_path / "d.npz", input=np.zeros((8, 1, 28, 28), np.float32), labels=np.arange(8) * 2)
+        data, expect = tmp_path / "d.npz", "'labels' must be class indices in [0, 10)"
+    elif case == "no_cuda":  # the CPU build of onnxruntime-training has no CUDA provider
+        import onnxruntime
+
+        if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+            pytest.skip("the GPU build is installed")
+        expect = "--device cuda: this onnxruntime-training build has no CUDA support"
     else:
         lr, expect = "0.1,-0.05,0.01", "--lr must be finite and >= 0"
     before = snapshot(d / "array")
+    device = ["--device", "cuda"] if case == "no_cuda" else []
     code, _, err = run_cli(["train", d / "array", "--data", data, "--lr", lr, "--steps", "2", "--batch-size", "4",
-                            "-q"], capsys)
+                            "-q", *device], capsys)
     assert code == 2 and expect in err and err.count("\n") == 1, err
     assert snapshot(d / "array") == before
     assert not [p for p in os.listdir(d / "array") if p.startswith(".")]
@@ -129,3 +140,10 @@ def test_fuse_refuses_to_overwrite(array_dir, capsys):
     code, _, err = run_cli(["fuse", array_dir / "jobs", "-o", array_dir / "array"], capsys)
     assert code == 2 and "already exists" in err and "--overwrite" in err
     assert snapshot(array_dir / "array") == before
+
+
+def test_export_bad_input_shape_is_one_line(tmp_path, capsys):
+    code, _, err = run_cli(["export", "onnxfuse.exporters.zoo:LeNet", "--count", "2", "--input-shape", "4,3,28,28",
+                            "-o", tmp_path / "jobs"], capsys)
+    assert code == 2 and "could not export LeNet with input shape(s) [[4, 3, 28, 28]]" in err
+    assert err.count("\n") == 1 and not (tmp_path / "jobs").exists()

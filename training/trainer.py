@@ -4,9 +4,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -14,7 +16,7 @@ import numpy as np
 import onnx
 
 from onnxfuse._io import atomic_dir
-from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.errors import ConfigError, DataError, InputFileError
 from onnxfuse.split import TRAINED_DIR
 from onnxfuse.weights import ArraySpec
 
@@ -65,7 +67,10 @@ class FusedTrainer:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
         self.spec, self.opt, self.loss = spec, optimizer, get_loss(loss)
         self.device = check_device(device)
-        self.workdir = workdir or tempfile.mkdtemp(prefix="onnxfuse-artifacts-")
+        if workdir is None:  # a folder of our own: removed with the trainer
+            workdir = tempfile.mkdtemp(prefix="onnxfuse-artifacts-")
+            weakref.finalize(self, shutil.rmtree, workdir, True)
+        self.workdir = workdir
         os.makedirs(self.workdir, exist_ok=True)
         self.art = build_artifacts(fused, spec, self.loss, optimizer, self.workdir)
         self.state = CheckpointState.load_checkpoint(self.art.checkpoint)
@@ -200,6 +205,11 @@ def train_array(array_dir: str | os.PathLike, data: str | os.PathLike | dict, co
     out_shape = spec.outputs[0]["shape"]
     label_shape = out_shape[:1] if loss.name == "cross-entropy" else out_shape
     dataset = make_dataset(arrays, spec.inputs, loss.label_dtype, label_shape, source=os.fspath(source))
+    if loss.name == "cross-entropy" and isinstance(out_shape[-1], int):
+        labels, K = dataset.arrays["labels"], out_shape[-1]
+        if labels.size and (labels.min() < 0 or labels.max() >= K):
+            raise DataError(f"{os.fspath(source)}: 'labels' must be class indices in [0, {K}) for the model's {K} "
+                            f"outputs, found {labels.min()}..{labels.max()}")
     batch_iter = batches(len(dataset), config.batch_size, config.shuffle, config.seed)
 
     trained = os.path.join(array_dir, TRAINED_DIR)

@@ -20,6 +20,13 @@ def _transpose_last2(g: "NodeGroup", x: str, rank: int) -> str:
     return g.emit("Transpose", [x], perm=perm)[0]
 
 
+def _matrix(g: "NodeGroup", i: int, transpose: bool) -> str:
+    """Input i as a matrix operand: shared [M, K] as it is (it broadcasts), per-model [B, M, K]; transposed if asked."""
+    shared = g.is_shared(i)
+    x = g.shared(i) if shared else g.get(i, stacked(0))
+    return _transpose_last2(g, x, 2 if shared else 3) if transpose else x
+
+
 @rule("Gemm")
 def fuse_gemm(g: "NodeGroup") -> None:
     """B Gemms -> one batched MatMul (+ Add).
@@ -30,23 +37,14 @@ def fuse_gemm(g: "NodeGroup") -> None:
     """
     trans_a, trans_b = int(g.attr("transA", 0)), int(g.attr("transB", 0))
     alpha, beta = float(g.attr("alpha", 1.0)), float(g.attr("beta", 1.0))
-    if g.is_shared(0):
-        a = g.shared(0)
-        a = _transpose_last2(g, a, 2) if trans_a else a
-    else:
-        a = g.get(0, stacked(0))
-        a = _transpose_last2(g, a, 3) if trans_a else a
+    a = _matrix(g, 0, trans_a)
     w_shape = g.input_shape(1)
     if g.is_weight(1):
         perm = (1, 0) if trans_b else None
         kn = (w_shape[1], w_shape[0]) if trans_b else tuple(w_shape)
         w = g.weight(1, WeightSlot(perm, (1, *kn)))
-    elif g.is_shared(1):
-        w = g.shared(1)
-        w = _transpose_last2(g, w, 2) if trans_b else w
     else:
-        w = g.get(1, stacked(0))
-        w = _transpose_last2(g, w, 3) if trans_b else w
+        w = _matrix(g, 1, trans_b)
     dtype = np.float32
     has_c = g.has_input(2)
     y = g.emit("MatMul", [a, w], 1 if has_c or alpha != 1.0 else [g.out_name(0)])[0]
