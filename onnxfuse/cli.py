@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 from .errors import ConfigError, OnnxFuseError
 
@@ -61,12 +62,18 @@ def cmd_fuse(args) -> int:
 
     check_output_dir(args.output, args.overwrite)
     files = _model_files(args.models)
-    fa = fuse_models(files)
+    per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model)
+    for w in caught:
+        print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
     s = fa.spec.summary
     print(f"fused {fa.B} models into {args.output}/fused.onnx: {s['nodes']} nodes per model -> {s['fused_nodes']} "
-          f"fused nodes ({s['fused']} by rules, {s['shared']} shared, {s['layout_changes']} layout changes); "
-          f"fused fraction {100 * s['fused_fraction']:.0f}%; {len(fa.spec.weights)} fused weights")
+          f"fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, {s['shared']} shared, "
+          f"{s['layout_changes']} layout changes); fused fraction {100 * s['fused_fraction']:.1f}%; "
+          f"{len(fa.spec.weights)} fused weights")
     return 0
 
 
@@ -131,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
     f.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
     f.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR")
+    f.add_argument("--strict", action="store_true",
+                   help="fail on a node without a fusion rule instead of running it once per model")
+    f.add_argument("--per-model-inputs", metavar="NAME,...",
+                   help="graph inputs that differ per model (the fused input gains a leading model axis)")
     f.add_argument("--overwrite", action="store_true")
     f.set_defaults(func=cmd_fuse)
 

@@ -37,8 +37,9 @@ class FusionResult:
 class FusionState:
     """Everything built so far: fused nodes, initializers, and where each original tensor lives."""
 
-    def __init__(self, aligned: AlignedModels):
+    def __init__(self, aligned: AlignedModels, per_model_inputs: set[str] = frozenset()):
         self.aligned = aligned
+        self.per_model_inputs = set(per_model_inputs)
         self.models: list[SourceModel] = aligned.models
         self.B = aligned.B
         self.src = aligned.models[0]
@@ -54,8 +55,8 @@ class FusionState:
         self.used_names: set[str] = set()
         self._counter = itertools.count()
         self.layout_changes = 0
-        for vi in self.src.inputs:
-            self.tensors[vi.name] = (vi.name, SHARED)
+        for vi in self.src.inputs:  # a per-model input carries one slice per model: [B, ...] = stacked(0)
+            self.tensors[vi.name] = (vi.name, stacked(0) if vi.name in self.per_model_inputs else SHARED)
             self.used_names.add(vi.name)
         for name in self.src.initializers:
             self.used_names.add(name)
@@ -63,6 +64,16 @@ class FusionState:
                 self.inits[name] = self.src.array(name)
                 self.consts[name] = self.inits[name]
                 self.tensors[name] = (name, SHARED)
+
+    # ---- undo (a rule that fails half-way leaves no trace)
+    def checkpoint(self) -> tuple:
+        return (len(self.nodes), dict(self.tensors), dict(self.conversions), dict(self.consts), dict(self.inits),
+                dict(self.weights), dict(self.weight_of), self.layout_changes)
+
+    def rollback(self, mark: tuple) -> None:
+        del self.nodes[mark[0]:]
+        (self.tensors, self.conversions, self.consts, self.inits, self.weights, self.weight_of,
+         self.layout_changes) = mark[1:]
 
     # ---- names
     def fresh(self, hint: str) -> str:
@@ -293,6 +304,10 @@ class NodeGroup:
     def new_const(self, value, hint: str = "const", dtype=np.int64) -> str:
         return self._st.const(value, hint, dtype)
 
+    def temp_name(self, hint: str) -> str:
+        """A fresh name for an intermediate tensor the rule makes."""
+        return self._st.fresh(f"{hint}__tmp")
+
     def out_name(self, j: int = 0) -> str:
         return self._st.fused_name_for(self.node.output[j])
 
@@ -317,6 +332,32 @@ class NodeGroup:
         raise RuleFailed(reason)
 
     # ---- used by the engine
+    def per_model(self) -> None:
+        """The fallback for a node without a rule: run it once per model on model b's slices and stack the results.
+
+        Layout: every per-model input as stacked(0) [B, ...], model b's slice taken with Gather(index b) (a weight
+        is packed [B, ...] and sliced the same way, so its gradient flows); outputs Unsqueeze + Concat -> stacked(0).
+        Correct for any op, but B copies of the node instead of one fused node.
+        """
+        B = self.B
+        sliced: dict[int, list[str]] = {}
+        for i in range(len(self.node.input)):
+            if self.has_input(i) and not self.is_shared(i):
+                x = self.get(i, stacked(0))
+                sliced[i] = [self.emit("Gather", [x, self.new_const(b, "model_index")], axis=0)[0] for b in range(B)]
+        outs: list[list[str]] = []
+        for b in range(B):
+            ins = [sliced[i][b] if i in sliced else (self._st.tensors[t][0] if t else "")
+                   for i, t in enumerate(self.node.input)]
+            outs.append(self.emit(self.op_type, ins, [self._st.fresh(f"{o}__model{b}") if o else ""
+                                                      for o in self.node.output], domain=self.node.domain,
+                                  **self.attrs()))
+        axis0 = self.new_const([0], "axes")
+        for j, o in enumerate(self.node.output):
+            if o:
+                parts = [self.emit("Unsqueeze", [outs[b][j], axis0])[0] for b in range(B)]
+                self.set_output(j, self.emit("Concat", parts, [self.out_name(j)], axis=0)[0], stacked(0))
+
     def passthrough(self) -> None:
         """Emit the node once, unchanged: every input is shared, so every model computes the same value."""
         ins = [self._st.tensors[t][0] if t else "" for t in self.node.input]
@@ -330,37 +371,59 @@ class NodeGroup:
         return [j for j, o in enumerate(self.node.output) if o and j not in self._outputs_set]
 
 
-def fuse_aligned(aligned: AlignedModels) -> FusionResult:
-    """Run every node group through its rule; return the fused model (graph outputs in stacked(0))."""
+def fuse_aligned(aligned: AlignedModels, strict: bool = False, per_model_inputs: set[str] = frozenset()) -> FusionResult:
+    """Run every node group through its rule; return the fused model (graph outputs in stacked(0)).
+
+    A node whose op has no rule, or whose rule cannot fuse it, runs once per model (``NodeGroup.per_model``) unless
+    ``strict``, which raises instead. The summary lists those nodes and the fused fraction.
+    """
     from .rules import RULES, supported_ops
 
-    st = FusionState(aligned)
-    counts = {"fused": 0, "shared": 0}
+    st = FusionState(aligned, per_model_inputs)
+    label = aligned.models[0].label
+    counts = {"fused": 0, "shared": 0, "per_model": 0}
+    unfused: list[dict] = []
     for nodes in aligned.aligned:
         g = NodeGroup(st, nodes)
         node = g.node
         rule = RULES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
         all_shared = all(g.is_shared(i) for i in range(len(node.input)))
-        try:
-            if all_shared and (rule is None or rule.shared_passthrough):
-                g.passthrough()
-                counts["shared"] += 1
-            elif rule is None:
-                raise UnsupportedOpError(g.name, node.op_type, aligned.models[0].label, supported_ops())
-            else:
+        if all_shared and (rule is None or rule.shared_passthrough):
+            g.passthrough()
+            counts["shared"] += 1
+            continue
+        reason = f"op type '{node.op_type}' has no fusion rule"
+        if rule is not None:
+            mark = st.checkpoint()
+            try:
                 rule.fuse(g)
                 counts["fused"] += 1
-        except RuleFailed as e:
-            raise NotFusibleError(
-                f"{aligned.models[0].label}: node '{g.name}' ({node.op_type}) cannot be fused: {e}"
-            ) from e
+                reason = None
+            except RuleFailed as e:
+                st.rollback(mark)  # forget whatever the rule emitted or packed before it gave up
+                g = NodeGroup(st, nodes)
+                reason = str(e)
+        if reason is not None:
+            if strict:
+                if rule is None:
+                    raise UnsupportedOpError(g.name, node.op_type, label, supported_ops())
+                raise NotFusibleError(f"{label}: node '{g.name}' ({node.op_type}) cannot be fused: {reason}")
+            try:
+                g.per_model()
+            except RuleFailed as e:
+                raise NotFusibleError(f"{label}: node '{g.name}' ({node.op_type}) cannot be fused ({reason}) "
+                                      f"nor run per model: {e}") from e
+            counts["per_model"] += 1
+            unfused.append({"node": g.name, "op_type": node.op_type, "reason": reason})
         missing = g.unset_outputs()
         if missing:
             raise NotFusibleError(
                 f"internal error: the {node.op_type} rule left output(s) {missing} of node '{g.name}' unset"
             )
+    per_model_work = counts["fused"] + counts["per_model"]
     return FusionResult(model=_assemble(st), weights=st.weights,
-                        summary={"B": st.B, "nodes": len(aligned.aligned), **counts,
+                        summary={"B": st.B, "nodes": len(aligned.aligned), **counts, "unfused": unfused,
+                                 "fused_fraction": counts["fused"] / per_model_work if per_model_work else 1.0,
                                  "layout_changes": st.layout_changes, "fused_nodes": len(st.nodes)})
 
 
@@ -392,8 +455,13 @@ def _assemble(st: FusionState) -> onnx.ModelProto:
                 n.output[k] = renames[t]
     used = {t for n in st.nodes for t in n.input}
     inits = [numpy_helper.from_array(np.asarray(v), k) for k, v in st.inits.items() if k in used]
-    graph = helper.make_graph(st.nodes, f"fused_{st.B}x_{st.src.model.graph.name or 'model'}",
-                              list(st.src.inputs), outputs, inits)
+    inputs = []
+    for vi in st.src.inputs:
+        if vi.name in st.per_model_inputs:
+            shape = st.src.shapes.get(vi.name)
+            vi = helper.make_tensor_value_info(vi.name, st.src.dtypes[vi.name], None if shape is None else [st.B] + shape)
+        inputs.append(vi)
+    graph = helper.make_graph(st.nodes, f"fused_{st.B}x_{st.src.model.graph.name or 'model'}", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=list(st.src.model.opset_import),
                               producer_name="onnxfuse")
     model.ir_version = min(st.src.model.ir_version, 10)

@@ -6,6 +6,7 @@ __all__ = [
     "InputFileError",
     "NotFusibleError",
     "UnsupportedOpError",
+    "UntrainableOpError",
     "ConfigError",
     "DataError",
 ]
@@ -33,6 +34,11 @@ class UnsupportedOpError(NotFusibleError):
             f"supported op types: {', '.join(sorted(supported))}. "
             f"To fix this, replace the layer that exports to '{op_type}' or add a rule in onnxfuse/rules/."
         )
+
+
+class UntrainableOpError(NotFusibleError):
+    """A node onnxruntime-training cannot differentiate (or run backward on CPU) and that no legalization rewrite
+    can turn into a trainable form."""
 
 
 class ConfigError(OnnxFuseError):

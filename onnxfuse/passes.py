@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -14,7 +15,7 @@ from onnx import numpy_helper
 
 from ._io import atomic_dir
 from .engine import fuse_aligned
-from .errors import NotFusibleError
+from .errors import ConfigError, NotFusibleError
 from .identity import check_identical
 from .source import SourceModel, load_source
 from .weights import ArraySpec
@@ -89,24 +90,44 @@ def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None) -> FusedArray:
-    """Fuse B models that are the same graph up to weights into one horizontally fused model."""
+def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None,
+                strict: bool = False, per_model_inputs: Sequence[str] = ()) -> FusedArray:
+    """Fuse B models that are the same graph up to weights into one horizontally fused model.
+
+    ``per_model_inputs`` names graph inputs that differ per model: the fused graph takes them as [B, ...].
+    A node without a fusion rule runs once per model (with a warning) unless ``strict``, which raises
+    ``UnsupportedOpError`` instead.
+    """
     if labels is None:
         labels = _labels(models)
     sources = [load_source(m, labels[k]) for k, m in enumerate(models)]
+    names = {vi.name for vi in sources[0].inputs}
+    unknown = [n for n in per_model_inputs if n not in names]
+    if unknown:
+        raise ConfigError(f"--per-model-inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
+                          f"(its inputs: {', '.join(sorted(names))})")
     aligned = check_identical(sources)
-    result = fuse_aligned(aligned)
+    result = fuse_aligned(aligned, strict=strict, per_model_inputs=set(per_model_inputs))
+    if result.summary["unfused"]:
+        listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
+        more = len(result.summary["unfused"]) - 10
+        warnings.warn(f"{len(result.summary['unfused'])} node(s) run once per model instead of fused: {listed}"
+                      + (f" and {more} more" if more > 0 else "") + "; see array.json summary.unfused for why",
+                      stacklevel=2)
     model = check_pass(toposort_pass(cleanup_pass(result.model)))
     src = sources[0]
-    io = lambda vis: [{"name": v.name, "shape": src.shapes.get(v.name), "dtype": onnx.helper.tensor_dtype_to_np_dtype(  # noqa: E731
-        src.dtypes.get(v.name, onnx.TensorProto.FLOAT)).name} for v in vis]
+
+    def io(vis, per_model=()):
+        return [{"name": v.name, "shape": src.shapes.get(v.name),
+                 "dtype": onnx.helper.tensor_dtype_to_np_dtype(src.dtypes.get(v.name, onnx.TensorProto.FLOAT)).name,
+                 "per_model": v.name in per_model} for v in vis]
+
     summary = dict(result.summary)
     summary["fused_nodes"] = len(model.graph.node)
-    summary["fused_fraction"] = 1.0
     spec = ArraySpec(
         B=len(sources),
         sources=[s.label for s in sources],
-        inputs=io(src.inputs),
+        inputs=io(src.inputs, set(per_model_inputs)),
         outputs=io(src.outputs),
         weights=result.weights,
         extra_state=[dict(s.meta.get("extra_state", {})) for s in sources],

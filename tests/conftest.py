@@ -5,6 +5,9 @@ import os
 
 import numpy as np
 import onnx
+from onnx import TensorProto as TP
+from onnx import helper as h
+from onnx import numpy_helper as nh
 import onnxruntime as ort
 import pytest
 import torch
@@ -60,3 +63,34 @@ def run_onnx(model, feeds: dict) -> list[np.ndarray]:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ---- small hand-built graphs (onnx.helper) for rule tests
+def graph_model(nodes, inputs, outputs, inits, opset=17):
+    g = h.make_graph(nodes, "g", inputs, outputs, inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def vinfo(name, shape, dtype=TP.FLOAT):
+    return h.make_tensor_value_info(name, dtype, shape)
+
+
+def rand_init(rng, name, shape):
+    return nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+
+def check_fused(build, B, feeds, rng=None, tol=1e-5):
+    """B models from ``build(rng_b)`` with different weights: the fused graph equals each model."""
+    from onnxfuse import fuse_models
+
+    models = [build(np.random.default_rng(100 + b)) for b in range(B)]
+    fa = fuse_models(models)
+    fused = run_onnx(fa.model, feeds)
+    for b, m in enumerate(models):
+        for out, ref in zip(fused, run_onnx(m, feeds)):
+            assert rel_err(out[b], ref) < tol, f"model {b}"
+    return fa
+
+

@@ -96,7 +96,7 @@ def test_fuse_bad_input(case, array_dir, tmp_path, capsys):
     else:
         files, expect = [jobs / "model_0.onnx", tmp_path / "gone.onnx"], "gone.onnx' does not exist"
     out_dir = tmp_path / "array_out"
-    code, _, err = run_cli(["fuse", *files, "-o", out_dir], capsys)
+    code, _, err = run_cli(["fuse", *files, "-o", out_dir, "--strict"], capsys)
     assert code == 2 and expect in err and err.count("\n") == 1, err
     assert not out_dir.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".array_out")]  # no temporary leftovers
@@ -147,3 +147,11 @@ def test_export_bad_input_shape_is_one_line(tmp_path, capsys):
                             "-o", tmp_path / "jobs"], capsys)
     assert code == 2 and "could not export LeNet with input shape(s) [[4, 3, 28, 28]]" in err
     assert err.count("\n") == 1 and not (tmp_path / "jobs").exists()
+
+
+def test_fuse_falls_back_per_model_and_reports_it(tmp_path, capsys):
+    files = [_topk_model(tmp_path / "a.onnx"), _topk_model(tmp_path / "b.onnx")]
+    code, out, err = run_cli(["fuse", *files, "-o", tmp_path / "arr"], capsys)
+    assert code == 0
+    assert "onnxfuse: warning: 1 node(s) run once per model instead of fused: pick_top2 (TopK)" in err
+    assert "1 run per model" in out and "fused fraction 50.0%" in out

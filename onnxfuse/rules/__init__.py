@@ -4,7 +4,8 @@ Adding an op = one function with ``@rule("OpType")`` in the family's module (and
 """
 from __future__ import annotations
 
-from . import conv, elementwise, gemm, norm, pool, shape, softmax  # noqa: F401  (registration)
+from . import (conv, einsum, elementwise, gather, gemm, norm, pool, reduce, resize, shape, slicing,  # noqa: F401
+               softmax)  # (importing a module registers its rules)
 from ._registry import RULES, Rule, rule, supported_ops
 
 __all__ = ["RULES", "Rule", "rule", "supported_ops"]

@@ -9,7 +9,8 @@ from ..weights import WeightSlot
 if TYPE_CHECKING:
     from ..engine import NodeGroup
 
-__all__ = ["broadcast_layout", "broadcast_input", "broadcast_inputs", "norm_axis", "unsqueeze"]
+__all__ = ["broadcast_layout", "broadcast_input", "broadcast_inputs", "norm_axis", "unsqueeze", "const_list", "axes_arg",
+           "emit_with_axes", "model_axis_stacked"]
 
 
 def norm_axis(axis: int, rank: int) -> int:
@@ -85,3 +86,41 @@ def broadcast_input(g: "NodeGroup", i: int, L: Layout) -> str:
 def broadcast_inputs(g: "NodeGroup", idx: Sequence[int]) -> tuple[list[str], Layout]:
     L = broadcast_layout(g, idx)
     return [broadcast_input(g, i, L) for i in idx], L
+
+
+def const_list(g: "NodeGroup", i: int, what: str) -> list[int] | None:
+    """Input i as a list of ints when it is a constant known now; None when the input is absent."""
+    if not g.has_input(i):
+        return None
+    v = g.const(i)
+    if v is None:
+        g.fail(f"{what} (input {i}) must be a constant to be remapped for the model axis")
+    return [int(x) for x in v.reshape(-1)]
+
+
+def axes_arg(g: "NodeGroup", input_index: int) -> list[int] | None:
+    """The ``axes`` of a node: its attribute (older opsets) or its constant input (newer ones)."""
+    if g.has_input(input_index):
+        return const_list(g, input_index, "axes")
+    a = g.attr("axes")
+    return None if a is None else [int(x) for x in a]
+
+
+def emit_with_axes(g: "NodeGroup", inputs: list[str], axes: list[int] | None, as_input: bool, layout: Layout,
+                   input_index: int, **attrs) -> list[str]:
+    """Emit this node's op on fused ``inputs`` with new ``axes`` as an attribute or as input ``input_index``."""
+    ins = list(inputs)
+    if axes is not None and as_input:
+        while len(ins) <= input_index:
+            ins.append("")
+        ins[input_index] = g.new_const(axes, "axes")
+        attrs = {k: v for k, v in attrs.items() if k != "axes"}
+    elif axes is not None:
+        attrs["axes"] = axes
+    return g.emit_same(ins, layout, **attrs)
+
+
+def model_axis_stacked(g: "NodeGroup", i: int = 0) -> Layout:
+    """Input i's layout as stacked (packed(a) -> stacked(a), a free view; weights and shared -> stacked(0))."""
+    L = g.layout(i)
+    return stacked(0) if L is None or L.is_shared else stacked(L.axis)

@@ -31,3 +31,21 @@ def fuse_conv(g: "NodeGroup") -> None:
     if g.has_input(2):
         inputs.append(g.weight(2, WeightSlot(None, (w_shape[0],))) if g.is_weight(2) else g.get(2, packed(0)))
     g.emit_same(inputs, packed(1), group=new_group)
+
+
+@rule("ConvTranspose")
+def fuse_conv_transpose(g: "NodeGroup") -> None:
+    """B ConvTransposes -> one ConvTranspose with group' = B * group.
+
+    Layout: x [N, B*Cin, *S] channel-packed (a shared input is tiled); W [B*Cin, Cout/group, *K] (model b's rows
+    b*Cin...); bias [B*Cout]; y [N, B*Cout, *S'] channel-packed. output_shape/output_padding are spatial and
+    unchanged. Math: as for Conv, model b's groups are contiguous.
+    """
+    group = int(g.attr("group", 1))
+    w_shape = g.input_shape(1)
+    w = g.weight(1, WeightSlot(None, tuple(w_shape))) if g.is_weight(1) else g.get(1, packed(0))
+    inputs = [g.get(0, packed(1)), w]
+    if g.has_input(2):
+        c_out = w_shape[1] * group
+        inputs.append(g.weight(2, WeightSlot(None, (c_out,))) if g.is_weight(2) else g.get(2, packed(0)))
+    g.emit_same(inputs, packed(1), group=group * g.B)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 UNARY = (
     "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Abs", "Neg", "Sqrt", "Reciprocal", "Erf", "Softplus", "Softsign",
     "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Gelu", "Mish", "ThresholdedRelu", "Floor",
-    "Ceil", "Round", "Sign", "Not", "IsNaN", "IsInf", "Cast", "Sin", "Cos", "Identity",
+    "Ceil", "Round", "Sign", "Not", "IsNaN", "IsInf", "Cast", "Sin", "Cos", "Identity", "Shrink",
 )
 NARY = (
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Mod", "Equal", "Less", "LessOrEqual",

@@ -1,10 +1,13 @@
-"""Normalization: B BatchNorms are one BatchNorm over B*C channels."""
+"""Normalization: statistics never cross models (BatchNorm/InstanceNorm per channel, LayerNorm per row)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..layout import packed
+import numpy as np
+
+from ..layout import packed, stacked
 from ..weights import WeightSlot
+from ._common import broadcast_input, norm_axis
 from ._registry import rule
 
 if TYPE_CHECKING:
@@ -31,3 +34,48 @@ def fuse_batchnorm(g: "NodeGroup") -> None:
     for j in (1, 2):
         if j < len(outs) and outs[j]:
             g.set_output(j, outs[j], packed(0))
+
+
+@rule("LayerNormalization")
+def fuse_layernorm(g: "NodeGroup") -> None:
+    """B LayerNorms -> one LayerNorm without affine, then per-model scale and bias.
+
+    Layout: stacked(a) with the model axis before the normalized axes [k, r) (else stacked(0));
+    LayerNorm on fused axis k + (k >= a) with Scale = ones (ONNX requires it), then y * scale_b + bias_b with the
+    scale/bias packed to broadcast per model (e.g. [B, 1, 1, D] next to [B, N, T, D]).
+    Math: normalization statistics are per row of one model; the affine part is elementwise.
+    Mean/InvStdDev outputs, when present, keep the input's layout.
+    """
+    r = g.rank(0)
+    k = norm_axis(int(g.attr("axis", -1)), r)
+    L = g.layout(0)
+    # stacked, so a per-model scale [D] can carry the model axis: [B, 1.., D]
+    L = stacked(0) if L is None or L.is_shared or L.axis >= k else stacked(L.axis)
+    norm_shape = g.input_shape(0)[k:]
+    if any(not isinstance(d, int) for d in norm_shape):
+        g.fail("the normalized dims must be static")
+    dtype = np.float32
+    ones = g.new_const(np.ones(norm_shape, dtype), "ln_ones", dtype)
+    names = [g.temp_name(o) if j == 0 else (g.out_name(j) if o else "") for j, o in enumerate(g.node.output)]
+    g.emit("LayerNormalization", [g.get(0, L), ones], names, axis=L.fused_axis(k),
+           epsilon=float(g.attr("epsilon", 1e-5)), stash_type=int(g.attr("stash_type", 1)))
+    y = names[0]
+    scale = broadcast_input(g, 1, L)
+    last = not g.has_input(2)
+    y = g.emit("Mul", [y, scale], [g.out_name(0)] if last else 1)[0]
+    if not last:
+        y = g.emit("Add", [y, broadcast_input(g, 2, L)], [g.out_name(0)])[0]
+    g.set_output(0, y, L)
+    for j in (1, 2):
+        if j < len(names) and names[j]:
+            g.set_output(j, names[j], L)
+
+
+@rule("InstanceNormalization")
+def fuse_instancenorm(g: "NodeGroup") -> None:
+    """B InstanceNorms -> one over B*C channels: x [N, B*C, *S] channel-packed, scale/bias [B*C]. Statistics are
+    per sample and channel, so models never mix."""
+    x = g.get(0, packed(1))
+    C = g.input_shape(0)[1]
+    ins = [x] + [g.weight(i, WeightSlot(None, (C,))) if g.is_weight(i) else g.get(i, packed(0)) for i in (1, 2)]
+    g.emit_same(ins, packed(1))

@@ -7,7 +7,7 @@ import numpy as np
 from onnx import numpy_helper
 
 from ..layout import SHARED, packed, stacked
-from ._common import norm_axis
+from ._common import axes_arg, emit_with_axes, model_axis_stacked, norm_axis, unsqueeze
 from ._registry import rule
 
 if TYPE_CHECKING:
@@ -132,3 +132,74 @@ def fuse_transpose(g: "NodeGroup") -> None:
     fused_perm = [p + (1 if p >= a else 0) for p in perm]
     fused_perm.insert(a_out, a)
     g.emit_same([g.get(0, stacked(a))], stacked(a_out), perm=fused_perm)
+
+
+@rule("Squeeze")
+def fuse_squeeze(g: "NodeGroup") -> None:
+    """Remove size-1 original axes; the model axis stays, shifted left by the removed axes before it.
+
+    Layout: stacked(a) -> stacked(a - #{removed axes < a}); fused axes j + (j >= a). Without ``axes`` every
+    size-1 original axis is removed (needs static sizes, since the fused tensor may have B = 1 too).
+    """
+    r = g.rank(0)
+    axes = axes_arg(g, 1)
+    if axes is None:
+        shape = g.input_shape(0)
+        if any(not isinstance(d, int) for d in shape):
+            g.fail("Squeeze without axes needs static input sizes")
+        axes = [k for k, d in enumerate(shape) if d == 1]
+    axes = sorted(norm_axis(k, r) for k in axes)
+    L = model_axis_stacked(g)
+    out = stacked(L.axis - sum(k < L.axis for k in axes))
+    emit_with_axes(g, [g.get(0, L)], [L.fused_axis(k) for k in axes], g.opset >= 13, out, 1)
+
+
+@rule("Unsqueeze")
+def fuse_unsqueeze(g: "NodeGroup") -> None:
+    """Insert size-1 axes at original output positions ``axes``; the model axis rides along.
+
+    Layout: stacked(a) -> stacked(a') with a' = 0 when a = 0, else just after the output position of input axis
+    a-1; fused axes q + (q >= a') for every inserted output position q.
+    """
+    r_out = g.output_rank(0)
+    axes = sorted(norm_axis(k, r_out) for k in axes_arg(g, 1))
+    L = model_axis_stacked(g)
+    kept = [q for q in range(r_out) if q not in axes]  # output position of each input axis
+    a_out = 0 if L.axis == 0 else kept[L.axis - 1] + 1
+    emit_with_axes(g, [g.get(0, L)], [q + (1 if q >= a_out else 0) for q in axes], g.opset >= 13, stacked(a_out), 1)
+
+
+@rule("Expand")
+def fuse_expand(g: "NodeGroup") -> None:
+    """Broadcast every model's tensor to the (shared) target shape t.
+
+    Layout: an input of the output's rank in stacked(a) keeps it, target t with B inserted at a; otherwise the
+    input is made stacked(0) at the output's rank (original size-1 axes prepended) and the target is [B] + t.
+    """
+    r_in, r_out = g.rank(0), g.output_rank(0)
+    L = model_axis_stacked(g)
+    a = L.axis if r_in == r_out else 0
+    x = g.get(0, stacked(a))
+    if r_in < r_out:
+        x = unsqueeze(g, x, list(range(1, 1 + r_out - r_in)))
+    target, value = g.shared(1), g.const(1)
+    if value is not None:
+        full = [1] * (r_out - len(value)) + [int(v) for v in value]
+        new_target = g.new_const(np.insert(np.array(full, np.int64), a, g.B), "shape")
+    else:
+        if len(g.input_shape(1) or []) != 1 or g.input_shape(1)[0] != r_out:
+            g.fail("a run-time Expand shape shorter than the output rank is not supported")
+        lo = g.emit("Slice", [target, g.new_const([0], "start"), g.new_const([a], "end")])[0]
+        hi = g.emit("Slice", [target, g.new_const([a], "start"), g.new_const([INT64_MAX], "end")])[0]
+        new_target = g.emit("Concat", [lo, g.new_const([g.B], "B"), hi], axis=0)[0]
+    g.set_output(0, g.emit("Expand", [x, new_target], [g.out_name(0)])[0], stacked(a))
+
+
+@rule("Tile")
+def fuse_tile(g: "NodeGroup") -> None:
+    """Repeat every model's tensor: repeats with a 1 inserted for the model axis (stacked(a) in and out)."""
+    L = model_axis_stacked(g)
+    value = g.const(1)
+    if value is None:
+        g.fail("Tile repeats must be a constant")
+    g.emit_same([g.get(0, L), g.new_const(np.insert(value.astype(np.int64), L.axis, 1), "repeats")], L)
