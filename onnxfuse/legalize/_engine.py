@@ -197,7 +197,7 @@ class Emitter:
     def transpose(self, x: str, perm: Sequence[int], output: str | None = None) -> str:
         if list(perm) == list(range(len(perm))) and output is None:
             return x
-        return self.op("Transpose", [x], [output] if output else 1, perm=list(perm))
+        return self.op("Transpose", [x], [output] if output else 1, perm=[int(p) for p in perm])
 
     def slice(self, x: str, starts, ends, axes, steps=None, output: str | None = None) -> str:
         ins = [x, self.const(starts, hint="starts"), self.const(ends, hint="ends"), self.const(axes, hint="axes")]

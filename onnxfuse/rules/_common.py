@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from ..layout import Layout, stacked
 from ..weights import WeightSlot
 
@@ -10,7 +12,7 @@ if TYPE_CHECKING:
     from ..engine import NodeGroup
 
 __all__ = ["broadcast_layout", "broadcast_input", "broadcast_inputs", "norm_axis", "unsqueeze", "const_list", "axes_arg",
-           "emit_with_axes", "model_axis_stacked"]
+           "emit_with_axes", "model_axis_stacked", "insert_model_entry"]
 
 
 def norm_axis(axis: int, rank: int) -> int:
@@ -124,3 +126,25 @@ def model_axis_stacked(g: "NodeGroup", i: int = 0) -> Layout:
     """Input i's layout as stacked (packed(a) -> stacked(a), a free view; weights and shared -> stacked(0))."""
     L = g.layout(i)
     return stacked(0) if L is None or L.is_shared else stacked(L.axis)
+
+
+def insert_model_entry(g: "NodeGroup", i: int, position: int, fill: int, pad_to: int | None = None) -> str:
+    """Shape-like input i (e.g. a Reshape target, Expand shape, Tile repeats) with ``fill`` inserted at
+    ``position`` for the model axis; ``pad_to`` first left-pads a constant with 1s to that length.
+    A constant becomes a new constant; a run-time (shared) tensor gets Slice + Concat nodes."""
+    value = g.const(i)
+    if value is not None:
+        v = [int(x) for x in value.reshape(-1)]
+        if pad_to is not None:
+            v = [1] * (pad_to - len(v)) + v
+        return g.new_const(v[:position] + [fill] + v[position:], "shape")
+    shape = g.input_shape(i)
+    if pad_to is not None and (not shape or shape[0] != pad_to):
+        g.fail(f"input {i} is computed at run time and shorter than the output rank")
+    t = g.shared(i)
+    model = g.new_const([fill], "model_entry")
+    if position == 0:
+        return g.emit("Concat", [model, t], axis=0)[0]
+    lo = g.emit("Slice", [t, g.new_const([0], "start"), g.new_const([position], "end")])[0]
+    hi = g.emit("Slice", [t, g.new_const([position], "start"), g.new_const([np.iinfo(np.int64).max], "end")])[0]
+    return g.emit("Concat", [lo, model, hi], axis=0)[0]

@@ -41,7 +41,7 @@ def fuse_layernorm(g: "NodeGroup") -> None:
     """B LayerNorms -> one LayerNorm without affine, then per-model scale and bias.
 
     Layout: stacked(a) with the model axis before the normalized axes [k, r) (else stacked(0));
-    LayerNorm on fused axis k + (k >= a) with Scale = ones (ONNX requires it), then y * scale_b + bias_b with the
+    LayerNorm on fused axis k + (k >= a) with scale 1 and bias 0, then y * scale_b + bias_b with the
     scale/bias packed to broadcast per model (e.g. [B, 1, 1, D] next to [B, N, T, D]).
     Math: normalization statistics are per row of one model; the affine part is elementwise.
     Mean/InvStdDev outputs, when present, keep the input's layout.
@@ -55,9 +55,11 @@ def fuse_layernorm(g: "NodeGroup") -> None:
     if any(not isinstance(d, int) for d in norm_shape):
         g.fail("the normalized dims must be static")
     dtype = np.float32
+    # ones/zeros rather than no bias: onnxruntime-training 1.19 builds LayerNorm's gradient only with all 3 inputs
     ones = g.new_const(np.ones(norm_shape, dtype), "ln_ones", dtype)
+    zeros = g.new_const(np.zeros(norm_shape, dtype), "ln_zeros", dtype)
     names = [g.temp_name(o) if j == 0 else (g.out_name(j) if o else "") for j, o in enumerate(g.node.output)]
-    g.emit("LayerNormalization", [g.get(0, L), ones], names, axis=L.fused_axis(k),
+    g.emit("LayerNormalization", [g.get(0, L), ones, zeros], names, axis=L.fused_axis(k),
            epsilon=float(g.attr("epsilon", 1e-5)), stash_type=int(g.attr("stash_type", 1)))
     y = names[0]
     scale = broadcast_input(g, 1, L)

@@ -7,13 +7,12 @@ import numpy as np
 from onnx import numpy_helper
 
 from ..layout import SHARED, packed, stacked
-from ._common import axes_arg, emit_with_axes, model_axis_stacked, norm_axis, unsqueeze
+from ._common import axes_arg, emit_with_axes, insert_model_entry, model_axis_stacked, norm_axis, unsqueeze
 from ._registry import rule
 
 if TYPE_CHECKING:
     from ..engine import NodeGroup
 
-INT64_MAX = np.iinfo(np.int64).max
 
 
 def _same_dim(a, b) -> bool:
@@ -75,7 +74,7 @@ def fuse_reshape(g: "NodeGroup") -> None:
     """
     if g.attr("allowzero", 0):
         g.fail("allowzero=1 is not supported")
-    target, value = g.shared(1), g.const(1)
+    g.shared(1)  # the target must be the same for every model
     L = _own_layout(g)
     in_s, out_s = g.input_shape(0), g.output_shape(0)
     a = L.axis
@@ -83,16 +82,7 @@ def fuse_reshape(g: "NodeGroup") -> None:
             and all(_same_dim(in_s[k], out_s[k]) for k in range(a)))
     a = a if keep else 0
     x = g.get(0, stacked(a))
-    if value is not None:
-        new_target = g.new_const(np.insert(value.astype(np.int64), a, g.B), "shape")
-    else:
-        model = g.new_const([g.B], "B")
-        if a == 0:
-            new_target = g.emit("Concat", [model, target], axis=0)[0]
-        else:
-            lo = g.emit("Slice", [target, g.new_const([0], "start"), g.new_const([a], "end")])[0]
-            hi = g.emit("Slice", [target, g.new_const([a], "start"), g.new_const([INT64_MAX], "end")])[0]
-            new_target = g.emit("Concat", [lo, model, hi], axis=0)[0]
+    new_target = insert_model_entry(g, 1, a, g.B)
     out = g.emit("Reshape", [x, new_target], [g.out_name(0)])[0]
     g.set_output(0, out, stacked(a))
 
@@ -182,16 +172,7 @@ def fuse_expand(g: "NodeGroup") -> None:
     x = g.get(0, stacked(a))
     if r_in < r_out:
         x = unsqueeze(g, x, list(range(1, 1 + r_out - r_in)))
-    target, value = g.shared(1), g.const(1)
-    if value is not None:
-        full = [1] * (r_out - len(value)) + [int(v) for v in value]
-        new_target = g.new_const(np.insert(np.array(full, np.int64), a, g.B), "shape")
-    else:
-        if len(g.input_shape(1) or []) != 1 or g.input_shape(1)[0] != r_out:
-            g.fail("a run-time Expand shape shorter than the output rank is not supported")
-        lo = g.emit("Slice", [target, g.new_const([0], "start"), g.new_const([a], "end")])[0]
-        hi = g.emit("Slice", [target, g.new_const([a], "start"), g.new_const([INT64_MAX], "end")])[0]
-        new_target = g.emit("Concat", [lo, g.new_const([g.B], "B"), hi], axis=0)[0]
+    new_target = insert_model_entry(g, 1, a, g.B, pad_to=r_out)
     g.set_output(0, g.emit("Expand", [x, new_target], [g.out_name(0)])[0], stacked(a))
 
 
@@ -199,7 +180,4 @@ def fuse_expand(g: "NodeGroup") -> None:
 def fuse_tile(g: "NodeGroup") -> None:
     """Repeat every model's tensor: repeats with a 1 inserted for the model axis (stacked(a) in and out)."""
     L = model_axis_stacked(g)
-    value = g.const(1)
-    if value is None:
-        g.fail("Tile repeats must be a constant")
-    g.emit_same([g.get(0, L), g.new_const(np.insert(value.astype(np.int64), L.axis, 1), "repeats")], L)
+    g.emit_same([g.get(0, L), insert_model_entry(g, 1, L.axis, 1)], L)
