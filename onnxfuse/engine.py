@@ -52,6 +52,10 @@ class FusionState:
         self.consts: dict[str, np.ndarray] = {}  # model-0 tensor name -> value, for shared constants
         self.conversions: dict[tuple[str, Layout], str] = {}
         self.output_names = {o.name for o in self.src.outputs}
+        self.consumers: dict[str, int] = {}
+        for n in self.src.nodes:
+            for t in set(n.input):
+                self.consumers[t] = self.consumers.get(t, 0) + 1
         self.used_names: set[str] = set()
         self._counter = itertools.count()
         self.layout_changes = 0
@@ -266,6 +270,12 @@ class NodeGroup:
 
     def weight_sources(self, i: int) -> list[str]:
         return [n.input[i] for n in self.nodes]
+
+    def sole_use_of_weight(self, i: int) -> bool:
+        """Input i is a weight that no other node reads and that is not packed yet: the rule may choose its slot
+        freely (e.g. fold a Transpose into the packing)."""
+        t = self.node.input[i]
+        return self.is_weight(i) and t not in self._st.weight_of and self._st.consumers.get(t, 0) == 1
 
     # ---- getting fused inputs
     def get(self, i: int, layout: Layout) -> str:

@@ -7,6 +7,7 @@ import numpy as np
 from onnx import numpy_helper
 
 from ..layout import SHARED, packed, stacked
+from ..weights import WeightSlot
 from ._common import axes_arg, emit_with_axes, insert_model_entry, model_axis_stacked, norm_axis, unsqueeze
 from ._registry import rule
 
@@ -113,9 +114,15 @@ def fuse_transpose(g: "NodeGroup") -> None:
     Layout: stacked(a) in (packed(a) is viewed as stacked(a), free) -> stacked(a') out, where the model axis
     follows the output position of original axis a-1 (a' = 0 when a = 0). Fused perm: original axis j sits at
     fused index j + (j >= a), and the model axis (fused index a) is inserted at position a'.
+    A weight read only here is packed already transposed ([B, *W.T]): no Transpose runs at all.
     """
     r = g.rank(0)
     perm = [norm_axis(int(p), r) for p in (g.attr("perm") or list(range(r))[::-1])]
+    if g.sole_use_of_weight(0):  # W.t() of a Linear on 3-D input: transpose once, while packing, not every step
+        shape = g.input_shape(0)
+        w = g.weight(0, WeightSlot(tuple(perm), (1, *[shape[p] for p in perm])))
+        g.set_output(0, w, stacked(0))
+        return
     L = _own_layout(g)
     a = L.axis
     a_out = 0 if a == 0 else perm.index(a - 1) + 1
