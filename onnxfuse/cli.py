@@ -10,6 +10,7 @@ import traceback
 import warnings
 
 from .errors import ConfigError, OnnxFuseError
+from .training.losses import LOSSES
 
 __all__ = ["main", "build_parser"]
 
@@ -80,11 +81,15 @@ def cmd_fuse(args) -> int:
 def cmd_train(args) -> int:
     from .training import TrainConfig, train_array
 
+    # only the options given: the loss's own defaults (torch's) apply otherwise
+    loss_options = {k: v for k, v in (("label_smoothing", args.label_smoothing), ("ignore_index", args.ignore_index),
+                                      ("class_axis", args.class_axis)) if v is not None}
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, loss=args.loss, optimizer=args.optimizer,
         lr=_numbers(args.lr, "--lr"), momentum=_numbers(args.momentum, "--momentum") or 0.0,
         weight_decay=_numbers(args.weight_decay, "--weight-decay"), shuffle=not args.no_shuffle, seed=args.seed,
-        device=args.device, log_every=args.log_every,
+        device=args.device, log_every=args.log_every, loss_options=loss_options,
+        per_model_labels=args.per_model_labels,
     )
     res = train_array(args.array, args.data, cfg, progress=not args.quiet)
     print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
@@ -147,8 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
     t.add_argument("array", metavar="ARRAY_DIR")
-    t.add_argument("--data", required=True, help=".npz with one array per graph input (by name) and 'labels'")
-    t.add_argument("--loss", default="cross-entropy", choices=["cross-entropy", "mse"])
+    t.add_argument("--data", required=True, help=".npz with one array per graph input (by name) and 'labels'; "
+                   "arrays of per-model inputs are [B, n, ...]")
+    t.add_argument("--loss", default="cross-entropy", choices=list(LOSSES),
+                   help="cross-entropy / nll: labels are class indices; mse, l1, bce-with-logits: targets shaped "
+                   "like the output; model: the output is the loss (no labels)")
+    t.add_argument("--label-smoothing", type=float, help="cross-entropy label smoothing in [0, 1] (default 0)")
+    t.add_argument("--ignore-index", type=int,
+                   help="cross-entropy / nll: labels with this value count for nothing (default -100)")
+    t.add_argument("--class-axis", type=int,
+                   help="class axis of the output: 1 for [N, C, ...] (default), -1 for [N, T, V] language models")
+    t.add_argument("--per-model-labels", action="store_true",
+                   help="'labels' in the data file is [B, n, ...]: one set of labels per model")
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     t.add_argument("--lr", help="learning rate: one value, or one per model (comma-separated); default 1e-3")
     t.add_argument("--momentum", help="SGD momentum, one or one per model (default 0)")

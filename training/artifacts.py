@@ -3,8 +3,10 @@ BatchNorm statistics and the per-model optimizer update in a single session call
 
 Passes, in order (each a function of the model):
 
+0. ``onnxfuse.legalize``    rewrite what onnxruntime-training 1.19 cannot differentiate (LayerNorm outputs,
+                            ReduceMax, HardSwish, ConvTranspose, Resize, ...) into equivalent trainable forms
 1. ``add_loss_pass``        per-model losses [B] and their sum (the gradient root)
-2. ``batchnorm_pass``       BatchNorm in training mode computes batch statistics only (zero dummy running stats,
+2. ``batchnorm_pass``       BatchNorm in training mode computes batch statistics only (dummy running stats,
                             momentum 0, so outputs 1 and 2 are the batch mean and biased variance); the running
                             statistics are updated with torch's rule, including the unbiased variance n/(n-1)
 3. ``optimizer_state_pass`` zero-initialized optimizer state as extra (frozen) checkpoint parameters
@@ -29,6 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxfuse.errors import ConfigError
+from onnxfuse.legalize import legalize
 from onnxfuse.weights import ArraySpec
 
 from ._builder import GraphBuilder
@@ -52,6 +55,7 @@ class TrainingArtifacts:
     trainable: list[str]
     buffers: list[str]
     optimizer_state: list[str]
+    legalized: list[str]  # the trainability rewrites applied, one line each
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -62,7 +66,8 @@ def _value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
-def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec) -> tuple[onnx.ModelProto, onnx.ValueInfoProto]:
+def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec
+                  ) -> tuple[onnx.ModelProto, onnx.ValueInfoProto | None]:
     if len(spec.outputs) != 1:
         raise ConfigError(f"the model has {len(spec.outputs)} outputs; training needs exactly one "
                                     "(the logits or prediction the loss reads)")
@@ -70,7 +75,8 @@ def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec) -> tu
     gb = GraphBuilder(model.graph, _opset(model), "loss/")
     _, _, labels = add_loss(gb, loss, out["name"], out["shape"], spec.B)
     gb.flush()
-    model.graph.input.append(labels)
+    if labels is not None:  # the 'model' loss takes none
+        model.graph.input.append(labels)
     del model.graph.output[:]
     model.graph.output.extend([_value_info("loss", onnx.TensorProto.FLOAT, []),
                                _value_info("per_model_loss", onnx.TensorProto.FLOAT, [spec.B])])
@@ -98,9 +104,12 @@ def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
         C = int(inits[rm].dims[0]) if rm in inits else None
         if C is None:
             raise ConfigError(f"BatchNorm node '{node.name}': running statistics are not initializers")
-        # Batch statistics only: zero dummy stats and momentum 0 make outputs 1, 2 the batch mean and biased var.
-        node.input[3] = gb.const(np.zeros(C, np.float32), hint="dummy_stat")
-        node.input[4] = gb.const(np.zeros(C, np.float32), hint="dummy_stat")
+        # Batch statistics only: with momentum 0 outputs 1, 2 are the batch mean and biased variance, whatever the
+        # stats fed in. ORT's kernel writes those outputs into its stat inputs in place, so the stats fed in must be
+        # scratch buffers computed each step (zeros from Sub(stat, stat)): constant initializers there were merged
+        # by ORT's ConstantSharing, and even distinct ones corrupted other tensors once written (seen with 1.19.2).
+        node.input[3] = gb.one("Sub", [rm, rm])
+        node.input[4] = gb.one("Sub", [rv, rv])
         for a in node.attribute:
             if a.name == "momentum":
                 a.f = 0.0
@@ -217,7 +226,8 @@ def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: 
     gb = GraphBuilder(m.graph, _opset(m), "loss/")
     _, per_model, labels = add_loss(gb, loss, spec.outputs[0]["name"], spec.outputs[0]["shape"], spec.B)
     gb.flush()
-    m.graph.input.append(labels)
+    if labels is not None:
+        m.graph.input.append(labels)
     outs = {o.name: o for o in m.graph.output}
     del m.graph.output[:]
     m.graph.output.extend([_value_info(per_model, onnx.TensorProto.FLOAT, [spec.B])] + [outs[n] for n in model_outputs])
@@ -248,7 +258,7 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
         raise ConfigError("the array has no trainable parameters")
     user_inputs = [i["name"] for i in spec.inputs]
 
-    fwd = copy.deepcopy(fused)
+    fwd, legalized = legalize(fused)  # ops ORT 1.19 cannot differentiate -> equivalent trainable forms
     fwd, _ = add_loss_pass(fwd, spec, loss)
     writes = batchnorm_pass(fwd)
     state = optimizer_state_pass(fwd, trainable, opt)
@@ -269,5 +279,5 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
         folder=folder, training_model=paths["train"], eval_model=paths["eval"], checkpoint=paths["ckpt"],
         user_inputs=user_inputs + ["labels", HYPER_INPUT], eval_inputs=user_inputs + ["labels"],
         eval_outputs=["per_model_loss"] + [o["name"] for o in spec.outputs],
-        trainable=trainable, buffers=buffers, optimizer_state=state,
+        trainable=trainable, buffers=buffers, optimizer_state=state, legalized=legalized,
     )

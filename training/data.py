@@ -1,24 +1,36 @@
 """Training data: one array per graph input plus ``labels``, taken in batches of N (shuffled per epoch or in
-file order). Every model of the array sees the same batch."""
+file order).
+
+A shared array ``[n, ...]`` gives every model of the array the same batch. An array of a *per-model* graph input
+(fused with ``per_model_inputs``), and ``labels`` with ``per_model_labels``, has a leading model axis ``[B, n, ...]``:
+model b's sample i is ``a[b, i]``, and a batch takes the same sample indices for every model (axis 1)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from onnxfuse.errors import DataError, InputFileError
 
-__all__ = ["Dataset", "load_npz", "batches"]
+from .losses import LABELS
+
+__all__ = ["Dataset", "load_npz", "make_dataset", "batches"]
 
 
 @dataclass
 class Dataset:
-    arrays: dict[str, np.ndarray]  # graph input name -> [n, ...], and "labels"
+    arrays: dict[str, np.ndarray]  # graph input name -> [n, ...] (or [B, n, ...] when per model), and "labels"
+    per_model: frozenset[str] = field(default_factory=frozenset)  # names whose arrays have a leading model axis
 
     def __len__(self) -> int:
-        return len(self.arrays["labels"])
+        name, a = next(iter(self.arrays.items()))
+        return a.shape[1] if name in self.per_model else len(a)
+
+    def batch(self, idx) -> dict[str, np.ndarray]:
+        """The arrays at sample indices ``idx`` (an index array or a slice): axis 1 of per-model arrays."""
+        return {k: (v[:, idx] if k in self.per_model else v[idx]) for k, v in self.arrays.items()}
 
 
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -32,28 +44,50 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise InputFileError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e})") from e
 
 
-def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype, label_shape: list,
-                 source: str = "data") -> Dataset:
-    """Check ``arrays`` against the graph's inputs and the loss's labels; cast to the graph's dtypes."""
-    out = {}
-    for spec in inputs + [{"name": "labels", "shape": label_shape, "dtype": np.dtype(label_dtype).name}]:
-        name = spec["name"]
+def _expected(want: list, per_model: bool, B: int | None) -> str:
+    dims = (["B" if B is None else str(B)] if per_model else []) + ["n"] + [str(d) for d in want[1:]]
+    return "[" + ", ".join(dims) + "]"
+
+
+def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype, label_shape: list | None,
+                 source: str = "data", B: int | None = None, per_model_labels: bool = False) -> Dataset:
+    """Check ``arrays`` against the graph's inputs and the loss's labels; cast to the graph's dtypes.
+
+    ``inputs`` are the array's input descriptions (``ArraySpec.inputs``: name, shape, dtype, per_model);
+    ``label_dtype`` None means the loss takes no labels. Per-model arrays (and labels with ``per_model_labels``)
+    must be ``[B, n, ...]``."""
+    wanted = [dict(i) for i in inputs]
+    if label_dtype is not None:
+        wanted.append({"name": LABELS, "shape": label_shape, "dtype": np.dtype(label_dtype).name,
+                       "per_model": per_model_labels})
+    out, per_model = {}, set()
+    for spec in wanted:
+        name, pm = spec["name"], bool(spec.get("per_model", False))
         if name not in arrays:
             have = ", ".join(sorted(arrays)) or "nothing"
-            raise DataError(f"{source} has no array '{name}' (the graph input{'s' if name != 'labels' else ''} "
-                            f"need it); it holds: {have}")
+            what = "the loss needs it" if name == LABELS else "a graph input"
+            raise DataError(f"{source} has no array '{name}' ({what}); it holds: {have}")
         a = np.asarray(arrays[name])
-        want = spec["shape"] or []
-        if a.ndim != len(want) or any(isinstance(d, int) and d != s for d, s in zip(want[1:], a.shape[1:])):
-            expected = "[n" + "".join(f", {d}" for d in want[1:]) + "]"
-            raise DataError(f"{source}: '{name}' has shape {list(a.shape)} but the graph expects {expected}")
-        if name == "labels" and np.issubdtype(np.dtype(label_dtype), np.integer) and not np.issubdtype(a.dtype, np.integer):
+        want = list(spec["shape"] or [])
+        if pm:
+            if B is None:
+                raise DataError(f"{source}: '{name}' is per model but the number of models B is unknown")
+            if a.ndim != len(want) + 1 or a.shape[0] != B:
+                raise DataError(f"{source}: '{name}' is per model and needs a leading model axis of B={B}, "
+                                f"{_expected(want, True, B)}; it has shape {list(a.shape)}")
+            per_model.add(name)
+        body = a.shape[1:] if pm else a.shape
+        if len(body) != len(want) or any(isinstance(d, int) and d != s for d, s in zip(want[1:], body[1:])):
+            raise DataError(f"{source}: '{name}' has shape {list(a.shape)} but the graph expects "
+                            f"{_expected(want, pm, B)}")
+        if name == LABELS and np.issubdtype(np.dtype(label_dtype), np.integer) and not np.issubdtype(a.dtype, np.integer):
             raise DataError(f"{source}: 'labels' must hold integer class indices for this loss, got {a.dtype}")
         out[name] = np.ascontiguousarray(a.astype(spec["dtype"], copy=False))
-    n = {k: len(v) for k, v in out.items()}
+    n = {k: (v.shape[1] if k in per_model else len(v)) for k, v in out.items()}
     if len(set(n.values())) != 1:
-        raise DataError(f"{source}: arrays have different lengths {n}; every array needs one row per sample")
-    return Dataset(out)
+        raise DataError(f"{source}: arrays have different numbers of samples {n}; every array needs one row per "
+                        "sample (axis 1 for per-model arrays)")
+    return Dataset(out, frozenset(per_model))
 
 
 def batches(n: int, batch_size: int, shuffle: bool, seed: int) -> Iterator[np.ndarray]:

@@ -22,7 +22,7 @@ from onnxfuse.weights import ArraySpec
 
 from .artifacts import build_artifacts
 from .data import Dataset, batches, load_npz, make_dataset
-from .losses import get_loss
+from .losses import LABELS, LOSS_OPTIONS, LossSpec, get_loss
 from .optim import OptimizerConfig, make_optimizer
 
 __all__ = ["FusedTrainer", "TrainConfig", "TrainResult", "train_array", "load_array", "check_device"]
@@ -56,9 +56,13 @@ def load_array(array_dir: str) -> tuple[onnx.ModelProto, ArraySpec]:
 
 
 class FusedTrainer:
-    """The ORT training Module of one fused array. ``step(feeds)`` trains all B models on one batch."""
+    """The ORT training Module of one fused array. ``step(feeds)`` trains all B models on one batch.
 
-    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str, optimizer: OptimizerConfig,
+    ``loss`` is a loss name, or a :class:`LossSpec` with options from ``get_loss(name, label_smoothing=...,
+    ignore_index=..., class_axis=..., per_model_labels=...)``. Feeds are numpy arrays by graph input name plus
+    ``labels`` (unless the loss is ``model``); per-model inputs and per-model labels are ``[B, N, ...]``."""
+
+    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
                  device: str = "cpu", workdir: str | None = None, threads: int | None = None):
         import onnxruntime
         from onnxruntime.training.api import CheckpointState, Module
@@ -85,6 +89,8 @@ class FusedTrainer:
                              session_options=so)
         self.module.train()
         self.steps = 0
+        # what the graphs take each step, in order (the 'model' loss has no labels input)
+        self.inputs = [n for n in self.art.eval_inputs if n != LABELS or self.loss.has_labels]
 
     def _args(self, arrays: Sequence[np.ndarray]):
         if self.device.startswith("cuda"):
@@ -98,35 +104,53 @@ class FusedTrainer:
     def _np(x) -> np.ndarray:
         return x if isinstance(x, np.ndarray) else x.numpy()
 
+    def _feeds(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        missing = [n for n in self.inputs if n not in feeds]
+        if missing:
+            raise DataError(f"the batch has no array '{missing[0]}'; a step needs {', '.join(self.inputs)}")
+        return [feeds[n] for n in self.inputs]
+
     def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        """One training step of every model on the same batch; returns the per-model losses [B]."""
+        """One training step of every model; returns the per-model losses [B]."""
         self.steps += 1
-        arrays = [feeds[n] for n in self.art.eval_inputs] + [self.opt.coefficients(self.steps)]
+        arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps)]
         _, per_model, _ = self.module(*self._args(arrays))
         return self._np(per_model)
 
     def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
-        """Per-model mean loss (and accuracy for classification) over ``data`` with the eval graph
-        (BatchNorm on running statistics, Dropout off)."""
+        """Per-model mean loss over ``data`` with the eval graph (BatchNorm on running statistics, Dropout off),
+        and for cross-entropy / nll the accuracy: the fraction of labels (every labelled element for [N, C, d...]
+        or class-axis -1 outputs) whose argmax class is right, ignored labels left out, as the loss does."""
+        B, loss = self.spec.B, self.loss
         self.module.eval()
         n = len(data)
-        loss_sum = np.zeros(self.spec.B)
-        correct = np.zeros(self.spec.B)
+        loss_sum, weight = np.zeros(B), np.zeros(B)
+        correct, counted = np.zeros(B), np.zeros(B)
+        axis = loss.resolved_class_axis(self.spec.outputs[0]["shape"]) + 1 if loss.classification else None
         try:
             for start in range(0, n, batch_size):
-                sl = slice(start, min(n, start + batch_size))
-                arrays = [data.arrays[k][sl] for k in self.art.eval_inputs]
-                outs = self.module(*self._args(arrays))
-                per_model, logits = self._np(outs[0]), self._np(outs[1])
-                m = sl.stop - sl.start
-                loss_sum += per_model * m
-                if self.loss.name == "cross-entropy":
-                    correct += (logits.argmax(-1) == data.arrays["labels"][sl][None, :]).sum(1)
+                stop = min(n, start + batch_size)
+                batch = data.batch(slice(start, stop))
+                outs = self.module(*self._args(self._feeds(batch)))
+                per_model, scores = self._np(outs[0]), self._np(outs[1])
+                if loss.classification:
+                    # the loss of a batch is a mean over its kept labels: weight it by their count
+                    labels = np.broadcast_to(batch[LABELS], scores.shape[:axis] + scores.shape[axis + 1:])
+                    keep = (labels != loss.ignore_index).reshape(B, -1)
+                    hits = (scores.argmax(axis) == labels).reshape(B, -1) & keep
+                    correct += hits.sum(1)
+                    w = keep.sum(1).astype(np.float64)
+                    counted += w
+                else:
+                    w = np.full(B, float(stop - start))
+                loss_sum += np.where(w > 0, per_model * w, 0.0)
+                weight += w
         finally:
             self.module.train()
-        out = {"loss": loss_sum / n}
-        if self.loss.name == "cross-entropy":
-            out["accuracy"] = correct / n
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = {"loss": loss_sum / weight}
+            if loss.classification:
+                out["accuracy"] = correct / counted
         return out
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -157,9 +181,17 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     log_every: int = 1
+    loss_options: dict = field(default_factory=dict)  # label_smoothing, ignore_index, class_axis (see get_loss)
+    per_model_labels: bool = False  # labels [B, n, ...], one set per model
 
     def optimizer_config(self, B: int) -> OptimizerConfig:
         return make_optimizer(self.optimizer, B, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+    def loss_spec(self) -> LossSpec:
+        unknown = sorted(set(self.loss_options) - set(LOSS_OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown loss option '{unknown[0]}'; the options are {', '.join(LOSS_OPTIONS)}")
+        return get_loss(self.loss, per_model_labels=self.per_model_labels, **self.loss_options)
 
 
 @dataclass
@@ -195,7 +227,7 @@ def train_array(array_dir: str | os.PathLike, data: str | os.PathLike | dict, co
         raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
     if config.log_every < 1:
         raise ConfigError("--log-every must be at least 1")
-    loss = get_loss(config.loss)
+    loss = config.loss_spec()
     opt = config.optimizer_config(spec.B)
     check_device(config.device)
     source = data if isinstance(data, (str, os.PathLike)) else "data"
@@ -203,18 +235,21 @@ def train_array(array_dir: str | os.PathLike, data: str | os.PathLike | dict, co
     if len(spec.outputs) != 1:
         raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
     out_shape = spec.outputs[0]["shape"]
-    label_shape = out_shape[:1] if loss.name == "cross-entropy" else out_shape
-    dataset = make_dataset(arrays, spec.inputs, loss.label_dtype, label_shape, source=os.fspath(source))
-    if loss.name == "cross-entropy" and isinstance(out_shape[-1], int):
-        labels, K = dataset.arrays["labels"], out_shape[-1]
+    loss.check_output(out_shape, spec.outputs[0]["name"])
+    dataset = make_dataset(arrays, spec.inputs, loss.label_dtype, loss.label_shape(out_shape),
+                           source=os.fspath(source), B=spec.B, per_model_labels=loss.per_model_labels)
+    K = loss.num_classes(out_shape)
+    if K is not None:
+        labels = dataset.arrays[LABELS]
+        labels = labels[labels != loss.ignore_index]
         if labels.size and (labels.min() < 0 or labels.max() >= K):
-            raise DataError(f"{os.fspath(source)}: 'labels' must be class indices in [0, {K}) for the model's {K} "
-                            f"outputs, found {labels.min()}..{labels.max()}")
+            raise DataError(f"{os.fspath(source)}: 'labels' must be class indices in [0, {K}) (or the ignore index "
+                            f"{loss.ignore_index}) for the model's {K} classes, found {labels.min()}..{labels.max()}")
     batch_iter = batches(len(dataset), config.batch_size, config.shuffle, config.seed)
 
     trained = os.path.join(array_dir, TRAINED_DIR)
     with atomic_dir(trained, overwrite=True) as tmp:
-        trainer = FusedTrainer(fused, spec, config.loss, opt, config.device, workdir=os.path.join(tmp, "artifacts"))
+        trainer = FusedTrainer(fused, spec, loss, opt, config.device, workdir=os.path.join(tmp, "artifacts"))
         metrics_tmp = os.path.join(tmp, "metrics.csv")
         B, N = spec.B, config.batch_size
         with open(metrics_tmp, "w", newline="") as mf:
@@ -226,7 +261,7 @@ def train_array(array_dir: str | os.PathLike, data: str | os.PathLike | dict, co
             losses = np.full(B, np.nan)
             for step in range(1, config.steps + 1):
                 idx = next(batch_iter)
-                losses = trainer.step({k: v[idx] for k, v in dataset.arrays.items()})
+                losses = trainer.step(dataset.batch(idx))
                 if step % config.log_every == 0 or step == config.steps:
                     el = time.perf_counter() - t0
                     writer.writerows([step, b, f"{losses[b]:.7g}", f"{opt.lr[b]:.7g}", f"{el:.4f}"] for b in range(B))

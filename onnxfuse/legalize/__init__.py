@@ -1,18 +1,22 @@
 """Trainability legalization: rewrite nodes onnxruntime-training 1.19 cannot differentiate or run backward on CPU
 into equivalent forms it can (same forward up to float rounding, same gradient as torch).
 
-    fused_model, applied = legalize(model)   # applied: ["ReduceMax '/ReduceMax' -> ArgMax + GatherElements", ...]
+    legal_model, applied = legalize(model)   # applied: ["ReduceMax '/ReduceMax' -> ArgMax + GatherElements", ...]
 
 The engine (``_engine.py``) applies one registered rewrite per op type; each family module holds its rewrites:
-``norm`` (LayerNormalization outputs), ``reduce`` (ReduceMax/ReduceMin), ``activation`` (HardSigmoid/HardSwish),
-``einsum``, ``cumsum``, ``conv_transpose``, ``resize`` and ``split`` (unused outputs). A node that needs a rewrite
-but has a form none supports raises :class:`onnxfuse.errors.UntrainableOpError` naming it.
+``norm`` (LayerNormalization outputs, InstanceNormalization), ``reduce`` (ReduceMax/Min/L1/SumSquare/LogSum),
+``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu), ``einsum``, ``cumsum``,
+``conv_transpose``, ``resize``, ``depth_space`` (DepthToSpace, SpaceToDepth), ``split`` (unused outputs) and
+``slicing`` (a negative step on the last axis). A node that needs a rewrite but has a form none supports raises
+:class:`onnxfuse.errors.UntrainableOpError` naming it.
 """
 from __future__ import annotations
 
 import onnx
 
-from . import activation, conv_transpose, cumsum, einsum, norm, reduce, resize, split  # noqa: F401  (registers)
+# importing a family module registers its rewrites
+from . import (activation, conv_transpose, cumsum, depth_space, einsum, norm, reduce, resize,  # noqa: F401
+               slicing, split)
 from ._engine import REWRITES, apply_rewrites
 
 __all__ = ["legalize", "legalized_ops"]

@@ -97,11 +97,13 @@ class Context:
         d = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
         if not isinstance(d, int):
             raise self.error(node, f"dim {axis} of '{name}' is {d if d else 'unknown'}, but {why} needs it static",
-                             f"export the model with a fixed size along that axis (only the batch may be dynamic)")
+                             "export the model with a fixed size along that axis (only the batch may be dynamic)")
         return d
 
     def attrs(self, node: onnx.NodeProto) -> dict:
-        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        """The node's attributes as Python values (strings decoded)."""
+        values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
 
     def error(self, node: onnx.NodeProto, problem: str, fix: str) -> UntrainableOpError:
         return UntrainableOpError(
@@ -187,9 +189,12 @@ class Emitter:
             return self.op("Squeeze", [x, self.const(list(axes), hint="axes")], outs)
         return self.op("Squeeze", [x], outs, axes=list(axes))
 
-    def reduce(self, op_type: str, x: str, axes: Sequence[int], keepdims: int, output: str | None = None) -> str:
-        """Reduce* over ``axes``: an input from opset 18 (ReduceSum: 13), an attribute before."""
+    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: int,
+               output: str | None = None) -> str:
+        """Reduce* over ``axes`` (None: all): an input from opset 18 (ReduceSum: 13), an attribute before."""
         outs = [output] if output else 1
+        if axes is None:
+            return self.op(op_type, [x], outs, keepdims=keepdims)
         if self.opset >= (13 if op_type == "ReduceSum" else 18):
             return self.op(op_type, [x, self.const(list(axes), hint="axes")], outs, keepdims=keepdims)
         return self.op(op_type, [x], outs, axes=list(axes), keepdims=keepdims)

@@ -1,14 +1,14 @@
-"""Piecewise-linear activations without a gradient builder in ORT 1.19: HardSigmoid and HardSwish.
+"""Activations without a gradient builder in ORT 1.19: HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu.
 
-Both become Clip (whose gradient ORT has) with the same constants torch uses, so the forward matches and the
-gradient is torch's away from the kinks (the exact kink points x = -3, 3 are measure zero)."""
+Each becomes ops whose gradients ORT has (Clip, Relu, Min, Exp, Abs, Log, Mul, Add) with torch's constants, so the
+forward matches and the gradient is torch's away from kinks (x = 0, or -3 and 3: measure zero)."""
 from __future__ import annotations
 
 import onnx
 
 from ._engine import Context, Emitter, rewrite
 
-__all__ = ["hardsigmoid", "hardswish"]
+__all__ = ["hardsigmoid", "hardswish", "elu_family", "softplus", "prelu"]
 
 
 @rewrite("HardSigmoid")
@@ -41,4 +41,61 @@ def hardswish(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None
     relu6 = em.op("Clip", [em.op("Add", [x, em.like(3.0, x, "three")]), em.like(0.0, x, "zero"),
                            em.like(6.0, x, "six")])
     em.op("Div", [em.op("Mul", [x, relu6]), em.like(6.0, x, "six")], [y])
+    return em.nodes
+
+
+@rewrite("Elu", "Selu", "Celu")
+def elu_family(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """Elu(x; alpha)         = x if x > 0 else alpha (exp(x) - 1)
+    Selu(x; alpha, gamma) = gamma Elu(x; alpha);   Celu(x; alpha) = x if x > 0 else alpha (exp(x / alpha) - 1)
+    ==>  [gamma *] (Relu(x) + alpha * (Exp(Min(x, 0) [/ alpha]) - 1)).
+
+    Layout: elementwise, any shape.
+    Math: for x > 0 the second term is alpha (exp(0) - 1) = 0 exactly; Min(x, 0) keeps Exp from overflowing on the
+    branch that is not taken. d/dx = 1 for x > 0, alpha exp(x) (Celu: exp(x / alpha)) below, torch's backward.
+    """
+    x, y = node.input[0], node.output[0]
+    attrs = ctx.attrs(node)
+    default_alpha = {"Elu": 1.0, "Celu": 1.0, "Selu": 1.67326319217681884765625}[node.op_type]
+    alpha = float(attrs.get("alpha", default_alpha))
+    gamma = float(attrs.get("gamma", 1.05070102214813232421875)) if node.op_type == "Selu" else None
+    em = Emitter(node, ctx)
+    negative = em.op("Min", [x, em.like(0.0, x, "zero")])
+    if node.op_type == "Celu":
+        negative = em.op("Div", [negative, em.like(alpha, x, "alpha")])
+    expm1 = em.op("Sub", [em.op("Exp", [negative]), em.like(1.0, x, "one")])
+    out = em.op("Add", [em.op("Relu", [x]), em.op("Mul", [expm1, em.like(alpha, x, "alpha")])])
+    if gamma is not None:
+        out = em.op("Mul", [out, em.like(gamma, x, "gamma")])
+    em.finish(out, y)
+    return em.nodes
+
+
+@rewrite("Softplus")
+def softplus(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """Softplus(x) = log(exp(x) + 1)  ==>  Relu(x) + Log(1 + Exp(-Abs(x))) (the form that cannot overflow).
+
+    Layout: elementwise, any shape (torch's nn.Softplus and nn.Mish export Softplus).
+    Math: log(1 + e^x) = max(x, 0) + log(1 + e^-|x|); d/dx = sigmoid(x), torch's backward (which returns 1 above its
+    threshold 20, where sigmoid(x) rounds to 1 in float32).
+    """
+    x, y = node.input[0], node.output[0]
+    em = Emitter(node, ctx)
+    tail = em.op("Exp", [em.op("Neg", [em.op("Abs", [x])])])
+    log_term = em.op("Log", [em.op("Add", [tail, em.like(1.0, x, "one")])])
+    em.op("Add", [em.op("Relu", [x]), log_term], [y])
+    return em.nodes
+
+
+@rewrite("PRelu")
+def prelu(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """PRelu(x, slope) = x if x > 0 else slope * x  ==>  Relu(x) + slope * Min(x, 0).
+
+    Layout: x [N, C, ...]; slope broadcastable to x (torch: [C, 1, ..] after an Unsqueeze, or [1]).
+    Math: d/dx = 1 for x > 0, slope below; d/dslope = min(x, 0) summed over the broadcast axes, torch's backward.
+    """
+    x, slope, y = node.input[0], node.input[1], node.output[0]
+    em = Emitter(node, ctx)
+    negative = em.op("Mul", [em.op("Min", [x, em.like(0.0, x, "zero")]), slope])
+    em.op("Add", [em.op("Relu", [x]), negative], [y])
     return em.nodes

@@ -9,7 +9,6 @@ from ._engine import COPY, Context, Dims, Emitter, rewrite
 
 __all__ = ["conv_transpose"]
 
-_INT64_MIN = int(np.iinfo(np.int64).min)
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
@@ -20,8 +19,8 @@ def conv_transpose(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] |
 
     Layout: X [N, Cin, L1..LS]; W [Cin, Cout/g, k1..kS]; W' [Cout, Cin/g, k1..kS] =
     Reshape(W, [g, Cin/g, Cout/g, k]) -> Transpose(0, 2, 1, ...) -> Reshape [Cout, Cin/g, k] -> flip every spatial
-    axis (Slice with step -1). Upsample_s inserts s-1 zeros between neighbours: Unsqueeze a unit axis after each
-    spatial axis, Pad it to s, Reshape [N, Cin, L*s] (the s-1 trailing zeros are taken off the end padding).
+    axis (Gather with reversed indices). Upsample_s inserts s-1 zeros between neighbours: Unsqueeze a unit axis
+    after each spatial axis, Pad it to s, Reshape [N, Cin, L*s] (the s-1 trailing zeros come off the end padding).
     Math: a transposed convolution is the adjoint of a strided convolution, i.e. a stride-1 convolution of the
     dilated input with the flipped, in/out-swapped kernel; output length s(L-1) + op + d(k-1) + 1 - pb - pe in both.
     Negative Conv pads (pb > d(k-1)) crop the input with Slice instead.
@@ -34,8 +33,7 @@ def conv_transpose(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] |
     w_shape = ctx.shape(w)
     if w_shape is None or len(w_shape) != rank or not all(isinstance(d, int) for d in w_shape):
         raise ctx.error(node, f"the shape of its weight '{w}' is not static", "use a weight initializer")
-    auto_pad = attrs.get("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = attrs.get("auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID"):
         raise ctx.error(node, f"auto_pad is {auto_pad}", "export with explicit padding (torch always does)")
     if "output_shape" in attrs:
@@ -51,16 +49,16 @@ def conv_transpose(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] |
         raise ctx.error(node, f"its weight has {cin} input channels, not a multiple of group {g}", "fix the group")
     em = Emitter(node, ctx)
 
-    # W [Cin, Cout/g, k] -> W' [Cout, Cin/g, k], flipped: W'[g*Cout/g + o, i, t] = W[g*Cin/g + i, o, k-1-t]
+    # W [Cin, Cout/g, k] -> W' [Cout, Cin/g, k], flipped: W'[j*Cout/g + o, i, t] = W[j*Cin/g + i, o, k-1-t] (group j)
     if g == 1:
         w2 = em.transpose(w, [1, 0] + list(range(2, rank)))
     else:
         w2 = em.reshape(w, [g, cin // g, cout_g] + k)
         w2 = em.transpose(w2, [0, 2, 1] + list(range(3, S + 3)))
         w2 = em.reshape(w2, [g * cout_g, cin // g] + k)
-    flip = [a + 2 for a in range(S) if k[a] > 1]
-    if flip:
-        w2 = em.slice(w2, [-1] * len(flip), [_INT64_MIN] * len(flip), flip, [-1] * len(flip))
+    for a in range(S):
+        if k[a] > 1:  # flip with Gather: ORT 1.19's SliceGrad fails on a negative step along the last axis
+            w2 = em.op("Gather", [w2, em.const(np.arange(k[a] - 1, -1, -1), hint="reversed")], axis=a + 2)
 
     begin = [d[a] * (k[a] - 1) - pads[a] for a in range(S)]
     end = [d[a] * (k[a] - 1) - pads[S + a] + op[a] for a in range(S)]
@@ -78,7 +76,7 @@ def conv_transpose(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] |
         end = [end[a] - (s[a] - 1) for a in range(S)]  # the s-1 zeros after the last element are not in Upsample_s
     crop = [a for a in range(S) if begin[a] < 0 or end[a] < 0]
     if crop:
-        x = em.slice(x, [max(-begin[a], 0) for a in crop], [-end[a] if end[a] < 0 else _INT64_MAX for a in crop],
+        x = em.slice(x, [max(-begin[a], 0) for a in crop], [end[a] if end[a] < 0 else _INT64_MAX for a in crop],
                      [a + 2 for a in crop])
     conv_pads = [max(v, 0) for v in begin] + [max(v, 0) for v in end]
     em.op("Conv", [x, w2] + ([bias] if bias else []), [y], dilations=d, group=g, kernel_shape=k, pads=conv_pads,

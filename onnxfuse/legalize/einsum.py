@@ -24,7 +24,6 @@ def einsum(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
     A letter repeated within one operand (a diagonal, 'ii->i') is not supported.
     """
     equation = ctx.attrs(node)["equation"]
-    equation = equation.decode() if isinstance(equation, bytes) else str(equation)
     if len(node.input) > 2:
         raise ctx.error(node, f"it has {len(node.input)} operands (equation '{equation}')",
                         "write it as a chain of two-operand einsums")

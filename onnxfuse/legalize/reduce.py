@@ -1,25 +1,24 @@
-"""Reductions without a gradient builder in ORT 1.19: ReduceMax and ReduceMin."""
+"""Reductions without a gradient builder in ORT 1.19: ReduceMax, ReduceMin, ReduceL1, ReduceSumSquare, ReduceLogSum.
+(ReduceSum, ReduceMean, ReduceL2 and ReduceLogSumExp have one; ReduceProd has none and no exact rewrite here.)"""
 from __future__ import annotations
 
 import onnx
 
 from ._engine import Context, Emitter, rewrite
 
-__all__ = ["reduce_extremum"]
-
-_ARG = {"ReduceMax": "ArgMax", "ReduceMin": "ArgMin"}
+__all__ = ["reduce_extremum", "reduce_via_sum"]
 
 
 @rewrite("ReduceMax", "ReduceMin")
 def reduce_extremum(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
-    """ReduceMax(X, axes, keepdims)  ==>  per axis a: X = GatherElements(X, ArgMax(X, a, keepdims=1), a); then
-    Squeeze(axes) if keepdims=0. Over all axes: Reshape X to [1, n], the same on axis 1, Reshape to the result.
+    """ReduceMax(X, axes, keepdims)  ==>  m = ReduceMax(X, axes, keepdims=1);  mask = Cast(Equal(X, m));
+    Y = ReduceSum(X * mask, axes, keepdims) / ReduceSum(mask, axes, keepdims).
 
-    Layout: X [d0..dr-1]; each ArgMax/GatherElements keeps its axis as size 1, so the nested result is X's shape
-    with the reduced axes set to 1 (keepdims=1).
-    Math: max over a set of axes = max over one axis after the other. ArgMax (select_last_index=0) picks the first
-    maximum, so the whole gradient goes to that element, like torch.max(x, dim); torch.amax / x.max() split it
-    evenly among exact ties, which differ only when maxima tie exactly. ReduceMin: ArgMin, the same way.
+    Layout: as the original reduction; m and mask broadcast against X.
+    Math: the value is the maximum (k tied copies of it, summed, divided by k). m only feeds Equal, whose boolean
+    output carries no gradient, so the gradient is dY * mask / count: split evenly among exact ties, like
+    torch.amax / x.amax(dim) (torch.max(x, dim) gives it all to one index instead; ties are common after a ReLU,
+    e.g. PointNet's max over points of a channel that is 0 everywhere). ReduceMin: the same with ReduceMin.
     """
     x, y = node.input[0], node.output[0]
     if not ctx.is_float(x):
@@ -33,24 +32,42 @@ def reduce_extremum(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] 
             em.op("Identity", [x], [y])
             return em.nodes
         axes = None
-    rank = ctx.rank(node, x) if axes is None or any(a < 0 for a in axes) else None
-    if axes is not None:
-        axes = sorted({a + rank if a < 0 else a for a in axes} if rank is not None else set(axes))
-    shape = ctx.shape(x)
-    if axes is None or (shape is not None and len(axes) == len(shape) > 1):
-        # every axis: one ArgMax over the flattened tensor (first maximum in row-major order)
-        rank = ctx.rank(node, x)
-        flat = em.reshape(x, [1, -1])
-        picked = em.op("GatherElements", [flat, em.op(_ARG[node.op_type], [flat], axis=1, keepdims=1,
-                                                        select_last_index=0)], axis=1)
-        em.reshape(picked, [1] * rank if keepdims else [], output=y)
-        return em.nodes
-    for k, a in enumerate(axes):
-        last = k == len(axes) - 1 and keepdims
-        idx = em.op(_ARG[node.op_type], [x], axis=a, keepdims=1, select_last_index=0)
-        x = em.op("GatherElements", [x, idx], [y] if last else 1, axis=a)
-    if not keepdims:
-        em.squeeze(x, axes, output=y)
+    if axes is not None and any(a < 0 for a in axes):
+        rank = ctx.rank(node, x)  # (raises when unknown)
+        axes = sorted({a + rank if a < 0 else a for a in axes})
+    extremum = em.reduce(node.op_type, x, axes, 1)
+    mask = em.op("Cast", [em.op("Equal", [x, extremum])], to=ctx.dtype(x))
+    total = em.reduce("ReduceSum", em.op("Mul", [x, mask]), axes, keepdims)
+    em.op("Div", [total, em.reduce("ReduceSum", mask, axes, keepdims)], [y])
+    return em.nodes
+
+
+@rewrite("ReduceL1", "ReduceSumSquare", "ReduceLogSum")
+def reduce_via_sum(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """ReduceL1(X) ==> ReduceSum(Abs(X));  ReduceSumSquare(X) ==> ReduceSum(X * X);
+    ReduceLogSum(X) ==> Log(ReduceSum(X)); same axes and keepdims.
+
+    Layout: as the original reduction (torch.norm(x, p=1, dim=d) exports ReduceL1).
+    Math: the definitions; gradients sign(X) Y', 2 X Y', Y' / sum, as torch's.
+    """
+    x, y = node.input[0], node.output[0]
+    if not ctx.is_float(x):
+        return None
+    attrs = ctx.attrs(node)
+    keepdims = int(attrs.get("keepdims", 1))
+    axes = _axes(node, ctx, attrs)
+    if axes is not None and len(axes) == 0:
+        if int(attrs.get("noop_with_empty_axes", 0)):
+            raise ctx.error(node, "it has empty axes with noop_with_empty_axes=1",
+                            "reduce over explicit axes")
+        axes = None
+    em = Emitter(node, ctx)
+    if node.op_type == "ReduceL1":
+        em.reduce("ReduceSum", em.op("Abs", [x]), axes, keepdims, output=y)
+    elif node.op_type == "ReduceSumSquare":
+        em.reduce("ReduceSum", em.op("Mul", [x, x]), axes, keepdims, output=y)
+    else:
+        em.op("Log", [em.reduce("ReduceSum", x, axes, keepdims)], [y])
     return em.nodes
 
 

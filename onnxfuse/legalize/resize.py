@@ -12,7 +12,7 @@ from ._engine import COPY, Context, Dims, Emitter, rewrite
 
 __all__ = ["resize"]
 
-_LINEAR_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "half_pixel_symmetric")
+_COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "half_pixel_symmetric")
 _SAMPLE_LENGTHS = (5, 6, 7)  # for a symbolic length: a nearest map that repeats for these repeats for all
 
 
@@ -34,22 +34,20 @@ def resize(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
     """
     x, y = node.input[0], node.output[0]
     attrs = ctx.attrs(node)
-    text = lambda key, default: (attrs.get(key, default).decode() if isinstance(attrs.get(key, default), bytes)  # noqa: E731
-                                 else attrs.get(key, default))
-    mode = text("mode", "nearest")
-    coord = text("coordinate_transformation_mode", "half_pixel")
-    nearest_mode = text("nearest_mode", "round_prefer_floor")
+    mode = attrs.get("mode", "nearest")
+    coord = attrs.get("coordinate_transformation_mode", "half_pixel")
+    nearest_mode = attrs.get("nearest_mode", "round_prefer_floor")
     if mode not in ("nearest", "linear"):
         raise ctx.error(node, f"its mode is '{mode}'",
                         "use mode='nearest', 'bilinear' or 'linear' in F.interpolate")
-    if coord not in _LINEAR_MODES:
+    if coord not in _COORDINATE_MODES:
         raise ctx.error(node, f"its coordinate_transformation_mode is '{coord}'",
-                        f"use one of {', '.join(_LINEAR_MODES)}")
+                        f"use one of {', '.join(_COORDINATE_MODES)}")
     if int(attrs.get("antialias", 0)):
         raise ctx.error(node, "it sets antialias=1", "resize without antialias")
     rank = ctx.rank(node, x)
     axes = [int(a) + rank if int(a) < 0 else int(a) for a in attrs.get("axes", range(rank))]
-    plan = _plan(node, ctx, x, rank, axes, text("keep_aspect_ratio_policy", "stretch"))
+    plan = _plan(node, ctx, x, rank, axes, attrs.get("keep_aspect_ratio_policy", "stretch"))
     em = Emitter(node, ctx)
     if not plan:
         em.finish(x, y)
@@ -64,7 +62,7 @@ def resize(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
 
 def _plan(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -> list[tuple]:
     """[(axis, L, L', scale)] for the axes that change (L may be symbolic for an integer nearest factor)."""
-    shape = ctx.shape(x)
+    shape, out_shape = ctx.shape(x), ctx.shape(node.output[0])
     scales = ctx.constant(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     plan = []
     if scales is not None and scales.size > 0:
@@ -74,8 +72,10 @@ def _plan(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -
             scale = float(np.float32(scale))
             if scale == 1.0:
                 continue
-            L = shape[a]
-            plan.append((a, L, int(math.floor(L * scale)) if isinstance(L, int) else None, scale))
+            L, L2 = shape[a], out_shape[a] if out_shape is not None and len(out_shape) == rank else None
+            if not isinstance(L2, int):
+                L2 = int(math.floor(L * scale)) if isinstance(L, int) else None
+            plan.append((a, L, L2, scale))
         return plan
     if len(node.input) < 4 or not node.input[3]:
         raise ctx.error(node, "it has neither constant scales nor sizes", "resize with a constant scale_factor")
