@@ -116,3 +116,38 @@ def test_evaluate_uses_running_statistics_like_torch_eval(tmp_path):
         ref_loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).item()
         assert abs(ev["loss"][b] - ref_loss) < 1e-4 * max(1, abs(ref_loss))
         assert ev["accuracy"][b] == float((logits.argmax(1).numpy() == y).mean())
+
+
+def test_node_without_rule_runs_per_model_and_trains_like_torch(tmp_path, monkeypatch):
+    """Take away the Tanh rule: the MLP's Tanh runs once per model (fallback), and training still matches torch."""
+    import warnings
+
+    from onnxfuse.errors import UnsupportedOpError
+    from onnxfuse.rules import RULES
+
+    monkeypatch.delitem(RULES, ("", "Tanh"))
+    mods = make_modules("mlp", 3, seed0=10)
+    paths = export_all(mods, MODELS["mlp"][1], tmp_path)
+    with pytest.raises(UnsupportedOpError, match="'Tanh', which has no fusion rule"):
+        fuse_models(paths, strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fa = fuse_models(paths)
+    assert any("run once per model instead of fused" in str(w.message) for w in caught)
+    assert fa.spec.summary["per_model"] == 1 and fa.spec.summary["fused_fraction"] < 1
+    cfg = CONFIGS["adamw"]
+    trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 3, **cfg))
+    topts = torch_optimizers("adamw", mods, cfg)
+    rng = np.random.default_rng(1)
+    for _ in range(STEPS):
+        x = rng.standard_normal((8,) + MODELS["mlp"][1][1:]).astype(np.float32)
+        y = rng.integers(0, 10, 8)
+        trainer.step({"input": x, "labels": y})
+        for b, m in enumerate(mods):
+            topts[b].zero_grad()
+            torch.nn.functional.cross_entropy(m.train()(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            topts[b].step()
+    split = split_weights(fa.spec, trainer.weights(), steps=STEPS)
+    for b, m in enumerate(mods):
+        for key, ref in m.state_dict().items():
+            assert rel_err(split[b][key], ref.numpy()) < 1e-4, (b, key)
