@@ -41,6 +41,7 @@ from .optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
 __all__ = ["TrainingArtifacts", "build_artifacts"]
 
 UPDATED = "updated"
+OK = "model_ok"  # [B] int32: 1 where the model's step was applied (active and finite)
 
 
 @dataclass
@@ -198,15 +199,23 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     g.node.extend(keep)
     gb = GraphBuilder(g, _opset(tm), "update/")
     true = gb.const([True], np.bool_, "overwrite")
-    done = [gb.one("InPlaceAccumulatorV2", [stat, value, true], domain="com.microsoft") for stat, value in writes]
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
-    done += opt.append_update(gb, [(p, f"{p}_grad", shapes[p]) for p in trainable], HYPER_INPUT)
+    done, ok = opt.append_update(gb, [(p, f"{p}_grad", shapes[p]) for p in trainable], HYPER_INPUT,
+                                 "per_model_loss")
+    # running statistics are model-major too ([B*C] = [B, C]): a model whose step is rejected keeps its own
+    view = gb.const([opt.B, -1], np.int64, "model_view")
+    for stat, value in writes:
+        kept = gb.one("Where", [ok, gb.one("Reshape", [value, view]), gb.one("Reshape", [stat, view])])
+        kept = gb.one("Reshape", [kept, gb.one("Shape", [stat])])
+        done.append(gb.one("InPlaceAccumulatorV2", [stat, kept, true], domain="com.microsoft"))
     flags = gb.one("Concat", done, axis=0)
     gb.one("ReduceMin", [gb.one("Cast", [flags], to=onnx.TensorProto.INT32)], output=UPDATED, keepdims=0)
+    gb.one("Cast", [gb.one("Reshape", [ok, gb.const([-1], np.int64)])], output=OK, to=onnx.TensorProto.INT32)
     gb.flush()
     outs = [o for o in g.output if o.name in ("loss", "per_model_loss")]
     del g.output[:]
-    g.output.extend(outs + [_value_info(UPDATED, onnx.TensorProto.INT32, [])])
+    g.output.extend(outs + [_value_info(UPDATED, onnx.TensorProto.INT32, []),
+                            _value_info(OK, onnx.TensorProto.INT32, [opt.B])])
     hyper_vi = _value_info(HYPER_INPUT, onnx.TensorProto.FLOAT, [len(opt.rows()), opt.B, 1])
     g.input.insert(n_user_inputs, hyper_vi)
     if "com.microsoft" not in {o.domain for o in tm.opset_import}:

@@ -9,12 +9,19 @@ together form one ``[B, P]`` matrix multiplied by ``[B, 1]`` coefficients. Optim
 moments) lives in flat ``[B, P]`` checkpoint parameters ``optim.<state>`` and, like the parameters, is written in
 place with ``com.microsoft`` ``InPlaceAccumulatorV2(overwrite)``.
 
-The maths mirrors torch.optim's single-tensor implementations operation by operation:
+The maths mirrors torch.optim's single-tensor implementations operation by operation, with every value per model
+(the learning rate, momentum and beta1 as they are at this step, so a learning-rate schedule is just other
+coefficients):
 
-SGD   g = grad + wd*p;  buf = mom_c*buf + damp_c*g (step 1: mom_c=0, damp_c=1, i.e. buf = g)
+clip  g = g * min(max_norm / (||g|| + 1e-6), 1)                 (clip_grad_norm_, each model's own norm)
+SGD   g = g + wd*p;  buf = mom_c*buf + damp_c*g (step 1: mom_c=0, damp_c=1, i.e. buf = g)
       d = g_c*g + buf_c*buf (nesterov: g + momentum*buf; plain: buf);  p = p - lr*d
-AdamW p = p*(1 - lr*wd);  m = m + (1-b1)*(g - m);  v = b2*v + (1-b2)*g*g
-      p = p - (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps)         with bc_i = 1 - b_i^t
+Adam  g = g + wd*p (Adam) or p = p*(1 - lr*wd) (AdamW);  m = m + (1-b1)*(g - m);  v = b2*v + (1-b2)*g*g
+      vmax = max(vmax, v) (amsgrad);  p = p - (lr/bc1) * m / (sqrt(v or vmax)/sqrt(bc2) + eps),  bc_i = 1 - b_i^t
+
+Fault isolation: a model whose loss, gradient or new parameters are not finite, or that the trainer marked
+inactive, keeps its parameters, optimizer state and BatchNorm statistics (``Where(ok, new, old)``); the step's
+per-model ``ok`` flags are an output.
 """
 from __future__ import annotations
 
@@ -27,9 +34,9 @@ from onnxfuse.errors import ConfigError
 
 from ._builder import GraphBuilder
 
-__all__ = ["OptimizerConfig", "make_optimizer", "OPTIMIZERS", "HYPER_INPUT", "STATE_PREFIX"]
+__all__ = ["OptimizerConfig", "make_optimizer", "OPTIMIZERS", "HYPER_INPUT", "STATE_PREFIX", "StepValues"]
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 HYPER_INPUT = "optim.hyper"
 STATE_PREFIX = "optim."
 
@@ -49,8 +56,18 @@ def _per_model(name: str, value, B: int, cast=float) -> list:
 
 
 @dataclass
+class StepValues:
+    """The per-model values of one step: learning rate, and momentum (SGD) or beta1 (Adam), which a schedule such
+    as one-cycle moves too; ``active`` is 0 for a model that must not change (diverged or frozen)."""
+
+    lr: list[float]
+    momentum: list[float]  # SGD momentum, or Adam's beta1
+    active: list[bool]
+
+
+@dataclass
 class OptimizerConfig:
-    """One optimizer kind; every hyper-parameter is a list with one value per model."""
+    """One optimizer kind for the array; every hyper-parameter is a list with one value per model."""
 
     kind: str
     lr: list[float]
@@ -61,107 +78,158 @@ class OptimizerConfig:
     beta1: list[float] = field(default_factory=list)
     beta2: list[float] = field(default_factory=list)
     eps: list[float] = field(default_factory=list)
+    amsgrad: list[bool] = field(default_factory=list)
+    max_norm: list[float] = field(default_factory=list)  # gradient clipping; inf = off
+    momentum_varies: bool = False  # a schedule moves SGD's momentum (one-cycle): keep a momentum buffer
 
     @property
     def B(self) -> int:
         return len(self.lr)
 
+    @property
+    def clips(self) -> bool:
+        return any(np.isfinite(m) for m in self.max_norm)
+
+    def select(self, keep: Sequence[int]) -> "OptimizerConfig":
+        """The configuration of the models ``keep`` (by position), e.g. after an array shrinks."""
+        pick = lambda v: [v[i] for i in keep] if v else v  # noqa: E731
+        return OptimizerConfig(self.kind, pick(self.lr), pick(self.momentum), pick(self.dampening),
+                               pick(self.nesterov), pick(self.weight_decay), pick(self.beta1), pick(self.beta2),
+                               pick(self.eps), pick(self.amsgrad), pick(self.max_norm), self.momentum_varies)
+
     # ---- graph side
     def state_names(self) -> list[str]:
         """The flat [B, P] state buffers this configuration needs (named ``optim.<name>``)."""
         if self.kind == "sgd":
-            return ["momentum_buffer"] if any(m != 0 for m in self.momentum) else []
-        return ["exp_avg", "exp_avg_sq"]
+            return ["momentum_buffer"] if self.momentum_varies or any(m != 0 for m in self.momentum) else []
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(self.amsgrad) else [])
 
     def rows(self) -> list[str]:
+        common = ["active", "max_norm"]
         if self.kind == "sgd":
-            return ["wd", "mom_c", "damp_c", "g_c", "buf_c", "lr"]
-        return ["decay", "one_minus_b1", "b2", "one_minus_b2", "sqrt_bc2", "eps", "step_size"]
+            return common + ["wd", "mom_c", "damp_c", "g_c", "buf_c", "lr"]
+        return common + ["wd", "decay", "one_minus_b1", "b2", "one_minus_b2", "sqrt_bc2", "eps", "step_size",
+                         "amsgrad"]
 
-    def coefficients(self, step: int) -> np.ndarray:
+    def coefficients(self, step: int, values: StepValues | None = None) -> np.ndarray:
         """The ``[K, B, 1]`` float32 input for optimizer step ``step`` (1-based), computed in float64 like torch's
-        Python-side scalars and rounded once."""
+        Python-side scalars and rounded once. ``values`` gives this step's lr/momentum/active (default: the
+        configured constants, every model active)."""
         B = self.B
+        if values is None:
+            values = StepValues(list(self.lr), list(self.momentum if self.kind == "sgd" else self.beta1), [True] * B)
         rows = np.zeros((len(self.rows()), B), dtype=np.float64)
         for b in range(B):
+            lr, wd, active = values.lr[b], self.weight_decay[b], float(values.active[b])
+            max_norm = self.max_norm[b] if self.max_norm else np.inf
             if self.kind == "sgd":
-                m, d, wd, lr = self.momentum[b], self.dampening[b], self.weight_decay[b], self.lr[b]
+                m, d = values.momentum[b], self.dampening[b]
                 first = step == 1
                 mom_c, damp_c = (0.0, 1.0) if (first or m == 0) else (m, 1.0 - d)
                 g_c, buf_c = (1.0, m) if self.nesterov[b] else (0.0, 1.0)
-                rows[:, b] = [wd, mom_c, damp_c, g_c, buf_c, lr]
+                rows[:, b] = [active, max_norm, wd, mom_c, damp_c, g_c, buf_c, lr]
             else:
-                lr, wd, b1, b2, eps = self.lr[b], self.weight_decay[b], self.beta1[b], self.beta2[b], self.eps[b]
+                b1, b2, eps = values.momentum[b], self.beta2[b], self.eps[b]
                 bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-                rows[:, b] = [1.0 - lr * wd, 1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, eps, lr / bc1]
+                decoupled = self.kind == "adamw"
+                rows[:, b] = [active, max_norm, 0.0 if decoupled else wd, 1.0 - lr * wd if decoupled else 1.0,
+                              1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, eps, lr / bc1, float(self.amsgrad[b])]
         return rows.astype(np.float32)[:, :, None]
 
-    def append_update(self, gb: GraphBuilder, params: Sequence[tuple[str, str, Sequence[int]]], hyper: str) -> list[str]:
-        """Append the update of every (param, grad, fused shape); returns the InPlaceAccumulatorV2 outputs.
+    def append_update(self, gb: GraphBuilder, params: Sequence[tuple[str, str, Sequence[int]]], hyper: str,
+                      per_model_loss: str) -> tuple[list[str], str]:
+        """Append the update of every (param, grad, fused shape). Returns the InPlaceAccumulatorV2 outputs and the
+        ``ok`` tensor [B, 1] (bool): the models whose step was applied.
 
         All parameters are updated as one flat ``[B, P]`` matrix (P = parameters per model): the views
         ``[B, -1]`` of every parameter and gradient are concatenated, the maths runs once, and Split hands each
         parameter its columns back. A handful of kernels instead of ~20 per parameter, and because the
         concatenated gradient depends on every gradient, no parameter is overwritten before the whole backward
-        pass has read it. Optimizer state is one flat ``[B, P]`` buffer per kind (``optim.exp_avg`` ...).
+        pass has read it.
         """
         B = self.B
         view = gb.const([B, -1], np.int64, "model_view")
         row = {name: gb.one("Gather", [hyper, gb.const(k, np.int64, "row")], axis=0)
                for k, name in enumerate(self.rows())}
         true = gb.const([True], np.bool_, "overwrite")
-        done = []
+        done: list[str] = []
 
         def flat(names: list[str]) -> str:
             views = [gb.one("Reshape", [n, view]) for n in names]
             return views[0] if len(views) == 1 else gb.one("Concat", views, axis=1)
 
-        def write(buffer: str, value: str) -> None:
-            done.append(gb.one("InPlaceAccumulatorV2", [buffer, value, true], domain="com.microsoft"))
-
         P, G = flat([p for p, _, _ in params]), flat([g for _, g, _ in params])
+        if self.clips:  # clip_grad_norm_: scale each model's whole gradient to at most its max_norm
+            norm = gb.one("Sqrt", [gb.reduce("ReduceSum", gb.one("Mul", [G, G]), [1], keepdims=1)])
+            coef = gb.one("Div", [row["max_norm"], gb.one("Add", [norm, gb.const(1e-6)])])
+            G = gb.one("Mul", [G, gb.one("Min", [coef, gb.const(1.0)])])
+        news: list[tuple[str, str]] = []  # (state buffer, its new value)
         if self.kind == "sgd":
             if any(w != 0 for w in self.weight_decay):
                 G = gb.one("Add", [G, gb.one("Mul", [P, row["wd"]])])
             if self.state_names():
                 buf = STATE_PREFIX + "momentum_buffer"
                 Bn = gb.one("Add", [gb.one("Mul", [buf, row["mom_c"]]), gb.one("Mul", [G, row["damp_c"]])])
-                write(buf, Bn)
+                news.append((buf, Bn))
                 D = gb.one("Add", [gb.one("Mul", [G, row["g_c"]]), gb.one("Mul", [Bn, row["buf_c"]])]) \
                     if any(self.nesterov) else Bn
             else:
                 D = G
             Pn = gb.one("Sub", [P, gb.one("Mul", [D, row["lr"]])])
         else:
-            if any(w != 0 for w in self.weight_decay):
-                P = gb.one("Mul", [P, row["decay"]])
+            if self.kind == "adam" and any(w != 0 for w in self.weight_decay):
+                G = gb.one("Add", [G, gb.one("Mul", [P, row["wd"]])])
+            P1 = gb.one("Mul", [P, row["decay"]]) if self.kind == "adamw" and any(self.weight_decay) else P
             M, V = STATE_PREFIX + "exp_avg", STATE_PREFIX + "exp_avg_sq"
             Mn = gb.one("Add", [M, gb.one("Mul", [gb.one("Sub", [G, M]), row["one_minus_b1"]])])
             Vn = gb.one("Add", [gb.one("Mul", [V, row["b2"]]),
                                 gb.one("Mul", [gb.one("Mul", [G, G]), row["one_minus_b2"]])])
-            denom = gb.one("Add", [gb.one("Div", [gb.one("Sqrt", [Vn]), row["sqrt_bc2"]]), row["eps"]])
-            Pn = gb.one("Sub", [P, gb.one("Mul", [gb.one("Div", [Mn, denom]), row["step_size"]])])
-            write(M, Mn)
-            write(V, Vn)
+            news += [(M, Mn), (V, Vn)]
+            Vd = Vn
+            if any(self.amsgrad):
+                Vmax = STATE_PREFIX + "max_exp_avg_sq"
+                Vmn = gb.one("Max", [Vmax, Vn])
+                news.append((Vmax, Vmn))
+                Vd = gb.one("Where", [gb.one("Greater", [row["amsgrad"], gb.const(0.5)]), Vmn, Vn])
+            denom = gb.one("Add", [gb.one("Div", [gb.one("Sqrt", [Vd]), row["sqrt_bc2"]]), row["eps"]])
+            Pn = gb.one("Sub", [P1, gb.one("Mul", [gb.one("Div", [Mn, denom]), row["step_size"]])])
+        # ok[b]: model b is active and its loss, gradient and new parameters are finite (inf - inf = NaN, so one
+        # sum over G + Pn catches a non-finite element in either)
+        check = gb.one("Add", [gb.reduce("ReduceSum", gb.one("Add", [G, Pn]), [1], keepdims=1),
+                               gb.one("Reshape", [per_model_loss, gb.const([B, 1], np.int64)])])
+        finite = gb.one("Not", [gb.one("Or", [gb.one("IsNaN", [check]), gb.one("IsInf", [check])])])
+        ok = gb.one("And", [finite, gb.one("Greater", [row["active"], gb.const(0.5)])])
+        for buf, new in news:
+            done.append(gb.one("InPlaceAccumulatorV2", [buf, gb.one("Where", [ok, new, buf]), true],
+                               domain="com.microsoft"))
+        Pn = gb.one("Where", [ok, Pn, P])
         sizes = [int(np.prod(shape)) // B for _, _, shape in params]
-        pieces = [Pn] if len(params) == 1 else gb.node("Split", [Pn, gb.const(sizes, np.int64, "sizes")], len(params), axis=1)
+        pieces = [Pn] if len(params) == 1 else gb.node("Split", [Pn, gb.const(sizes, np.int64, "sizes")],
+                                                       len(params), axis=1)
         for (p, _, shape), piece in zip(params, pieces):
-            write(p, gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")]))
-        return done
+            value = gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")])
+            done.append(gb.one("InPlaceAccumulatorV2", [p, value, true], domain="com.microsoft"))
+        return done, ok
 
 
 def make_optimizer(kind: str, B: int, lr=None, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=None,
-                   betas=(0.9, 0.999), eps=1e-8) -> OptimizerConfig:
+                   betas=(0.9, 0.999), eps=1e-8, amsgrad=False, max_norm=None) -> OptimizerConfig:
     """Validate hyper-parameters (a scalar for all models or one per model) with torch.optim's defaults:
-    SGD lr 1e-3, momentum 0, weight_decay 0; AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2."""
+    SGD lr 1e-3, momentum 0, dampening 0, weight_decay 0; Adam / AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+    weight_decay 0 (Adam) / 1e-2 (AdamW), amsgrad off. ``max_norm``: clip_grad_norm_ per model (None: off)."""
     if kind not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer '{kind}'; choose one of: {', '.join(OPTIMIZERS)}")
     lr = _per_model("--lr", 1e-3 if lr is None else lr, B)
-    wd = _per_model("--weight-decay", (0.0 if kind == "sgd" else 1e-2) if weight_decay is None else weight_decay, B)
+    default_wd = 1e-2 if kind == "adamw" else 0.0
+    wd = _per_model("--weight-decay", default_wd if weight_decay is None else weight_decay, B)
     for name, vals in (("--lr", lr), ("--weight-decay", wd)):
         bad = [v for v in vals if not np.isfinite(v) or v < 0]
         if bad:
             raise ConfigError(f"{name} must be finite and >= 0, got {bad[0]}")
+    clip = _per_model("--clip-grad-norm", np.inf if max_norm is None else max_norm, B,
+                      cast=lambda v: np.inf if v is None else float(v))
+    if any(not (c > 0) for c in clip):
+        raise ConfigError(f"--clip-grad-norm must be > 0, got {[c for c in clip if not c > 0][0]}")
     if kind == "sgd":
         mom = _per_model("--momentum", momentum, B)
         damp = _per_model("--dampening", dampening, B)
@@ -171,8 +239,9 @@ def make_optimizer(kind: str, B: int, lr=None, momentum=0.0, dampening=0.0, nest
         for b in range(B):
             if nest[b] and (mom[b] <= 0 or damp[b] != 0):
                 raise ConfigError(f"model {b}: Nesterov momentum needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
-        return OptimizerConfig("sgd", lr, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd)
-    if isinstance(betas, tuple) and len(betas) == 2 and not isinstance(betas[0], (list, tuple)):
+        return OptimizerConfig("sgd", lr, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd,
+                               max_norm=clip)
+    if isinstance(betas, (tuple, list)) and len(betas) == 2 and not isinstance(betas[0], (list, tuple)):
         b1, b2 = _per_model("beta1", betas[0], B), _per_model("beta2", betas[1], B)
     else:
         pairs = list(betas)
@@ -181,6 +250,7 @@ def make_optimizer(kind: str, B: int, lr=None, momentum=0.0, dampening=0.0, nest
         if any(not 0 <= v < 1 for v in vals):
             raise ConfigError(f"{name} must be in [0, 1)")
     e = _per_model("--eps", eps, B)
-    if any(v <= 0 for v in e):
+    if any(not v > 0 for v in e):
         raise ConfigError("--eps must be > 0")
-    return OptimizerConfig("adamw", lr, weight_decay=wd, beta1=b1, beta2=b2, eps=e)
+    ams = _per_model("--amsgrad", amsgrad, B, cast=bool)
+    return OptimizerConfig(kind, lr, weight_decay=wd, beta1=b1, beta2=b2, eps=e, amsgrad=ams, max_norm=clip)

@@ -23,7 +23,7 @@ from onnxfuse.weights import ArraySpec
 from .artifacts import build_artifacts
 from .data import Dataset, batches, load_npz, make_dataset
 from .losses import LABELS, LOSS_OPTIONS, LossSpec, get_loss
-from .optim import OptimizerConfig, make_optimizer
+from .optim import OptimizerConfig, StepValues, make_optimizer
 
 __all__ = ["FusedTrainer", "TrainConfig", "TrainResult", "train_array", "load_array", "check_device"]
 
@@ -110,11 +110,14 @@ class FusedTrainer:
             raise DataError(f"the batch has no array '{missing[0]}'; a step needs {', '.join(self.inputs)}")
         return [feeds[n] for n in self.inputs]
 
-    def step(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        """One training step of every model; returns the per-model losses [B]."""
+    def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray:
+        """One training step of every model; returns the per-model losses [B]. ``values``: this step's per-model
+        lr / momentum (or beta1) / active flags (default: the configured constants). ``last_ok`` then holds which
+        models' steps were applied (False: inactive, or a non-finite loss, gradient or update)."""
         self.steps += 1
-        arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps)]
-        _, per_model, _ = self.module(*self._args(arrays))
+        arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps, values)]
+        _, per_model, _, ok = self.module(*self._args(arrays))
+        self.last_ok = self._np(ok).astype(bool)
         return self._np(per_model)
 
     def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
