@@ -6,10 +6,11 @@ import glob
 import os
 import re
 import sys
+import logging
 import traceback
 import warnings
 
-from .errors import ConfigError, OnnxFuseError
+from .errors import ConfigError, OnnxFuseError, TrainingStoppedError
 from .training.losses import LOSSES
 
 __all__ = ["main", "build_parser"]
@@ -78,26 +79,78 @@ def cmd_fuse(args) -> int:
     return 0
 
 
+def _train_settings(args) -> dict:
+    """The training settings given as flags (only those given: they override the config file)."""
+    nums = lambda flag, attr, cast=float: _numbers(getattr(args, attr), flag, cast)  # noqa: E731
+    given = {
+        "steps": args.steps, "epochs": args.epochs, "batch_size": args.batch_size, "loss": args.loss,
+        "optimizer": args.optimizer, "lr": nums("--lr", "lr"), "momentum": nums("--momentum", "momentum"),
+        "dampening": nums("--dampening", "dampening"), "weight_decay": nums("--weight-decay", "weight_decay"),
+        "eps": nums("--eps", "eps"), "clip_grad_norm": nums("--clip-grad-norm", "clip_grad_norm"),
+        "betas": tuple(nums("--betas", "betas")) if args.betas else None,
+        "nesterov": True if args.nesterov else None, "amsgrad": True if args.amsgrad else None,
+        "seed": args.seed, "device": args.device, "log_every": args.log_every, "data_order": args.data_order,
+        "eval_every": args.eval_every, "eval_fraction": args.eval_fraction, "checkpoint_every": args.checkpoint_every,
+        "keep_checkpoints": args.keep_checkpoints, "on_diverge": args.on_diverge,
+        "halving": _numbers(args.halving, "--halving", int), "halving_keep": args.halving_keep,
+        "shuffle": False if args.no_shuffle else None, "per_model_labels": True if args.per_model_labels else None,
+    }
+    loss_options = {k: v for k, v in (("label_smoothing", args.label_smoothing), ("ignore_index", args.ignore_index),
+                                      ("class_axis", args.class_axis)) if v is not None}
+    if loss_options:
+        given["loss_options"] = loss_options
+    if args.schedule:
+        sched = {"name": args.schedule}
+        for key in ("warmup_steps", "step_size", "gamma", "max_lr", "end_factor"):
+            if getattr(args, key) is not None:
+                sched[key] = getattr(args, key)
+        if args.milestones:
+            sched["milestones"] = _numbers(args.milestones, "--milestones", int)
+        given["schedule"] = sched
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def cmd_train(args) -> int:
     from .training import TrainConfig, train_array
 
-    # only the options given: the loss's own defaults (torch's) apply otherwise
-    loss_options = {k: v for k, v in (("label_smoothing", args.label_smoothing), ("ignore_index", args.ignore_index),
-                                      ("class_axis", args.class_axis)) if v is not None}
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, loss=args.loss, optimizer=args.optimizer,
-        lr=_numbers(args.lr, "--lr"), momentum=_numbers(args.momentum, "--momentum") or 0.0,
-        weight_decay=_numbers(args.weight_decay, "--weight-decay"), shuffle=not args.no_shuffle, seed=args.seed,
-        device=args.device, log_every=args.log_every, loss_options=loss_options,
-        per_model_labels=args.per_model_labels,
-    )
-    res = train_array(args.array, args.data, cfg, progress=not args.quiet)
+    settings, data, eval_data = {}, args.data, args.eval_data
+    if args.config:
+        from .training.config import config_to_train_settings, load_config
+
+        cfg_file = load_config(args.config)
+        settings, file_data, file_eval = config_to_train_settings(cfg_file, args.array)
+        data, eval_data = data or file_data, eval_data or file_eval
+    flags = _train_settings(args)
+    if args.resume and not args.config:
+        cfg, overrides = None, flags  # the checkpoint's own settings, changed only where a flag is given
+    else:
+        settings.update(flags)
+        if "batch_size" not in settings:
+            raise ConfigError("--batch-size is required (or batch_size in --config)")
+        if "steps" not in settings and "epochs" not in settings:
+            raise ConfigError("--steps or --epochs is required (or steps/epochs in --config)")
+        if data is None:
+            raise ConfigError("--data is required (a .npz file or sklearn:<name>), or data.train in --config")
+        cfg, overrides = TrainConfig.from_dict(settings), None
+    res = train_array(args.array, data, cfg, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
+                      overrides=overrides)
     print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
           f"({res.samples_per_s:,.0f} samples/s); metrics in {res.metrics_path}")
-    lrs = cfg.optimizer_config(len(res.final_loss)).lr
-    print(f"{'model':>5}  {'lr':>10}  {'final loss':>10}")
+    print(f"{'model':>5}  {'final loss':>10}  {'eval loss':>10}  {'eval acc':>8}  status")
+    ev_loss, ev_acc = res.eval.get("loss", {}), res.eval.get("accuracy", {})
     for b, loss in enumerate(res.final_loss):
-        print(f"{b:>5}  {lrs[b]:>10.4g}  {loss:>10.4f}")
+        st = res.status.get(b)
+        print(f"{b:>5}  {loss:>10.4f}  {ev_loss.get(b, float('nan')):>10.4f}  "
+              f"{100 * ev_acc.get(b, float('nan')):>7.1f}%  {'' if st is None else st['status'] + ' at step ' + str(st['step'])}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .training.report import format_table, make_report
+
+    summary = make_report(args.array, out_png=args.output)
+    print(format_table(summary))
+    print(f"plot: {summary['png']} (summary: {summary['json']})")
     return 0
 
 
@@ -152,9 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
     t.add_argument("array", metavar="ARRAY_DIR")
-    t.add_argument("--data", required=True, help=".npz with one array per graph input (by name) and 'labels'; "
-                   "arrays of per-model inputs are [B, n, ...]")
-    t.add_argument("--loss", default="cross-entropy", choices=list(LOSSES),
+    t.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it")
+    t.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
+                   "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
+    t.add_argument("--eval-data", help="held-out data, the same forms as --data")
+    t.add_argument("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
+    t.add_argument("--eval-every", type=int, help="evaluate every K steps (0: at the end only)")
+    t.add_argument("--loss", choices=list(LOSSES),
                    help="cross-entropy / nll: labels are class indices; mse, l1, bce-with-logits: targets shaped "
                    "like the output; model: the output is the loss (no labels)")
     t.add_argument("--label-smoothing", type=float, help="cross-entropy label smoothing in [0, 1] (default 0)")
@@ -164,17 +221,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="class axis of the output: 1 for [N, C, ...] (default), -1 for [N, T, V] language models")
     t.add_argument("--per-model-labels", action="store_true",
                    help="'labels' in the data file is [B, n, ...]: one set of labels per model")
-    t.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="default sgd")
     t.add_argument("--lr", help="learning rate: one value, or one per model (comma-separated); default 1e-3")
     t.add_argument("--momentum", help="SGD momentum, one or one per model (default 0)")
-    t.add_argument("--weight-decay", help="one or one per model (default: SGD 0, AdamW 0.01 as in torch.optim)")
-    t.add_argument("--steps", type=int, required=True)
-    t.add_argument("--batch-size", type=int, required=True)
+    t.add_argument("--dampening", help="SGD dampening, one or one per model (default 0)")
+    t.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum (per model: --config)")
+    t.add_argument("--weight-decay", help="one or one per model (default: AdamW 0.01, otherwise 0, as torch.optim)")
+    t.add_argument("--betas", help="Adam/AdamW beta1,beta2 (default 0.9,0.999; per model: --config)")
+    t.add_argument("--eps", help="Adam/AdamW eps, one or one per model (default 1e-8)")
+    t.add_argument("--amsgrad", action="store_true", help="Adam/AdamW amsgrad (per model: --config)")
+    t.add_argument("--clip-grad-norm", help="clip each model's gradient norm to this (one or one per model)")
+    t.add_argument("--schedule", choices=["constant", "step", "multistep", "exponential", "cosine", "linear",
+                                          "onecycle"], help="learning-rate schedule (torch.optim.lr_scheduler)")
+    t.add_argument("--warmup-steps", type=int, help="cosine/linear: linear warm-up steps")
+    t.add_argument("--step-size", type=int, help="step: decay every K steps")
+    t.add_argument("--gamma", type=float, help="step/multistep/exponential decay factor")
+    t.add_argument("--milestones", help="multistep: comma-separated steps")
+    t.add_argument("--max-lr", type=float, help="onecycle: peak learning rate")
+    t.add_argument("--end-factor", type=float, help="linear: final lr factor (default 0)")
+    t.add_argument("--steps", type=int, help="optimizer steps (or --epochs)")
+    t.add_argument("--epochs", type=int, help="passes over the data (or --steps)")
+    t.add_argument("--batch-size", type=int)
     t.add_argument("--no-shuffle", action="store_true", help="take batches in file order")
-    t.add_argument("--seed", type=int, default=0, help="shuffling seed")
-    t.add_argument("--device", default="cpu", help="cpu or cuda[:id]")
-    t.add_argument("--log-every", type=int, default=1, help="write metrics every K steps")
-    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--seed", type=int, help="shuffling seed (default 0)")
+    t.add_argument("--data-order", choices=["shared", "per-model", "shards"],
+                   help="shared batches (default), an own shuffle per model, or shard b for model b")
+    t.add_argument("--on-diverge", choices=["freeze", "stop"],
+                   help="a model whose loss or update is not finite: freeze it (default) or stop the run")
+    t.add_argument("--halving", help="steps at which successive halving keeps the best half by eval loss")
+    t.add_argument("--halving-keep", type=float, help="fraction kept at each halving (default 0.5)")
+    t.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps (0: never)")
+    t.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    t.add_argument("--device", help="cpu (default) or cuda[:id]")
+    t.add_argument("--log-every", type=int, help="write training metrics every K steps (default 1)")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
@@ -182,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(func=cmd_split)
+
+    r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
+    r.add_argument("array", metavar="ARRAY_DIR")
+    r.add_argument("-o", "--output", metavar="PNG", help="where to write the plot (default ARRAY_DIR/report.png)")
+    r.set_defaults(func=cmd_report)
 
     d = sub.add_parser("demo", help="train 8 small CNNs with 8 learning rates on scikit-learn's digits")
     d.add_argument("-o", "--output", default="onnxfuse-demo")
@@ -199,13 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds of fused / sequential runs back to back; medians of per-round ratios reported")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.set_defaults(func=cmd_bench)
+    from .placement._cli import add_place_parser
+    add_place_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+    logger = logging.getLogger("onnxfuse")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("onnxfuse: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
     try:
         return args.func(args) or 0
+    except TrainingStoppedError as e:  # a run stopped on purpose (--on-diverge stop): its state is saved
+        print(f"onnxfuse: {' '.join(str(e).split())}", file=sys.stderr)
+        return 3
     except OnnxFuseError as e:
         if args.verbose:
             traceback.print_exc()

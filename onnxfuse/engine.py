@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from .errors import NotFusibleError, UnsupportedOpError
 from .identity import AlignedModels
-from .layout import SHARED, Layout, packed, stacked
+from .layout import SHARED, Layout, stacked
 from .source import SourceModel
 from .weights import FusedWeight, WeightSlot, pack_weights
 

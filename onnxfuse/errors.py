@@ -9,6 +9,8 @@ __all__ = [
     "UntrainableOpError",
     "ConfigError",
     "DataError",
+    "PlacementError",
+    "TrainingStoppedError",
 ]
 
 
@@ -45,5 +47,14 @@ class ConfigError(OnnxFuseError):
     """A training or command-line setting is invalid (wrong length, negative, unknown name...)."""
 
 
+class TrainingStoppedError(OnnxFuseError):
+    """A training run stopped early on purpose (e.g. ``--on-diverge stop``); its state up to then is saved."""
+
+
 class DataError(OnnxFuseError):
     """A data file does not match the graph's inputs."""
+
+
+class PlacementError(OnnxFuseError):
+    """A graph cannot be placed on the given devices (it does not fit their memory, a placement names a missing
+    device, a placer does not apply to this graph...)."""

@@ -14,7 +14,7 @@ from ._io import atomic_dir
 from .errors import InputFileError
 from .weights import ArraySpec, unpack_weight
 
-__all__ = ["to_inference", "load_fused_weights", "split_weights", "split_array", "TRAINED_DIR"]
+__all__ = ["to_inference", "load_fused_weights", "split_weights", "final_states", "split_array", "TRAINED_DIR"]
 
 TRAINED_DIR = "trained"
 
@@ -66,6 +66,34 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0)
     return out
 
 
+def final_states(array_dir: str, spec: ArraySpec) -> list[dict[str, np.ndarray]]:
+    """Every original model's state_dict after training (or as fused when untrained). A run that shrank the
+    array (successive halving) stored the surviving array (``trained/array.json``) and each dropped model's state
+    at the step it was dropped (``trained/dropped/model_<b>.safetensors``)."""
+    from safetensors.numpy import load_file
+
+    fused, train_state = load_fused_weights(array_dir)
+    trained = os.path.join(array_dir, TRAINED_DIR)
+    current = spec
+    if os.path.exists(os.path.join(trained, "array.json")):
+        current = ArraySpec.load(os.path.join(trained, "array.json"))
+    missing = [n for n in current.weights if n not in fused]
+    if missing:
+        raise InputFileError(f"'{array_dir}': fused weight '{missing[0]}' is missing from the stored weights; "
+                             "re-run `onnxfuse fuse` or `onnxfuse train`")
+    models = train_state.get("models", list(range(current.B)))
+    states: list = [None] * spec.B
+    for b, state in zip(models, split_weights(current, fused, int(train_state.get("steps", 0)))):
+        states[b] = state
+    for b in range(spec.B):
+        if states[b] is None:
+            path = os.path.join(trained, "dropped", f"model_{b}.safetensors")
+            if not os.path.exists(path):
+                raise InputFileError(f"'{path}' is missing: model {b} was dropped but its state was not saved")
+            states[b] = load_file(path)
+    return states
+
+
 def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> list[str]:
     """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths."""
     from safetensors.numpy import save_file
@@ -74,12 +102,7 @@ def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
     if not os.path.isdir(array_dir):
         raise InputFileError(f"array folder '{array_dir}' does not exist; create it with `onnxfuse fuse`")
     spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
-    fused, train_state = load_fused_weights(array_dir)
-    missing = [n for n in spec.weights if n not in fused]
-    if missing:
-        raise InputFileError(f"'{array_dir}': fused weight '{missing[0]}' is missing from the stored weights; "
-                             "re-run `onnxfuse fuse` or `onnxfuse train`")
-    per_model = split_weights(spec, fused, int(train_state.get("steps", 0)))
+    per_model = final_states(array_dir, spec)
     sources = []
     for b in range(spec.B):
         path = os.path.join(array_dir, "sources", f"model_{b}.onnx")

@@ -16,7 +16,7 @@ from onnxfuse.errors import DataError, InputFileError
 
 from .losses import LABELS
 
-__all__ = ["Dataset", "load_npz", "make_dataset", "batches"]
+__all__ = ["Dataset", "load_npz", "make_dataset", "batches", "BatchSampler"]
 
 
 @dataclass
@@ -101,3 +101,58 @@ def batches(n: int, batch_size: int, shuffle: bool, seed: int) -> Iterator[np.nd
         order = rng.permutation(n) if shuffle else np.arange(n)
         for start in range(0, n - batch_size + 1, batch_size):
             yield order[start : start + batch_size]
+
+
+class BatchSampler:
+    """Batches of N sample indices over n samples: each epoch a seeded permutation (or file order), the last
+    partial batch of an epoch skipped. With ``per_model`` = B, every model draws its own permutation (seed + b) and
+    a batch is ``[B, N]`` indices. ``state_dict()`` / ``load_state_dict()`` capture the exact position (epoch,
+    offset, generator state), so a resumed run draws the batches an uninterrupted one would."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, per_model: int | None = None):
+        if batch_size < 1:
+            raise DataError("--batch-size must be at least 1")
+        if n < batch_size:
+            raise DataError(f"the data has {n} samples, fewer than one batch of {batch_size}; lower --batch-size")
+        self.n, self.N, self.shuffle, self.per_model = n, batch_size, shuffle, per_model
+        streams = 1 if per_model is None else per_model
+        self.rngs = [np.random.default_rng(seed + k) for k in range(streams)]
+        self.epoch, self.offset, self.orders = 0, 0, None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.N
+
+    def _new_epoch(self) -> None:
+        self.orders = [r.permutation(self.n) if self.shuffle else np.arange(self.n) for r in self.rngs]
+        self.offset = 0
+
+    def next(self) -> np.ndarray:
+        if self.orders is None or self.offset + self.N > self.n:
+            if self.orders is not None:
+                self.epoch += 1
+            self._new_epoch()
+        idx = [o[self.offset:self.offset + self.N] for o in self.orders]
+        self.offset += self.N
+        return idx[0] if self.per_model is None else np.stack(idx)
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep the streams of the models at ``positions`` (after the array shrinks)."""
+        if self.per_model is not None:
+            self.rngs = [self.rngs[i] for i in positions]
+            self.orders = None if self.orders is None else [self.orders[i] for i in positions]
+            self.per_model = len(positions)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "per_model": self.per_model,
+                "rngs": [r.bit_generator.state for r in self.rngs],
+                "orders": None if self.orders is None else [o.tolist() for o in self.orders]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.epoch, self.offset, self.per_model = d["epoch"], d["offset"], d["per_model"]
+        self.rngs = []
+        for state in d["rngs"]:
+            r = np.random.default_rng()
+            r.bit_generator.state = state
+            self.rngs.append(r)
+        self.orders = None if d["orders"] is None else [np.asarray(o, dtype=np.int64) for o in d["orders"]]

@@ -42,7 +42,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     from onnxfuse.split import split_array
     from onnxfuse.exporters import export_array, zoo
 
-    from .trainer import TrainConfig, train_array
+    from .run import TrainConfig, train_array
 
     t0 = time.perf_counter()
     (xtr, ytr), (xte, yte) = digits_data()

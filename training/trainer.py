@@ -1,31 +1,25 @@
-"""Training a fused array with onnxruntime-training: one session call per step for all B models."""
+"""The ONNX Runtime training session of a fused array: one session call per step for all B models (the run
+around it, with schedules, evaluation, checkpoints, is in ``run.py``)."""
 from __future__ import annotations
 
-import csv
-import json
 import os
 import shutil
-import sys
 import tempfile
-import time
 import weakref
-from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 import onnx
 
-from onnxfuse._io import atomic_dir
 from onnxfuse.errors import ConfigError, DataError, InputFileError
-from onnxfuse.split import TRAINED_DIR
 from onnxfuse.weights import ArraySpec
 
 from .artifacts import build_artifacts
-from .data import Dataset, batches, load_npz, make_dataset
-from .losses import LABELS, LOSS_OPTIONS, LossSpec, get_loss
-from .optim import OptimizerConfig, StepValues, make_optimizer
+from .data import Dataset
+from .losses import LABELS, LossSpec, get_loss
+from .optim import OptimizerConfig, StepValues
 
-__all__ = ["FusedTrainer", "TrainConfig", "TrainResult", "train_array", "load_array", "check_device"]
+__all__ = ["FusedTrainer", "load_array", "check_device"]
 
 
 def check_device(device: str) -> str:
@@ -167,122 +161,3 @@ class FusedTrainer:
         from onnxruntime.training.api import CheckpointState
 
         CheckpointState.save_checkpoint(self.state, path)
-
-
-@dataclass
-class TrainConfig:
-    """Everything `onnxfuse train` takes; per-model values are a scalar or a list of B."""
-
-    steps: int
-    batch_size: int
-    loss: str = "cross-entropy"
-    optimizer: str = "sgd"
-    lr: float | list[float] | None = None
-    momentum: float | list[float] = 0.0
-    weight_decay: float | list[float] | None = None
-    shuffle: bool = True
-    seed: int = 0
-    device: str = "cpu"
-    log_every: int = 1
-    loss_options: dict = field(default_factory=dict)  # label_smoothing, ignore_index, class_axis (see get_loss)
-    per_model_labels: bool = False  # labels [B, n, ...], one set per model
-
-    def optimizer_config(self, B: int) -> OptimizerConfig:
-        return make_optimizer(self.optimizer, B, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-
-    def loss_spec(self) -> LossSpec:
-        unknown = sorted(set(self.loss_options) - set(LOSS_OPTIONS))
-        if unknown:
-            raise ConfigError(f"unknown loss option '{unknown[0]}'; the options are {', '.join(LOSS_OPTIONS)}")
-        return get_loss(self.loss, per_model_labels=self.per_model_labels, **self.loss_options)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    final_loss: list[float]
-    elapsed_s: float
-    samples_per_s: float
-    metrics_path: str
-    trained_dir: str
-    eval: dict = field(default_factory=dict)
-
-
-def _loss_summary(losses: np.ndarray) -> str:
-    if len(losses) <= 4:
-        return "/".join(f"{v:.3f}" for v in losses)
-    return f"min {np.min(losses):.3f} med {np.median(losses):.3f} max {np.max(losses):.3f}"
-
-
-def train_array(array_dir: str | os.PathLike, data: str | os.PathLike | dict, config: TrainConfig,
-                progress: bool = True) -> TrainResult:
-    """Train every model of the array in ``array_dir``; write ``trained/`` and ``metrics.csv`` there.
-
-    Everything is validated before anything is written; ``trained/`` is replaced in one rename at the end.
-    """
-    from tqdm import tqdm
-
-    array_dir = os.fspath(array_dir)
-    fused, spec = load_array(array_dir)
-    if config.steps < 1:
-        raise ConfigError(f"--steps must be at least 1, got {config.steps}")
-    if config.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
-    if config.log_every < 1:
-        raise ConfigError("--log-every must be at least 1")
-    loss = config.loss_spec()
-    opt = config.optimizer_config(spec.B)
-    check_device(config.device)
-    source = data if isinstance(data, (str, os.PathLike)) else "data"
-    arrays = load_npz(data) if isinstance(data, (str, os.PathLike)) else data
-    if len(spec.outputs) != 1:
-        raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
-    out_shape = spec.outputs[0]["shape"]
-    loss.check_output(out_shape, spec.outputs[0]["name"])
-    dataset = make_dataset(arrays, spec.inputs, loss.label_dtype, loss.label_shape(out_shape),
-                           source=os.fspath(source), B=spec.B, per_model_labels=loss.per_model_labels)
-    K = loss.num_classes(out_shape)
-    if K is not None:
-        labels = dataset.arrays[LABELS]
-        labels = labels[labels != loss.ignore_index]
-        if labels.size and (labels.min() < 0 or labels.max() >= K):
-            raise DataError(f"{os.fspath(source)}: 'labels' must be class indices in [0, {K}) (or the ignore index "
-                            f"{loss.ignore_index}) for the model's {K} classes, found {labels.min()}..{labels.max()}")
-    batch_iter = batches(len(dataset), config.batch_size, config.shuffle, config.seed)
-
-    trained = os.path.join(array_dir, TRAINED_DIR)
-    with atomic_dir(trained, overwrite=True) as tmp:
-        trainer = FusedTrainer(fused, spec, loss, opt, config.device, workdir=os.path.join(tmp, "artifacts"))
-        metrics_tmp = os.path.join(tmp, "metrics.csv")
-        B, N = spec.B, config.batch_size
-        with open(metrics_tmp, "w", newline="") as mf:
-            writer = csv.writer(mf)
-            writer.writerow(["step", "model", "loss", "lr", "elapsed_s"])
-            bar = tqdm(total=config.steps, unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True,
-                       desc=f"training {B} models")
-            t0 = time.perf_counter()
-            losses = np.full(B, np.nan)
-            for step in range(1, config.steps + 1):
-                idx = next(batch_iter)
-                losses = trainer.step(dataset.batch(idx))
-                if step % config.log_every == 0 or step == config.steps:
-                    el = time.perf_counter() - t0
-                    writer.writerows([step, b, f"{losses[b]:.7g}", f"{opt.lr[b]:.7g}", f"{el:.4f}"] for b in range(B))
-                    bar.set_postfix_str(f"loss {_loss_summary(losses)} | {B * N * step / el:,.0f} samples/s")
-                bar.update(1)
-            elapsed = time.perf_counter() - t0
-            bar.close()
-        from safetensors.numpy import save_file
-
-        save_file(trainer.weights(), os.path.join(tmp, "weights.safetensors"))
-        state = trainer.optimizer_state()
-        if state:
-            save_file(state, os.path.join(tmp, "optimizer_state.safetensors"))
-        trainer.save_checkpoint(os.path.join(tmp, "ort_checkpoint"))
-        with open(os.path.join(tmp, "train_state.json"), "w") as f:
-            json.dump({"steps": config.steps, "config": asdict(config), "final_loss": losses.tolist(),
-                       "elapsed_s": elapsed}, f, indent=1)
-    os.replace(os.path.join(trained, "metrics.csv"), os.path.join(array_dir, "metrics.csv"))
-    return TrainResult(steps=config.steps, final_loss=losses.tolist(), elapsed_s=elapsed,
-                       samples_per_s=B * N * config.steps / elapsed, metrics_path=os.path.join(array_dir, "metrics.csv"),
-                       trained_dir=trained)

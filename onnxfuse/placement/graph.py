@@ -1,0 +1,444 @@
+"""The graph a placer sees: ONNX nodes as tasks, tensors as the data on their edges, with sizes, costs and memory.
+
+    task i        one ONNX node; cost w_i = its profiled kernel time, or estimated from FLOPs and bytes
+    edge p -> c   the tensors p writes that c reads; bytes(t) = prod(shape(t)) * itemsize(dtype(t))
+    memory        on a device d holding the nodes P_d (what every placer enforces, see ``MemoryLedger``):
+
+        M_d = f * sum(bytes(w) for weights w read on d)        f = 1 to run the graph as it is,
+            + sum(bytes(x) for graph inputs x read on d)          f = 2 + k to train it: weight, gradient and
+            + sum(bytes(t) for tensors t written on d)            k optimizer slots (AdamW 2, momentum 1)
+            + sum(bytes(t) for tensors t received by d)
+
+      Every tensor written is counted as kept for the whole step: that is what training keeps for the backward
+      pass, and an upper bound of what inference holds at once (the simulator reports the live peak too).
+
+Shapes come from ONNX shape inference after the graph inputs' symbolic dimensions are bound (``batch_size`` for
+the first axis, ``dims`` by name); tensors it cannot type (e.g. com.microsoft gradient ops in a training graph)
+are measured by running the graph once with onnxruntime.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import ConfigError, InputFileError
+from .orders import Dag, check_acyclic
+
+__all__ = ["TensorInfo", "PlacementGraph", "build_graph", "load_model", "bind_dims", "example_feeds",
+           "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS"]
+
+OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adamw": 2, "adam": 2}
+
+# ops that move or reinterpret data without arithmetic
+_MOVES = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Concat", "Split", "Slice",
+          "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Pad", "Cast", "CastLike", "ScatterND",
+          "ScatterElements", "DepthToSpace", "SpaceToDepth", "ConcatTraining", "SplitTraining", "Dropout"}
+# ops whose output is metadata or a view: neither FLOPs nor real traffic
+_FREE = {"Shape", "Size", "Constant", "ConstantOfShape", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+_TRANSCENDENTAL = {"Exp", "Log", "Tanh", "Sigmoid", "Erf", "Gelu", "FastGelu", "Softplus", "Softsign", "Mish", "Sin",
+                   "Cos", "Pow", "Sqrt", "Reciprocal", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish",
+                   "BiasGelu", "GeluGrad", "BiasGeluGrad_dX", "FastGeluGrad", "TanhGrad", "SigmoidGrad"}
+_NORMS = {"BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization",
+          "SimplifiedLayerNormalization", "LayerNormalizationGrad", "BatchNormalizationGrad",
+          "InstanceNormalizationGrad", "SimplifiedLayerNormalizationGrad", "SkipLayerNormalization"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the graph: its size and who writes and reads it."""
+
+    name: str
+    nbytes: int
+    shape: tuple[int, ...] | None
+    dtype: str                 # numpy dtype name
+    kind: str                  # "input" (fed each step), "weight" (initializer) or "activation" (a node writes it)
+    producer: int | None
+    consumers: tuple[int, ...]
+
+
+@dataclass
+class PlacementGraph:
+    """An ONNX graph as tasks and data, ready for placers and the simulator.
+
+    ``model`` is the ONNX model with unique node names and bound input shapes (None for a union of graphs).
+    ``measured_s[i]``, when present, is node i's profiled kernel time on the reference machine.
+    """
+
+    model: onnx.ModelProto | None
+    label: str
+    names: list[str]
+    op_types: list[str]
+    inputs: list[list[str]]        # tensors each node reads (unique, in first-use order)
+    outputs: list[list[str]]       # tensors each node writes
+    tensors: dict[str, TensorInfo]
+    graph_inputs: list[str]
+    graph_outputs: list[str]
+    flops: list[float]
+    bytes_accessed: list[float]
+    training: bool = False         # plan memory for training this (forward) graph
+    optimizer_slots: int = 2
+    kind: str = "forward"          # "forward" or "training graph" (it already holds its backward pass)
+    measured_s: list[float] | None = None
+    dag: Dag = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        edges = []
+        for c, ins in enumerate(self.inputs):
+            for t in ins:
+                p = self.tensors[t].producer
+                if p is not None and p != c:
+                    edges.append((p, c))
+        self.dag = Dag.from_edges(self.names, edges)
+        check_acyclic(self.dag)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def weight_factor(self) -> float:
+        """Bytes held per weight byte: 1 to run the graph, 2 + optimizer slots to train it."""
+        return 2.0 + self.optimizer_slots if self.training else 1.0
+
+    def edge_tensors(self, p: int, c: int) -> list[str]:
+        """Tensors node p writes that node c reads."""
+        return [t for t in self.outputs[p] if t in self.tensors and c in self.tensors[t].consumers]
+
+    def edge_bytes(self, p: int, c: int) -> int:
+        return sum(self.tensors[t].nbytes for t in self.edge_tensors(p, c))
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values() if t.kind == "weight")
+
+    def summary(self) -> dict:
+        return {"label": self.label, "kind": self.kind, "nodes": len(self), "edges": sum(map(len, self.dag.succs)),
+                "weight_bytes": self.weight_bytes, "flops": sum(self.flops),
+                "measured_s": None if self.measured_s is None else sum(self.measured_s),
+                "training": self.training}
+
+
+def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
+    """A ModelProto from a path (with a clear error for a missing or unreadable file) or as given."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise InputFileError(f"model file '{path}' does not exist" if not os.path.exists(path)
+                             else f"'{path}' is a folder, not an ONNX model file")
+    try:
+        return onnx.load(path)
+    except Exception as e:
+        raise InputFileError(f"'{path}' is not a readable ONNX model ({type(e).__name__}); re-export it") from e
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every node a unique, non-empty name ('{op}_{index}' where missing or repeated), in place.
+    Profiles, placements and sub-models all refer to nodes by name."""
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        name = node.name
+        if not name or name in seen:
+            name = f"{node.op_type}_{i}"
+            while name in seen:
+                name += "_"
+            node.name = name
+        seen.add(name)
+    return model
+
+
+def bind_dims(model: onnx.ModelProto, batch_size: int | None = None,
+              dims: Mapping[str, int] | None = None) -> onnx.ModelProto:
+    """Fix every symbolic dimension of the graph inputs, in place: a named one from ``dims``, else the first free
+    one of each input (the batch: axis 0, or axis 1 of a per-model input [B, N, ...]) from ``batch_size``."""
+    dims = dict(dims or {})
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        first_free = True
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                continue
+            param = d.dim_param if d.HasField("dim_param") else ""
+            if param and param in dims:
+                value = dims[param]
+            elif first_free and batch_size is not None:  # [N, ...], or [B, N, ...] for a per-model input
+                value = batch_size
+            else:
+                hint = f"--dims {param}=VALUE" if param else "--batch-size N" if first_free else "--dims"
+                raise ConfigError(f"graph input '{vi.name}' has a free dimension "
+                                  f"{repr(param) if param else '(unnamed)'} on axis {axis}; give its size with {hint}")
+            first_free = False
+            d.Clear()
+            d.dim_value = int(value)
+    # value_info stays: onnxruntime 1.19 crashes on a training graph whose contrib-op outputs lost their types,
+    # and shape inference replaces its symbolic dims where it can
+    return model
+
+
+def _static_shape(type_proto: onnx.TypeProto) -> tuple[int, ...] | None:
+    if not type_proto.HasField("tensor_type") or not type_proto.tensor_type.HasField("shape"):
+        return None
+    out = []
+    for d in type_proto.tensor_type.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        out.append(int(d.dim_value))
+    return tuple(out)
+
+
+def _inferred_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...] | None]]:
+    """{tensor: (elem_type, static shape or None)} from ONNX shape inference (partial results kept)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as e:  # a custom-domain op can stop inference; the runtime fills the rest
+        warnings.warn(f"ONNX shape inference failed ({str(e).splitlines()[0][:200]}); sizes come from a run")
+        inferred = model
+    g = inferred.graph
+    out: dict[str, tuple[int, tuple[int, ...] | None]] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            out[vi.name] = (vi.type.tensor_type.elem_type, _static_shape(vi.type))
+    for t in g.initializer:
+        out[t.name] = (t.data_type, tuple(int(d) for d in t.dims))
+    return out
+
+
+def example_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """One array per graph input of a model with bound shapes: floats ~ N(0, 1), integers 0 (a valid index and
+    class label), booleans False."""
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        shape = _static_shape(vi.type)
+        if shape is None:
+            raise ConfigError(f"graph input '{vi.name}' has no static shape; bind it with --batch-size / --dims")
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+        if dtype.kind == "f":
+            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[vi.name] = np.zeros(shape, dtype=bool)
+        else:
+            feeds[vi.name] = np.zeros(shape, dtype=dtype)
+    return feeds
+
+
+_PROFILE_DTYPES = {"float": "float32", "double": "float64", "float16": "float16", "bfloat16": "float32",
+                   "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
+                   "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool"}
+
+
+def _runtime_types(model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[str, np.ndarray]
+                   ) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Types of ``names`` from one profiled onnxruntime run: its node events list every output's dtype and shape
+    (the graph is run as it is; adding untyped graph outputs instead can crash onnxruntime 1.19)."""
+    import json
+    import tempfile
+
+    from .execute import make_session
+
+    wanted = set(names)
+    by_node = {n.name: [t for t in n.output if t] for n in model.graph.node}
+    found: dict[str, tuple[int, tuple[int, ...]]] = {}
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-shapes-") as tmp:
+        sess = make_session(model, profile_prefix=os.path.join(tmp, "shapes"))
+        sess.run([o.name for o in sess.get_outputs()], {k: np.array(v, copy=True) for k, v in feeds.items()})
+        with open(sess.end_profiling()) as f:
+            events = json.load(f)
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        outs = by_node.get(e["name"][: -len("_kernel_time")], [])
+        shapes = e.get("args", {}).get("output_type_shape", [])
+        if len(shapes) != len(outs):
+            continue
+        for t, ts in zip(outs, shapes):
+            (kind, dims), = ts.items()
+            if t in wanted and kind in _PROFILE_DTYPES:
+                found[t] = (helper.np_dtype_to_tensor_dtype(np.dtype(_PROFILE_DTYPES[kind])), tuple(int(d) for d in dims))
+    return found
+
+
+def _numel(shape: tuple[int, ...] | None) -> float:
+    return float(math.prod(shape)) if shape is not None else 0.0
+
+
+def estimate_flops(op_type: str, in_shapes: Sequence[tuple[int, ...] | None],
+                   out_shapes: Sequence[tuple[int, ...] | None], attrs: Mapping[str, object]) -> float:
+    """Floating-point operations of one node (multiply-add = 2), from its shapes:
+
+        Conv          2 * |Y| * Cin/g * prod(kernel)       (W = [Cout, Cin/g, k...])
+        ConvTranspose 2 * |X| * Cout/g * prod(kernel)      (W = [Cin, Cout/g, k...])
+        ConvGrad      2 * Conv(dY, W)                       (dX and dW)
+        MatMul, Gemm  2 * |Y| * K
+        pooling       |Y| * prod(kernel);  norms 5 * |X|;  softmax, reductions 3 * |X|
+        exp/tanh/...  4 * |Y|;  other elementwise |Y|;  data movement 0
+    """
+    ins = list(in_shapes) + [None] * 3
+    y = out_shapes[0] if out_shapes else None
+    if op_type in _MOVES or op_type in _FREE:
+        return 0.0
+    if op_type == "Conv" and ins[1] is not None:
+        return 2.0 * _numel(y) * _numel(ins[1][1:])
+    if op_type == "ConvTranspose" and ins[1] is not None:
+        return 2.0 * _numel(ins[0]) * _numel(ins[1][1:])
+    if op_type == "ConvGrad" and ins[2] is not None:  # inputs dY, X, W
+        return 2.0 * 2.0 * _numel(ins[0]) * _numel(ins[2][1:])
+    if op_type in ("MatMul", "FusedMatMul", "MatMulInteger") and ins[0] is not None and ins[0]:
+        return 2.0 * _numel(y) * ins[0][-1]
+    if op_type == "Gemm" and ins[0] is not None and len(ins[0]) == 2:
+        k = ins[0][0] if attrs.get("transA") else ins[0][1]
+        return 2.0 * _numel(y) * k + _numel(y)
+    if op_type in ("MaxPool", "AveragePool", "LpPool", "MaxPoolGrad", "AveragePoolGrad"):
+        kernel = attrs.get("kernel_shape") or []
+        return _numel(y if op_type.endswith("Pool") else ins[0]) * float(math.prod(kernel) if kernel else 1)
+    if op_type in _NORMS:
+        return 5.0 * _numel(ins[0])
+    if op_type.startswith(("Reduce", "Global", "Softmax", "LogSoftmax", "ArgM")) or "CrossEntropy" in op_type:
+        return 3.0 * _numel(ins[0])
+    if op_type in _TRANSCENDENTAL:
+        return 4.0 * _numel(y)
+    return max(_numel(y), max((_numel(s) for s in in_shapes), default=0.0))
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    out = {}
+    for a in node.attribute:
+        if a.type in (onnx.AttributeProto.INT, onnx.AttributeProto.INTS, onnx.AttributeProto.FLOAT,
+                      onnx.AttributeProto.STRING):
+            out[a.name] = helper.get_attribute_value(a)
+    return out
+
+
+def _implicit_inputs(node: onnx.NodeProto) -> list[str]:
+    """Outer-scope tensors a node's subgraphs (If, Loop, Scan) read: dependencies not listed in node.input."""
+    found: list[str] = []
+    for a in node.attribute:
+        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+        for g in graphs:
+            local = {i.name for i in g.input} | {t.name for t in g.initializer}
+            for n in g.node:
+                for t in list(n.input) + _implicit_inputs(n):
+                    if t and t not in local and t not in found:
+                        found.append(t)
+                local.update(n.output)
+    return found
+
+
+def _is_training_graph(model: onnx.ModelProto) -> bool:
+    return any(n.op_type.endswith("Grad") or n.op_type.startswith("InPlaceAccumulator") for n in model.graph.node)
+
+
+def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None = None,
+                batch_size: int | None = None, dims: Mapping[str, int] | None = None,
+                feeds: Mapping[str, np.ndarray] | None = None, training: bool = False,
+                optimizer: str = "adamw", run_for_shapes: bool = True) -> PlacementGraph:
+    """The placement graph of an ONNX model (single, fused, or a training graph with its backward pass).
+
+    ``training`` plans memory for training a forward graph (weights x (2 + optimizer slots)). Tensors whose
+    shape inference cannot give are measured by one onnxruntime run with ``feeds`` (random ones by default)
+    unless ``run_for_shapes`` is False (they then count 0 bytes, with a warning).
+    """
+    if label is None:
+        label = os.path.basename(os.fspath(model)) if not isinstance(model, onnx.ModelProto) else "model"
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise ConfigError(f"--optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(OPTIMIZER_SLOTS)}")
+    proto = onnx.ModelProto()
+    proto.CopyFrom(load_model(model))
+    name_nodes(proto)
+    bind_dims(proto, batch_size, dims)
+    types = _inferred_types(proto)
+    g = proto.graph
+    init_names = {t.name for t in g.initializer}
+    graph_inputs = [vi.name for vi in g.input if vi.name not in init_names]
+    produced = [t for n in g.node for t in n.output if t]
+    missing = [t for t in produced if t not in types or types[t][1] is None]
+    if missing:
+        if run_for_shapes:
+            try:
+                types.update(_runtime_types(proto, missing, feeds if feeds is not None else example_feeds(proto)))
+            except ImportError:
+                warnings.warn(f"{label}: onnxruntime is not installed; {len(missing)} tensors without a static "
+                              "shape count as 0 bytes")
+        else:
+            warnings.warn(f"{label}: {len(missing)} tensors have no static shape and count as 0 bytes")
+
+    names, ops, ins, outs = [], [], [], []
+    producer: dict[str, int] = {}
+    for i, node in enumerate(g.node):
+        names.append(node.name)
+        ops.append(node.op_type)
+        reads: list[str] = []
+        for t in list(node.input) + _implicit_inputs(node):
+            if t and t not in reads:
+                reads.append(t)
+        ins.append(reads)
+        outs.append([t for t in node.output if t])
+        for t in outs[-1]:
+            producer[t] = i
+    consumers: dict[str, list[int]] = {}
+    for i, reads in enumerate(ins):
+        for t in reads:
+            consumers.setdefault(t, []).append(i)
+    tensors: dict[str, TensorInfo] = {}
+    for t in set(consumers) | set(producer) | set(graph_inputs):
+        elem, shape = types.get(t, (onnx.TensorProto.FLOAT, None))
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem)) if elem else np.dtype("float32")
+        kind = "weight" if t in init_names else "activation" if t in producer else "input"
+        if kind == "input" and t not in graph_inputs:  # read but written by no one: an outer-scope or missing name
+            raise InputFileError(f"{label}: tensor '{t}' is read by node '{names[consumers[t][0]]}' but is neither "
+                                 "a graph input, an initializer nor a node output; the model is broken")
+        nbytes = int(_numel(shape) * dtype.itemsize) if shape is not None else 0
+        tensors[t] = TensorInfo(t, nbytes, shape, dtype.name, kind, producer.get(t), tuple(consumers.get(t, ())))
+    flops, traffic = [], []
+    for i, node in enumerate(g.node):
+        in_shapes = [tensors[t].shape if t in tensors else None for t in node.input]
+        out_shapes = [tensors[t].shape if t in tensors else None for t in node.output]
+        flops.append(estimate_flops(node.op_type, in_shapes, out_shapes, _attrs(node)))
+        moved = 0.0 if node.op_type in _FREE else float(
+            sum(tensors[t].nbytes for t in ins[i]) + sum(tensors[t].nbytes for t in outs[i]))
+        traffic.append(moved)
+    kind = "training graph" if _is_training_graph(proto) else "forward"
+    return PlacementGraph(
+        model=proto, label=label, names=names, op_types=ops, inputs=ins, outputs=outs, tensors=tensors,
+        graph_inputs=graph_inputs, graph_outputs=[o.name for o in g.output], flops=flops, bytes_accessed=traffic,
+        training=training and kind == "forward", optimizer_slots=OPTIMIZER_SLOTS[optimizer], kind=kind,
+    )
+
+
+def union_graph(graphs: Sequence[PlacementGraph], prefixes: Sequence[str], label: str) -> PlacementGraph:
+    """Independent graphs side by side (no edges between them), names prefixed: how sharded sub-arrays are
+    simulated together."""
+    names, ops, ins, outs, tensors, gin, gout, flops, traffic, measured = [], [], [], [], {}, [], [], [], [], []
+    for g, pre in zip(graphs, prefixes):
+        base = len(names)
+        names += [pre + n for n in g.names]
+        ops += g.op_types
+        ins += [[pre + t for t in r] for r in g.inputs]
+        outs += [[pre + t for t in w] for w in g.outputs]
+        for t in g.tensors.values():
+            tensors[pre + t.name] = TensorInfo(pre + t.name, t.nbytes, t.shape, t.dtype, t.kind,
+                                               None if t.producer is None else base + t.producer,
+                                               tuple(base + c for c in t.consumers))
+        gin += [pre + t for t in g.graph_inputs]
+        gout += [pre + t for t in g.graph_outputs]
+        flops += g.flops
+        traffic += g.bytes_accessed
+        measured += g.measured_s if g.measured_s is not None else [math.nan] * len(g)
+    first = graphs[0]
+    return PlacementGraph(
+        model=None, label=label, names=names, op_types=ops, inputs=ins, outputs=outs, tensors=tensors,
+        graph_inputs=gin, graph_outputs=gout, flops=flops, bytes_accessed=traffic, training=first.training,
+        optimizer_slots=first.optimizer_slots, kind=first.kind,
+        measured_s=None if any(g.measured_s is None for g in graphs) else measured,
+    )

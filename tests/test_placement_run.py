@@ -1,0 +1,181 @@
+"""Device placement for real: partitioned execution gives the whole model's outputs (zoo models, fused arrays,
+a training graph), and `onnxfuse place` end to end."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import MODELS, export_all, make_modules
+from onnxfuse import fuse_models, save_array
+from onnxfuse.cli import main
+from onnxfuse.placement import (build_graph, cost_table, example_feeds, find_array, make_devices, partition_graph,
+                                place, shard_plan, simulate)
+from onnxfuse.placement.execute import max_rel_error, run_partition, run_whole
+from onnxfuse.placement.profile import calibrate, profile_graph
+from onnxfuse.placement.shard import shard_groups, shard_partition
+from test_zoo import export_zoo, zoo_input, zoo_modules
+
+DEVS3 = make_devices(3)
+
+
+def _placements(graph, seed=0):
+    """Placements that cut the graph everywhere: alternating devices, halves, random, and the two placers."""
+    n = len(graph)
+    rnd = random.Random(seed)
+    costs = cost_table(graph, make_devices(3, latency="1us", bandwidth="100GB/s"))
+    return {
+        "alternating": [i % 2 for i in range(n)],
+        "halves": [0 if i < n // 2 else 1 for i in range(n)],
+        "random": [rnd.randrange(3) for _ in range(n)],
+        "greedy/dfs_preorder": place(graph, costs, "greedy", "dfs_preorder").device_of,
+        "heft": place(graph, costs, "heft").device_of,
+    }
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet18", "transformer_lm"])
+def test_partitioned_zoo_model_equals_whole(name, tmp_path):
+    path = export_zoo(name, zoo_modules(name, 1), tmp_path)[0]
+    g = build_graph(path, batch_size=4)
+    feeds = {"input": zoo_input(name, 4, seed=3).numpy()}
+    expected = run_whole(g.model, feeds)
+    for label, device_of in _placements(g).items():
+        part = partition_graph(g, device_of, 3)
+        if label == "alternating":
+            assert max(s.index for s in part.stages) > 2  # it does ping-pong between devices
+        got = run_partition(part, DEVS3, feeds, warmup=0, repeats=1).outputs
+        assert max_rel_error(got, expected) < 1e-6, label
+
+
+@pytest.fixture(scope="module")
+def lenet_array(tmp_path_factory):
+    d = tmp_path_factory.mktemp("array")
+    paths = export_all(make_modules("lenet", 3), MODELS["lenet"][1], d / "jobs")
+    save_array(fuse_models(paths), d / "array")
+    return d / "array"
+
+
+def _array_graph_builder(info, feeds, batch):
+    def build(model, label, b0, b1):
+        sub = {k: (v[b0:b1] if k in info.per_model_inputs else v) for k, v in feeds.items()}
+        return build_graph(model, label=label, batch_size=batch, feeds=sub)
+    return build
+
+
+def test_sharded_array_equals_whole_fused(lenet_array):
+    info = find_array(lenet_array / "fused.onnx")
+    g = build_graph(lenet_array / "fused.onnx", batch_size=5)
+    feeds = example_feeds(g.model)
+    plan = shard_plan(info, make_devices(2), _array_graph_builder(info, feeds, 5))
+    assert plan.groups == [(0, 0, 2), (1, 2, 3)]
+    got = run_partition(shard_partition(plan, 2), make_devices(2), feeds, warmup=0, repeats=1).outputs
+    assert got["output"].shape[0] == 3
+    assert max_rel_error(got, run_whole(g.model, feeds)) < 1e-6
+    # no tensor crosses devices, and the fused graph cut by op placement still computes the same
+    costs = cost_table(plan.union, make_devices(2))
+    assert simulate(plan.union, costs, plan.placement).bytes_moved == 0
+    cut = run_partition(partition_graph(g, _placements(g)["alternating"], 2), make_devices(2), feeds, 0, 1).outputs
+    assert max_rel_error(cut, run_whole(g.model, feeds)) < 1e-6
+
+
+def test_sharding_slices_per_model_inputs(tmp_path):
+    paths = export_all(make_modules("mlp", 3), MODELS["mlp"][1], tmp_path / "jobs")
+    save_array(fuse_models(paths, per_model_inputs=["input"]), tmp_path / "array")
+    info = find_array(tmp_path / "array" / "fused.onnx")
+    g = build_graph(tmp_path / "array" / "fused.onnx", batch_size=6)
+    feeds = example_feeds(g.model)
+    assert feeds["input"].shape[:2] == (3, 6)
+    plan = shard_plan(info, make_devices(3), _array_graph_builder(info, feeds, 6))
+    part = shard_partition(plan, 3)
+    got = run_partition(part, make_devices(3), feeds, warmup=0, repeats=1).outputs
+    assert max_rel_error(got, run_whole(g.model, feeds)) < 1e-6
+
+
+def test_shard_groups_follow_device_speed():
+    from onnxfuse.placement import Device
+
+    assert shard_groups(8, make_devices(4)) == [(0, 0, 2), (1, 2, 4), (2, 4, 6), (3, 6, 8)]
+    assert shard_groups(5, make_devices(3)) == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]
+    assert shard_groups(2, make_devices(4)) == [(0, 0, 1), (1, 1, 2)]
+    fast_slow = [Device(name="fast", speed=3.0), Device(name="slow", speed=1.0)]
+    assert shard_groups(8, fast_slow) == [(0, 0, 6), (1, 6, 8)]
+
+
+def test_partitioned_training_graph_equals_whole(tmp_path):
+    """The ORT training graph (forward, loss, backward, in-place optimizer update) cut over three devices."""
+    pytest.importorskip("onnxruntime.training")
+    from onnxfuse.training import make_optimizer
+    from onnxfuse.training.artifacts import build_artifacts
+    from onnxfuse.training.losses import get_loss
+
+    paths = export_all(make_modules("lenet", 2), MODELS["lenet"][1], tmp_path / "jobs")
+    fa = fuse_models(paths)
+    os.makedirs(tmp_path / "art")
+    art = build_artifacts(fa.model, fa.spec, get_loss("cross-entropy"), make_optimizer("adamw", 2, lr=0.01),
+                          str(tmp_path / "art"))
+    g = build_graph(art.training_model, batch_size=4)
+    assert g.kind == "training graph" and any(op == "ConvGrad" for op in g.op_types)
+    feeds = example_feeds(g.model)
+    feeds["optim.hyper"] = np.abs(feeds["optim.hyper"]) * 0.01
+    expected = run_whole(g.model, feeds)
+    for label in ("random", "heft"):
+        part = partition_graph(g, _placements(g)[label], 3)
+        got = run_partition(part, DEVS3, feeds, warmup=0, repeats=2, fresh_feeds=True).outputs
+        assert max_rel_error(got, expected) < 1e-5, label
+
+
+def test_profile_and_calibrate_give_positive_costs(tmp_path):
+    path = export_zoo("lenet", zoo_modules("lenet", 1), tmp_path)[0]
+    g = profile_graph(build_graph(path, batch_size=8))
+    assert all(t >= 0 for t in g.measured_s) and sum(g.measured_s) > 0
+    cal = calibrate(g, make_devices(2), repeats=5)
+    assert cal.call_overhead >= 0 and cal.op_overhead >= 0 and 0.5 <= cal.kernel_scale <= 2.0
+    assert cal.latency >= 0 and cal.bandwidth > 0
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_place_array_shard_wins_on_equal_devices(lenet_array, tmp_path, capsys):
+    out = tmp_path / "place"
+    code = main(["place", str(lenet_array / "fused.onnx"), "--devices", "2", "--costs", "estimate",
+                 "--batch-size", "16", "--run", "--repeats", "2", "--warmup", "1", "-q", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    doc = json.load(open(out / "placement.json"))
+    sim = {(c["placer"], c["order"]): c["step_time_s"] for c in doc["candidates"] if c["error"] is None}
+    assert sim[("shard", None)] == min(sim.values())
+    assert all(c["output_max_rel_error"] < 1e-5 for c in doc["candidates"] if c["error"] is None)
+    assert {"placement.json", "results.md", "gantt.png", "device_0.onnx"} <= set(os.listdir(out))
+    for f in doc["best"]["files"]:  # the recommended placement's sub-models (by measured time: noise decides)
+        if f.endswith(".onnx"):
+            onnx.checker.check_model(onnx.load(out / f))
+    assert "| greedy | dfs_preorder |" in text and "measured ms" in text
+
+
+def test_cli_place_single_model_and_memory_error(tmp_path, capsys):
+    path = export_zoo("lenet", zoo_modules("lenet", 1), tmp_path)[0]
+    code = main(["place", path, "--devices", "2", "--costs", "estimate", "--order", "topo,bfs", "--placer",
+                 "greedy,heft", "-q", "-o", str(tmp_path / "p")])
+    out = capsys.readouterr().out
+    assert code == 0 and "| greedy | bfs |" in out and "| shard |" not in out
+    code = main(["place", path, "--devices", "2", "--memory", "100KiB", "--costs", "estimate", "-q",
+                 "-o", str(tmp_path / "q")])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not fit on 2 device(s)" in err and "--memory" in err and len(err.splitlines()) == 1
+    assert not os.path.exists(tmp_path / "q")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--order", "zigzag"], "unknown traversal order 'zigzag'"),
+    (["--placer", "shard"], "model-axis sharding needs a fused array"),
+    (["--dims", "T"], "is not NAME=POSITIVE_INTEGER"),
+    (["--memory", "lots"], "is not a size"),
+])
+def test_cli_place_bad_input(args, message, tmp_path, capsys):
+    path = export_zoo("lenet", zoo_modules("lenet", 1), tmp_path)[0]
+    code = main(["place", path, "--costs", "estimate", "-q", "-o", str(tmp_path / "p")] + args)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err

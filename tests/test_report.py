@@ -1,0 +1,135 @@
+"""`onnxfuse report`: summary, plot and report.json from a synthetic metrics.csv (a diverged and a dropped model)
+and from a real training run; bad folders are one-line errors."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from onnxfuse.cli import main
+from onnxfuse.errors import InputFileError
+from onnxfuse.training.report import make_report
+
+HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status"]
+
+
+def _synthetic_rows() -> list[list]:
+    """B=3, 9 steps, eval every 3: model 1 diverges at step 4 (frozen after), model 2 is dropped at step 6."""
+    rows = []
+    for step in range(1, 10):
+        for b in range(3):
+            if b == 2 and step > 6:
+                continue  # dropped: no more rows
+            loss = 2.0 / (step + b)
+            status = ""
+            if b == 1 and step >= 4:
+                loss, status = (math.nan, "diverged") if step == 4 else (2.0 / 4, "diverged")
+            if b == 2 and step == 6:
+                status = "dropped"
+            lr = [0.1, 0.5, 0.01][b] * (1 - step / 20)  # a decaying schedule
+            rows.append([step, b, "train", loss, "", f"{lr:.6g}", step * 0.01, status])
+            if step % 3 == 0:
+                rows.append([step, b, "eval", loss * 1.1, 0.5 + 0.04 * step - 0.1 * b, "", step * 0.01, status])
+    return rows
+
+
+def _write(path, header, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def _check_png(path):
+    img = matplotlib.image.imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert img.std() > 0  # something is drawn
+
+
+def test_report_on_synthetic_metrics(tmp_path):
+    _write(tmp_path / "metrics.csv", HEADER, _synthetic_rows())
+    s = make_report(tmp_path)
+    assert s["B"] == 3 and s["last_step"] == 9
+    m0, m1, m2 = s["models"]
+    assert m0["status"] == "ok" and m0["status_step"] is None and m0["last_train_loss"] == pytest.approx(2 / 9)
+    assert m0["best_eval_loss"] == pytest.approx(1.1 * 2 / 9) and m0["best_eval_loss_step"] == 9
+    assert m0["best_eval_accuracy"] == pytest.approx(0.86) and m0["last_eval_accuracy"] == pytest.approx(0.86)
+    assert m0["lr"] == pytest.approx(0.1 * 0.95) and m0["final_lr"] == pytest.approx(0.1 * 0.55)
+    assert (m1["status"], m1["status_step"]) == ("diverged", 4)
+    assert (m2["status"], m2["status_step"]) == ("dropped", 6) and m2["last_train_step"] == 6
+    assert s["best_model"] == 0
+    panels = {p["name"]: p for p in s["panels"]}
+    assert list(panels) == ["train_loss", "eval_loss", "eval_accuracy"]
+    assert [c["points"] for c in panels["train_loss"]["curves"]] == [9, 8, 6]  # model 1's nan is not drawn
+    assert [c["points"] for c in panels["eval_loss"]["curves"]] == [3, 3, 2]
+    assert [c["label"] for c in panels["train_loss"]["curves"]] == ["model 0 (lr 0.095)", "model 1 (lr 0.475)",
+                                                                     "model 2 (lr 0.0095)"]
+    assert panels["train_loss"]["yscale"] == "log" and panels["eval_accuracy"]["yscale"] == "linear"
+    marks = {(mk["model"], mk["status"], mk["step"]) for mk in panels["train_loss"]["markers"]}
+    assert marks == {(1, "diverged", 4), (2, "dropped", 6)}
+    _check_png(tmp_path / "report.png")
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(s))  # the file holds the returned summary
+
+
+def test_report_reads_the_old_header_and_writes_png_elsewhere(tmp_path):
+    rows = [[step, b, 1.0 / step + b, 0.1 * (b + 1), step * 0.1] for step in range(1, 6) for b in range(2)]
+    _write(tmp_path / "metrics.csv", ["step", "model", "loss", "lr", "elapsed_s"], rows)
+    s = make_report(tmp_path, out_png=tmp_path / "plots" / "r.png")
+    assert [p["name"] for p in s["panels"]] == ["train_loss", "eval_loss"]
+    assert len(s["panels"][0]["curves"]) == 2 and s["panels"][1]["curves"] == []
+    assert s["models"][1]["best_eval_loss"] is None and s["models"][1]["status"] == "ok"
+    _check_png(tmp_path / "plots" / "r.png")
+    assert (tmp_path / "report.json").exists() and not (tmp_path / "report.png").exists()
+
+
+def test_report_on_a_real_training_run(tmp_path, capsys):
+    """A real metrics.csv from train_array on a B=3 MLP array (digits), then the CLI's table."""
+    from onnxfuse.exporters import export_array, zoo
+    from onnxfuse.passes import fuse_models, save_array
+    from onnxfuse.training import TrainConfig, train_array
+    from onnxfuse.training.datasets import load_named, reshape_for_input, split_holdout
+
+    paths = export_array(zoo.MLP, tmp_path / "jobs", 3, [16, 64])
+    fa = fuse_models(paths)
+    save_array(fa, tmp_path / "array")
+    data = load_named("sklearn:digits")
+    data["input"] = reshape_for_input(data["input"], fa.spec.inputs[0]["shape"])
+    train, _ = split_holdout(data, 0.1, seed=0)
+    cfg = TrainConfig(steps=8, batch_size=16, optimizer="sgd", lr=[0.3, 0.1, 0.01], log_every=2)
+    train_array(tmp_path / "array", train, cfg, progress=False)
+    s = make_report(tmp_path / "array")
+    assert s["B"] == 3 and s["last_step"] == 8
+    assert [m["lr"] for m in s["models"]] == pytest.approx([0.3, 0.1, 0.01])
+    assert all(np.isfinite(m["last_train_loss"]) and m["status"] == "ok" for m in s["models"])
+    assert [c["points"] for c in s["panels"][0]["curves"]] == [4, 4, 4]  # steps 2, 4, 6, 8
+    _check_png(tmp_path / "array" / "report.png")
+    code = main(["report", str(tmp_path / "array"), "-o", str(tmp_path / "cli.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and "best eval loss @step" in out and "model 2" not in out.splitlines()[0]
+    assert len(out.splitlines()) == 1 + 3 + 2  # header, 3 models, best, plot path
+    assert str(tmp_path / "cli.png") in out
+    _check_png(tmp_path / "cli.png")
+
+
+@pytest.mark.parametrize("case", ["no_folder", "no_metrics", "bad_header", "empty"])
+def test_report_bad_input(tmp_path, capsys, case):
+    array = tmp_path / "array"
+    if case != "no_folder":
+        array.mkdir()
+    if case == "bad_header":
+        _write(array / "metrics.csv", ["step", "model", "value"], [[1, 0, 0.5]])
+    elif case == "empty":
+        _write(array / "metrics.csv", HEADER, [])
+    expect = {"no_folder": "array folder", "no_metrics": "metrics.csv' is missing",
+              "bad_header": "has no column 'loss'", "empty": "has no rows"}[case]
+    with pytest.raises(InputFileError):
+        make_report(array)
+    code = main(["report", str(array)])
+    err = capsys.readouterr().err
+    assert code == 2 and expect in err and err.count("\n") == 1, err
+    assert not (array / "report.png").exists()

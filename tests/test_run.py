@@ -1,0 +1,235 @@
+"""Runs as sweeps need them: a diverging model is frozen and changes no other model; successive halving leaves
+the survivors as if the array had not shrunk; a run killed at any moment resumes to the same final weights."""
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from conftest import export_all, make_modules, rel_err
+from onnxfuse import fuse_models, save_array
+from onnxfuse.split import final_states
+from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.weights import ArraySpec
+
+SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
+
+
+def make_array(folder, B, seed0=30, name="mlp"):
+    mods = make_modules(name, B, seed0=seed0)
+    save_array(fuse_models(export_all(mods, SHAPE, folder / "jobs")), folder / "array")
+    return folder / "array", mods
+
+
+def data_file(folder, n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    path = folder / "data.npz"
+    np.savez(path, input=rng.standard_normal((n,) + SHAPE[1:]).astype(np.float32), labels=rng.integers(0, 10, n))
+    return path
+
+
+def states(array_dir):
+    return final_states(str(array_dir), ArraySpec.load(os.path.join(array_dir, "array.json")))
+
+
+def metrics(array_dir):
+    with open(os.path.join(array_dir, "metrics.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def first_nonfinite_step(mod, lr, batches):
+    """The step at which torch.optim.SGD on this model alone first has a non-finite loss or parameter (MSE)."""
+    opt = torch.optim.SGD(mod.parameters(), lr=lr)
+    for t, (x, y) in enumerate(batches, 1):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(mod.train()(torch.from_numpy(x)), torch.from_numpy(y))
+        if not torch.isfinite(loss):
+            return t
+        loss.backward()
+        opt.step()
+        if not all(torch.isfinite(p).all() for p in mod.parameters()):
+            return t
+    return None
+
+
+def test_diverging_model_is_frozen_and_the_others_are_bit_identical(tmp_path):
+    rng = np.random.default_rng(0)  # regression targets: with MSE a too-large lr blows up exponentially
+    x = rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32)
+    y = rng.standard_normal((96, 10)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", input=x, labels=y)
+    cfg = dict(batch_size=16, steps=16, optimizer="sgd", shuffle=False, loss="mse")
+    arr_a, _ = make_array(tmp_path / "a", 3)
+    arr_b, _ = make_array(tmp_path / "b", 3)
+    res_a = train_array(arr_a, tmp_path / "data.npz", TrainConfig(lr=[0.05, 100.0, 0.02], **cfg), progress=False)
+    train_array(arr_b, tmp_path / "data.npz", TrainConfig(lr=[0.05, 0.01, 0.02], **cfg), progress=False)
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 96, 16)] * 3
+    expected = first_nonfinite_step(make_modules("mlp", 3, seed0=30)[1], 100.0, batches)
+    assert expected is not None and res_a.status == {1: {"status": "diverged", "step": expected}}
+    rows = [r for r in metrics(arr_a) if r["status"] == "diverged"]
+    assert [(r["model"], int(r["step"])) for r in rows] == [("1", expected)]
+    sa, sb = states(arr_a), states(arr_b)
+    for b in (0, 2):  # bit-identical to the run where model 1 did not diverge
+        for k in sa[b]:
+            assert sa[b][k].tobytes() == sb[b][k].tobytes(), (b, k)
+    assert all(np.isfinite(v).all() for v in sa[1].values())  # frozen at its last finite values
+
+
+def test_stop_on_diverge(tmp_path, capsys):
+    from onnxfuse.cli import main
+
+    arr, _ = make_array(tmp_path, 2)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
+             labels=rng.standard_normal((96, 10)).astype(np.float32))
+    code = main(["train", str(arr), "--data", str(tmp_path / "d.npz"), "--loss", "mse", "--lr", "0.05,100",
+                 "--steps", "30", "--batch-size", "16", "--on-diverge", "stop", "-q"])
+    err = capsys.readouterr().err
+    assert code == 3 and "diverged at step" in err and "--on-diverge stop" in err
+    assert os.path.exists(arr / "trained" / "weights.safetensors")
+
+
+def test_successive_halving_keeps_survivors_as_in_the_full_array(tmp_path):
+    data = data_file(tmp_path, n=128)
+    lrs = [0.2, 0.01, 0.1, 0.001, 0.05, 0.3, 0.02, 0.005]
+    cfg = dict(batch_size=16, steps=12, optimizer="adam", lr=lrs, eval_fraction=0.25, eval_every=4, seed=3)
+    arr_full, _ = make_array(tmp_path / "full", 8)
+    arr_half, _ = make_array(tmp_path / "half", 8)
+    train_array(arr_full, data, TrainConfig(**cfg), progress=False)
+    res = train_array(arr_half, data, TrainConfig(halving=[6], **cfg), progress=False)
+    assert len(res.survivors) == 4 and sorted(res.status) == sorted(set(range(8)) - set(res.survivors))
+    assert all(s["status"] == "dropped" and s["step"] == 6 for s in res.status.values())
+    # the survivors are the 4 best by eval loss at step 6
+    ev6 = {int(r["model"]): float(r["loss"]) for r in metrics(arr_full) if r["split"] == "eval" and r["step"] == "4"}
+    assert len(ev6) == 8
+    full, half = states(arr_full), states(arr_half)
+    for b in res.survivors:
+        for k, v in full[b].items():
+            assert rel_err(half[b][k], v) < 1e-6, (b, k)
+    for b in res.status:  # dropped models keep the state they had when dropped: not trained further
+        assert any(rel_err(half[b][k], v) > 1e-6 for k, v in full[b].items() if v.dtype.kind == "f")
+
+
+def _latest(arr):
+    found = sorted(glob.glob(os.path.join(arr, "checkpoints", "step_*")))
+    return found[-1] if found else None
+
+
+def _newest_step(arr) -> int:
+    found = _latest(arr)
+    return int(os.path.basename(found)[5:]) if found else 0
+
+
+def test_killed_run_resumes_to_identical_weights(tmp_path):
+    """SIGKILL at random moments (mid-step, mid-checkpoint), resume each time; the final weights are bit-identical
+    to an uninterrupted run's, and every checkpoint that exists is complete."""
+    data = data_file(tmp_path, n=128)
+    exe = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
+    args = ["--data", str(data), "--steps", "1500", "--batch-size", "16", "--optimizer", "adamw",
+            "--lr", "0.01,0.003,0.001", "--schedule", "cosine", "--warmup-steps", "50", "--clip-grad-norm", "1",
+            "--eval-fraction", "0.2", "--eval-every", "100", "--checkpoint-every", "20", "-q"]
+    arr_ref, _ = make_array(tmp_path / "ref", 3)
+    subprocess.run([exe, "train", str(arr_ref), *args], check=True, capture_output=True)
+    arr, _ = make_array(tmp_path / "killed", 3)
+    rnd = random.Random(0)
+    kills = 0
+    while True:
+        cmd = [exe, "train", str(arr), *(["--resume", "-q"] if _latest(arr) else args)]
+        log = open(tmp_path / "stderr.txt", "w+")
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        if kills < 3:
+            start, deadline = _newest_step(arr), time.time() + 60
+            while p.poll() is None and _newest_step(arr) <= start and time.time() < deadline:
+                time.sleep(0.02)  # wait for this run to make progress, then kill it at a random moment
+            time.sleep(rnd.uniform(0.0, 0.4))
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                kills += 1
+                for ck in glob.glob(os.path.join(arr, "checkpoints", "step_*")):  # never half-written
+                    assert {"array.json", "state.json", "weights.safetensors"} <= set(os.listdir(ck)), ck
+                    load_file(os.path.join(ck, "weights.safetensors"))
+                continue
+        code = p.wait()
+        log.seek(0)
+        assert code == 0, log.read()[-2000:]
+        break
+    assert kills == 3
+    ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
+    got = load_file(str(arr / "trained" / "weights.safetensors"))
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert ref[k].tobytes() == got[k].tobytes(), k
+    steps = [int(r["step"]) for r in metrics(arr) if r["split"] == "train" and r["model"] == "0"]
+    assert steps == list(range(1, 1501))  # a resumed run rewrites the metrics from its checkpoint on: each once
+
+
+def test_config_file_builds_trains_halves_and_reports(tmp_path, capsys):
+    """A YAML run: build the array from a factory, grid of learning rates, cosine warm-up, clipping, evaluation,
+    checkpoints and successive halving, then `onnxfuse report`."""
+    from onnxfuse.cli import main
+
+    (tmp_path / "run.yaml").write_text("""
+model: {factory: "onnxfuse.exporters.zoo:DigitsCNN", count: 4, input_shape: [32, 1, 8, 8]}
+data: {train: "sklearn:digits", eval_fraction: 0.2}
+optimizer: {name: sgd, momentum: 0.9}
+grid: {optimizer.lr: [0.01, 0.05, 0.1, 0.2]}
+schedule: {name: cosine, warmup_steps: 5}
+clip_grad_norm: 5.0
+steps: 40
+batch_size: 32
+eval_every: 10
+checkpoint_every: 10
+halving: [20]
+""")
+    arr = tmp_path / "array"
+    assert main(["train", str(arr), "--config", str(tmp_path / "run.yaml"), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("dropped at step 20") == 2
+    assert len(glob.glob(str(arr / "checkpoints" / "step_*"))) == 2  # the last two kept
+    lrs = {r["model"]: float(r["lr"]) for r in metrics(arr) if r["split"] == "train" and r["step"] == "10"}
+    assert len(lrs) == 4 and lrs["0"] < lrs["1"] < lrs["2"] < lrs["3"]  # the grid, one lr per model
+    assert main(["report", str(arr)]) == 0
+    import json
+
+    import matplotlib.image
+
+    report = json.loads((arr / "report.json").read_text())
+    assert matplotlib.image.imread(str(arr / "report.png")).shape[0] > 100
+    assert sum(m["status"] == "dropped" for m in report["models"]) == 2
+    assert main(["split", str(arr), "-o", str(tmp_path / "models")]) == 0  # survivors and dropped models alike
+    assert len(glob.glob(str(tmp_path / "models" / "model_*.safetensors"))) == 4
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
+    (["--lr", "0.1,0.2"], "--lr has 2 values but the array has B=3 models"),
+    (["--lr", "-1"], "--lr must be finite and >= 0"),
+    (["--schedule", "step"], "'step' needs 'step_size'"),
+    (["--halving", "50"], "--halving ranks models by eval loss"),
+    (["--data-order", "per-model"], "fuse with --per-model-inputs input"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
+    (["--epochs", "2"], "give exactly one of --steps and --epochs"),
+])
+def test_bad_training_settings_fail_before_training(flags, message, tmp_path, capsys):
+    from onnxfuse.cli import main
+
+    arr, _ = make_array(tmp_path, 3)
+    before = sorted(os.listdir(arr))
+    try:
+        code = main(["train", str(arr), "--data", str(data_file(tmp_path)), "--steps", "5", "--batch-size", "16",
+                     "-q", *flags])
+    except SystemExit as e:  # argparse rejects unknown choices itself (exit 2, one usage line)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert sorted(os.listdir(arr)) == before
