@@ -233,3 +233,57 @@ def test_bad_training_settings_fail_before_training(flags, message, tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert sorted(os.listdir(arr)) == before
+
+
+def _torch_sgd_alone(mod, lr, batches):
+    opt = torch.optim.SGD(mod.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(mod.train()(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        opt.step()
+    return {k: v.numpy() for k, v in mod.state_dict().items()}
+
+
+@pytest.mark.parametrize("order", ["per-model", "shards"])
+def test_data_orders_match_torch_on_each_models_own_batches(order, tmp_path):
+    """per-model: model b shuffles with its own generator (seed + b); shards: model b trains on shard b. Each
+    equals torch training the model alone on exactly those batches."""
+    from onnxfuse.training.data import BatchSampler
+    from onnxfuse.training.datasets import shard
+
+    B, N, steps, lrs = 3, 8, 7, [0.05, 0.1, 0.02]
+    mods = make_modules("mlp", B, seed0=40)
+    save_array(fuse_models(export_all(mods, SHAPE, tmp_path / "jobs"), per_model_inputs=["input"]), tmp_path / "array")
+    rng = np.random.default_rng(5)
+    arrays = {"input": rng.standard_normal((60,) + SHAPE[1:]).astype(np.float32), "labels": rng.integers(0, 10, 60)}
+    res = train_array(tmp_path / "array", arrays, TrainConfig(batch_size=N, steps=steps, lr=lrs, data_order=order,
+                                                              seed=11), progress=False)
+    assert res.steps == steps
+    got = states(tmp_path / "array")
+    if order == "shards":
+        parts = shard(arrays, B, set())
+        sampler = BatchSampler(parts["labels"].shape[1], N, True, 11)  # one index stream over every shard
+        batches = [[] for _ in range(B)]
+        for _ in range(steps):
+            idx = sampler.next()
+            for b in range(B):
+                batches[b].append((parts["input"][b][idx], parts["labels"][b][idx]))
+    else:
+        sampler = BatchSampler(60, N, True, 11, per_model=B)
+        batches = [[] for _ in range(B)]
+        for _ in range(steps):
+            idx = sampler.next()
+            for b in range(B):
+                batches[b].append((arrays["input"][idx[b]], arrays["labels"][idx[b]]))
+    for b in range(B):
+        ref = _torch_sgd_alone(mods[b], lrs[b], batches[b])
+        for k, v in ref.items():
+            assert rel_err(got[b][k], v) < 1e-5, (b, k)
+
+
+def test_epochs_and_torch_dataset(tmp_path):
+    arr, _ = make_array(tmp_path, 2)
+    ds = torch.utils.data.TensorDataset(torch.randn(50, *SHAPE[1:]), torch.randint(0, 10, (50,)))
+    res = train_array(arr, torch.utils.data.DataLoader(ds, batch_size=7), TrainConfig(batch_size=16, epochs=3),
+                      progress=False)
+    assert res.steps == 3 * (50 // 16)

@@ -178,6 +178,10 @@ def _load_arrays(data, spec: ArraySpec, what: str) -> tuple[dict, str]:
     try:
         import torch
 
+        if isinstance(data, torch.utils.data.DataLoader):
+            # onnxfuse batches itself (--batch-size, --seed), so that a resumed run draws the same batches: the
+            # loader's dataset is what is used
+            data = data.dataset
         if isinstance(data, torch.utils.data.Dataset):
             from . import datasets
 

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError, InputFileError
 
 __all__ = ["Device", "make_devices", "load_device_spec", "parse_size", "parse_rate", "parse_time", "comm_time",
-           "format_bytes", "replace_all", "DEVICE_FIELDS"]
+           "format_bytes", "size_flag", "replace_all", "DEVICE_FIELDS"]
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,14 @@ def format_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.4g} {unit}"
     return f"{int(n)} B"
+
+
+def size_flag(n: float) -> str:
+    """A --memory value at least ``n`` bytes, in the largest unit that keeps it >= 1: 1066000 -> '1.02MiB'."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 100) / 100:g}{unit}"
+    return f"{math.ceil(n)}B"
 
 
 def replace_all(devices: Sequence[Device], **fields: Any) -> list[Device]:

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from ..errors import PlacementError
 from .costs import CostTable
-from .devices import Device, format_bytes
+from .devices import Device, format_bytes, size_flag
 from .graph import PlacementGraph
 from .orders import topological, traversal_order
 
@@ -137,7 +137,7 @@ def check_memory(graph: PlacementGraph, device_of: Sequence[int], devices: Seque
     for dev, u in zip(devices, used):
         if u > dev.memory:
             raise PlacementError(f"{graph.label}: the placement holds {format_bytes(u)} on device '{dev.name}', "
-                                 f"which has {format_bytes(dev.memory)}; give --memory {math.ceil(u / 2 ** 20)}MiB "
+                                 f"which has {format_bytes(dev.memory)}; give --memory {size_flag(u)} "
                                  "or more, or more devices")
 
 
@@ -285,4 +285,4 @@ def place(graph: PlacementGraph, costs: CostTable, placer: str, order: str | Non
         raise PlacementError(
             f"{graph.label} does not fit on {len(costs.devices)} device(s) with {format_bytes(biggest)} each "
             f"({label}: {e}); the smallest memory per device that works for this placer is about "
-            f"{format_bytes(m)}: give --memory {math.ceil(m / 2 ** 20)}MiB or more devices") from e
+            f"{format_bytes(m)}: give --memory {size_flag(m)} or more devices") from e
