@@ -7,8 +7,9 @@ placement of zoo graphs on 2 CPU "devices" (one onnxruntime session thread each)
 Per graph: profile every node (one thread), calibrate the session-call, per-op and link overheads
 (``onnxfuse.placement.profile.calibrate``), place with every placer x order plus a two-stage pipeline cut at the
 middle of the graph ("halves"), run every distinct placement as a pipeline of sessions, interleaved in rounds,
-re-fit the kernel scale on the one-device run measured in the same rounds (the machine's speed drifts by tens
-of percent over seconds), and compare. The criterion of the placement docs: within 30%.
+re-fit the kernel scale on the one-device run and the contention on the whole model run on both devices at
+once, both measured in the same rounds (the machine's speed, and how much its two CPUs slow each other down,
+drift by tens of percent over seconds), and compare. The criterion of the placement docs: within 30%.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_placements(g, devs, ["greedy", "heft"] + (["shard"] if shard else []), shard=shard)
             add_halves(plan)
             say(f"== {label}: running every distinct placement ({args.rounds} rounds)")
-            measure_plan(plan, feeds, warmup=3, repeats=args.repeats, rounds=args.rounds)
+            measure_plan(plan, feeds, warmup=3, repeats=args.repeats, rounds=args.rounds, probe_contention=True)
             cal = rescale_to_measured(plan, cal)
             rows, seen = [], set()
             for c in plan.candidates:
@@ -90,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((c, same, stages, err))
             lines.append(f"### {label} ({len(g)} nodes, batch {batch})\n\ncalibration: session call "
                          f"{cal.call_overhead * 1e6:.1f} us, per op {cal.op_overhead * 1e6:.2f} us, kernel scale "
-                         f"{cal.kernel_scale:.2f} (re-fitted on the one-device run), link {cal.latency * 1e6:.1f} us"
-                         f" + bytes / {cal.bandwidth / 1e9:.1f} GB/s\n")
+                         f"{cal.kernel_scale:.2f} (re-fitted alongside), link {cal.latency * 1e6:.1f} us"
+                         f" + bytes / {cal.bandwidth / 1e9:.1f} GB/s, contention {cal.contention:.2f} "
+                         "(re-fitted alongside)\n")
             lines.append("| placement | same placement as | devices used | stages | simulated ms | measured ms "
                          "| error | outputs equal |\n|---|---|---|---|---|---|---|---|")
             for c, same, stages, err in rows:

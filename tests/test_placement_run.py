@@ -137,6 +137,22 @@ def test_profile_and_calibrate_give_positive_costs(tmp_path):
     assert cal.latency >= 0 and cal.bandwidth > 0
 
 
+def test_measured_run_refits_kernel_scale_and_contention(tmp_path):
+    from onnxfuse.placement.plan import measure_plan, plan_placements, rescale_to_measured
+
+    path = export_zoo("lenet", zoo_modules("lenet", 1), tmp_path)[0]
+    g = profile_graph(build_graph(path, batch_size=8), runs=4, warmup=1)
+    feeds = example_feeds(g.model)
+    cal = calibrate(g, make_devices(2), feeds, repeats=8)
+    plan = plan_placements(g, cal.apply(make_devices(2)), ["greedy", "heft"], ["topo"])
+    measure_plan(plan, feeds, warmup=1, repeats=4, rounds=2, probe_contention=True)
+    assert plan.contention_measured is not None and all(c.measured is not None for c in plan.candidates)
+    refit = rescale_to_measured(plan, cal)
+    assert 0.0 <= refit.contention <= 1.0 and plan.devices[0].contention == refit.contention
+    if 0.5 < refit.kernel_scale < 2.0:  # not clamped (a machine swinging 2x in one run clamps it): exact fit
+        assert plan.baseline.sim.step_time == pytest.approx(plan.baseline.measured.median, rel=1e-6)
+
+
 # ---------------------------------------------------------------- the command line
 def test_cli_place_array_shard_wins_on_equal_devices(lenet_array, tmp_path, capsys):
     out = tmp_path / "place"

@@ -14,11 +14,11 @@ import json
 import math
 import os
 import sys
-import warnings
 
 import numpy as np
 
 from ..errors import ConfigError, InputFileError, OnnxFuseError
+from .devices import format_bytes
 
 __all__ = ["add_place_parser", "cmd_place"]
 
@@ -144,13 +144,42 @@ def _say(args, msg: str) -> None:
 
 
 def cmd_place(args) -> int:
-    from .._io import atomic_dir, check_output_dir
-    from .graph import build_graph, example_feeds, load_model
-    from .orders import ORDER_NAMES
-    from .plan import PLACER_NAMES, measure_plan, plan_placements, recommend, rescale_to_measured, results_table
-    from .shard import find_array, shard_plan
+    """onnxfuse place: check the flags, build and cost the graph, plan, optionally run, write PLACE_DIR."""
+    from .._io import check_output_dir
+    from .plan import measure_plan, plan_placements, recommend, rescale_to_measured, results_table
 
     check_output_dir(args.output, args.overwrite)
+    devices, orders, placers = _check_flags(args)
+    path, model, label, feeds, dims = _inputs(args, placers)
+    graph, feeds, shard, profiled = _graph(args, path, model, label, feeds, dims, devices, placers)
+    calibration = _maybe_calibrate(args, graph, feeds, devices, profiled)
+    if calibration is not None:
+        devices = calibration.apply(devices)
+    plan = plan_placements(graph, devices, placers, orders, shard, args.granularity, progress=not args.quiet)
+    if args.run:
+        measure_plan(plan, feeds, args.warmup, args.repeats, probe_contention=calibration is not None,
+                     progress=not args.quiet)
+        if calibration is not None:
+            calibration = rescale_to_measured(plan, calibration)
+            plan.notes.append(f"simulated with the kernel scale and contention re-fitted on steps measured "
+                              f"alongside ({calibration.kernel_scale:.2f}, {calibration.contention:.2f})")
+    table, advice = results_table(plan), recommend(plan)
+    files = _write(args, plan, label, profiled, calibration, table, advice)
+    print(f"{label} on {len(devices)} device(s): {_setup_line(plan, profiled)}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    print(table)
+    print(advice)
+    print(f"wrote {args.output}/ (placement.json, {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}, "
+          "results.md, gantt.png)")
+    return 0
+
+
+def _check_flags(args):
+    """(devices, orders, placers) from the flags; every bad value is reported before any work starts."""
+    from .orders import ORDER_NAMES
+    from .plan import PLACER_NAMES
+
     devices = _devices(args)
     orders = _list(args.order, "--order", ORDER_NAMES)
     placers = _list(args.placer, "--placer", PLACER_NAMES)
@@ -159,25 +188,42 @@ def cmd_place(args) -> int:
             raise ConfigError(f"--order: unknown traversal order '{o}'; choose from {', '.join(ORDER_NAMES)} or all")
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be at least 1 and --warmup at least 0")
+    return devices, orders, placers
+
+
+def _inputs(args, placers):
+    """(model path, model, label, feeds or None, named dims) from MODEL and --inputs / --dims."""
+    from .graph import load_model
+
     path = args.model
     if os.path.isdir(path):
         path = os.path.join(path, "fused.onnx")
         if not os.path.exists(path):
             raise InputFileError(f"'{args.model}' is a folder without fused.onnx; give an ONNX file or an array folder")
     model = load_model(path)
-    array = find_array(path, model) if "shard" in placers else None
     feeds = _feeds(args.inputs)
     dims = _dims(args.dims)
     if feeds is not None:
         dims.update(_dims_from_feeds(model, feeds))
-    label = os.path.basename(os.path.dirname(os.path.abspath(path))) + "/fused.onnx" if array else \
+    is_array = os.path.basename(path) == "fused.onnx" and os.path.exists(
+        os.path.join(os.path.dirname(os.path.abspath(path)), "array.json"))
+    label = (os.path.basename(os.path.dirname(os.path.abspath(path))) + "/fused.onnx") if is_array else \
         os.path.basename(path)
+    return path, model, label, feeds, dims
+
+
+def _graph(args, path, model, label, feeds, dims, devices, placers):
+    """The placement graph, its inputs, the shard plan of a fused array (when sharding is asked for) and
+    whether the costs are profiled (the whole array and its sub-arrays in alternation)."""
+    from .graph import build_graph, example_feeds
+    from .shard import find_array, shard_plan
 
     _say(args, f"building the graph of {label} ...")
     graph = build_graph(model, label=label, batch_size=args.batch_size, dims=dims, feeds=feeds,
                         training=args.training, optimizer=args.optimizer)
     feeds = feeds if feeds is not None else example_feeds(graph.model)
-    shard = None
+    array = find_array(path, model) if "shard" in placers else None
+    shard, extra = None, []
     if array is not None:
         def sub_feeds(b0, b1):
             return {k: (v[b0:b1] if k in array.per_model_inputs else v) for k, v in feeds.items()}
@@ -188,37 +234,35 @@ def cmd_place(args) -> int:
 
         _say(args, f"re-fusing {array.B} models into sub-arrays for model-axis sharding ...")
         shard = shard_plan(array, devices, build)
-    extra = []
-    if shard is not None:  # profiled together with the whole array: the same mixture of machine states
         extra = [(g, sub_feeds(b0, b1)) for g in shard.distinct_graphs()
                  for (_, b0, b1), h in zip(shard.groups, shard.graphs) if h is g]
     profiled = _maybe_profile(args, graph, feeds, extra)
     if shard is not None:
         shard.share_profiles()
-    calibration = None
+    return graph, feeds, shard, profiled
+
+
+def _maybe_calibrate(args, graph, feeds, devices, profiled):
+    """Calibrate this machine's overheads when asked (default: with --run, profiled costs, and no link given)."""
     link_given = args.device_spec or args.bandwidth or args.latency
-    do_calibrate = args.calibrate if args.calibrate is not None else (args.run and profiled and not link_given)
-    if do_calibrate:
-        if not profiled:
-            raise ConfigError("--calibrate needs profiled costs (--costs profile): the model could not be profiled")
-        from .profile import calibrate
+    wanted = args.calibrate if args.calibrate is not None else (args.run and profiled and not link_given)
+    if not wanted:
+        return None
+    if not profiled:
+        raise ConfigError("--calibrate needs profiled costs (--costs profile): the model could not be profiled")
+    from .profile import calibrate
 
-        calibration = calibrate(graph, devices, feeds, progress=not args.quiet)
-        devices = calibration.apply(devices)
+    return calibrate(graph, devices, feeds, progress=not args.quiet)
 
-    plan = plan_placements(graph, devices, placers, orders, shard, args.granularity, progress=not args.quiet)
-    if args.run:
-        measure_plan(plan, feeds, args.warmup, args.repeats, progress=not args.quiet)
-        if calibration is not None:
-            calibration = rescale_to_measured(plan, calibration)
-            plan.notes.append(f"simulated with the kernel scale re-fitted on the one-device step measured "
-                              f"alongside ({calibration.kernel_scale:.2f})")
-    table, advice = results_table(plan), recommend(plan)
+
+def _write(args, plan, label, profiled, calibration, table, advice) -> list[str]:
+    """PLACE_DIR, atomically: the recommended placement's sub-models, gantt.png, placement.json, results.md."""
+    from .._io import atomic_dir
+    from .gantt import gantt_png
+
     best = plan.best(measured=args.run)
     with atomic_dir(args.output, args.overwrite) as tmp:
         files, partition = _write_best(plan, best, tmp)
-        from .gantt import gantt_png
-
         gantt_png(best.graph, best.sim, plan.devices, os.path.join(tmp, "gantt.png"),
                   title=f"{label}: {best.label}, simulated step {best.sim.step_time * 1e3:.3f} ms",
                   measured=best.measured.spans if best.measured is not None else None)
@@ -226,16 +270,9 @@ def cmd_place(args) -> int:
         with open(os.path.join(tmp, "placement.json"), "w") as f:
             json.dump(_clean(doc), f, indent=1)
         with open(os.path.join(tmp, "results.md"), "w") as f:
-            f.write(f"# Placement of {label} on {len(devices)} device(s)\n\n{_setup_line(plan, profiled)}\n\n"
+            f.write(f"# Placement of {label} on {len(plan.devices)} device(s)\n\n{_setup_line(plan, profiled)}\n\n"
                     f"{table}\n\n{advice}\n")
-    print(f"{label} on {len(devices)} device(s): {_setup_line(plan, profiled)}")
-    for note in plan.notes:
-        print(f"note: {note}")
-    print(table)
-    print(advice)
-    print(f"wrote {args.output}/ (placement.json, {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}, "
-          "results.md, gantt.png)")
-    return 0
+    return files
 
 
 def _maybe_profile(args, graph, feeds, extra=()) -> bool:
@@ -251,9 +288,11 @@ def _maybe_profile(args, graph, feeds, extra=()) -> bool:
         return True
     except (ImportError, OnnxFuseError, RuntimeError, ValueError) as e:
         if args.costs == "profile":
-            raise ConfigError(f"--costs profile: the model could not be profiled here ({' '.join(str(e).split())[:200]})"
-                              "; use --costs estimate") from e
-        warnings.warn(f"profiling failed ({type(e).__name__}); using FLOP/byte estimates")
+            why = " ".join(str(e).split())[:200]
+            raise ConfigError(f"--costs profile: the model could not be profiled here ({why}); "
+                              "use --costs estimate") from e
+        print(f"onnxfuse: warning: profiling failed ({' '.join(str(e).split())[:200]}); using FLOP/byte estimates",
+              file=sys.stderr)
         return False
 
 
@@ -261,8 +300,7 @@ def _setup_line(plan, profiled: bool) -> str:
     g = plan.graph
     return (f"{g.kind} graph, {len(g)} nodes, {'profiled' if profiled else 'estimated'} costs, "
             f"{plan.candidates[0].sim.granularity if plan.candidates[0].ok else 'stage'} granularity; devices: "
-            + ", ".join(f"{d.name} ({d.kind}, memory {'unlimited' if math.isinf(d.memory) else f'{d.memory / 2**20:.0f} MiB'})"
-                        for d in plan.devices))
+            + ", ".join(f"{d.name} ({d.kind}, memory {format_bytes(d.memory)})" for d in plan.devices))
 
 
 def _write_best(plan, best, folder: str) -> tuple[list[str], object]:

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..errors import ConfigError, InputFileError
 from .orders import Dag, check_acyclic
@@ -265,7 +265,8 @@ def _runtime_types(model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[
         for t, ts in zip(outs, shapes):
             (kind, dims), = ts.items()
             if t in wanted and kind in _PROFILE_DTYPES:
-                found[t] = (helper.np_dtype_to_tensor_dtype(np.dtype(_PROFILE_DTYPES[kind])), tuple(int(d) for d in dims))
+                elem = helper.np_dtype_to_tensor_dtype(np.dtype(_PROFILE_DTYPES[kind]))
+                found[t] = (elem, tuple(int(d) for d in dims))
     return found
 
 

@@ -6,6 +6,7 @@ device 0) is always evaluated as the baseline that speedups are relative to.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ __all__ = ["Candidate", "Plan", "PLACER_NAMES", "plan_placements", "measure_plan
            "results_table", "recommend"]
 
 PLACER_NAMES = ["greedy", "heft", "shard"]
+_PAIR = "(two copies at once)"
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Plan:
     candidates: list[Candidate]
     shard: ShardPlan | None = None
     notes: list[str] = field(default_factory=list)
+    contention_measured: float | None = None  # from the two-copies probe run alongside the placements
 
     @property
     def baseline(self) -> Candidate | None:
@@ -79,9 +82,9 @@ class Plan:
 
     def ranked(self, measured: bool = False) -> list[Candidate]:
         """Candidates that placed, fastest first (by measured median when asked and available)."""
-        def key(c: Candidate) -> tuple:
+        def key(c: Candidate) -> tuple:  # ties: less traffic, fewer devices, the baseline, then by name
             t = c.measured.median if measured and c.measured is not None else c.sim.step_time
-            return (t, c.sim.bytes_moved, c.label)
+            return (t, c.sim.bytes_moved, c.placement.devices_used(), c.placer != "single", c.label)
         return sorted((c for c in self.candidates if c.ok), key=key)
 
     def best(self, measured: bool = False) -> Candidate:
@@ -152,13 +155,16 @@ def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: S
 
 
 def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, repeats: int = 20,
-                 which: Callable[[Candidate], bool] | None = None, rounds: int = 5, progress: bool = False) -> None:
+                 which: Callable[[Candidate], bool] | None = None, rounds: int = 5, probe_contention: bool = False,
+                 progress: bool = False) -> None:
     """Run the partitioned graph of every placed candidate (each distinct placement once), time it, and check
     its outputs against the whole model run in one session.
 
     The placements take turns: ``rounds`` rounds, each running every placement ``repeats / rounds`` steps, and
     a placement's time is the median of all its steps. On a shared machine a burst of someone else's load then
-    hits every placement alike instead of whichever happened to run during it.
+    hits every placement alike instead of whichever happened to run during it. ``probe_contention`` adds the
+    whole model run on two devices at once to the rounds (``plan.contention_measured``, for
+    ``rescale_to_measured``): how much two devices of this machine slow each other down right now.
     """
     fresh = plan.graph.kind == "training graph"
     expected = run_whole(plan.graph.model, feeds, plan.devices[0])
@@ -171,6 +177,11 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
         for k, c in enumerate(unique.values()):
             _say(progress, f"loading [{k + 1}/{len(unique)}] {c.label}")
             runners[c.label] = PipelineRunner(plan.partition_of(c), plan.devices)
+        probe = probe_contention and len(plan.devices) > 1 and plan.baseline is not None
+        if probe:
+            from .profile import pair_partition
+
+            runners[_PAIR] = PipelineRunner(pair_partition(plan.graph), plan.devices)
         times: dict[str, list[float]] = {label: [] for label in runners}
         outputs: dict[str, dict] = {}
         spans: dict[str, list] = {}
@@ -186,6 +197,9 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
     finally:
         for runner in runners.values():
             runner.close()
+    if probe:
+        base = unique[(False, tuple(plan.baseline.placement.device_of))].label
+        plan.contention_measured = statistics.median(times[_PAIR]) / statistics.median(times[base]) - 1.0
     for c in chosen:
         twin = unique[(c.placer == "shard", tuple(c.placement.device_of))]
         c.measured = RunResult(times[twin.label], outputs[twin.label], spans[twin.label])
@@ -195,8 +209,8 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
 
 def rescale_to_measured(plan: Plan, calibration) -> object:
     """Re-fit the calibration's kernel scale on the one-device step measured in the same rounds as the
-    partitioned ones, and re-simulate every candidate with it (placements unchanged). Returns the new
-    calibration.
+    partitioned ones (and its contention on the two-copies probe, when ``measure_plan`` ran it), and re-simulate
+    every candidate with them (placements unchanged). Returns the new calibration.
 
     The speed of a shared machine drifts by tens of percent over seconds; anchoring the scale on a run measured
     alongside makes the comparison of simulated and measured steps about the placement, not the drift. The
@@ -210,8 +224,11 @@ def rescale_to_measured(plan: Plan, calibration) -> object:
     if base is None or base.measured is None or plan.graph.measured_s is None:
         return calibration
     c, o = calibration.call_overhead, calibration.op_overhead
-    refit = fit_calibration(c + o, c + 64 * o, 64, base.measured.median, sum(plan.graph.measured_s), len(plan.graph))
-    calibration = dataclasses.replace(calibration, kernel_scale=refit.kernel_scale, whole_s=base.measured.median)
+    contention = calibration.contention if plan.contention_measured is None else plan.contention_measured
+    refit = fit_calibration(c + o, c + 64 * o, 64, base.measured.median, sum(plan.graph.measured_s), len(plan.graph),
+                            contention=contention)
+    calibration = dataclasses.replace(calibration, kernel_scale=refit.kernel_scale, whole_s=base.measured.median,
+                                      contention=refit.contention)
     plan.devices = calibration.apply(plan.devices)
     for cand in plan.candidates:
         if cand.ok:
@@ -246,7 +263,8 @@ def results_table(plan: Plan) -> str:
                 cells += ["–", "–", "–"]
             else:
                 ratio = c.sim.step_time / c.measured.median
-                ok = "equal" if c.output_error is not None and c.output_error < 1e-4 else f"differ ({c.output_error:.1e})"
+                equal = c.output_error is not None and c.output_error < 1e-4
+                ok = "equal" if equal else f"differ ({c.output_error:.1e})"
                 cells += [_ms(c.measured.median), f"{ratio:.2f}", ok]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -272,7 +290,10 @@ def recommend(plan: Plan) -> str:
     if greedy:
         fastest = min(c.sim.step_time for c in greedy)
         winners = [c.order for c in greedy if c.sim.step_time <= fastest * 1.0005]
-        text += f". Best traversal order for the greedy placer: {', '.join(winners)} ({_ms(fastest)} ms simulated)"
+        if len(winners) == len(greedy) > 1:
+            text += f". Every traversal order gives the greedy placer the same step ({_ms(fastest)} ms simulated)"
+        else:
+            text += f". Best traversal order for the greedy placer: {', '.join(winners)} ({_ms(fastest)} ms simulated)"
     if best.placement.devices_used() == 1 and len(plan.devices) > 1:
         text += ". One device is fastest: moving tensors between devices costs more than the parallelism gains"
     return text + "."

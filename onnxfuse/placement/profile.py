@@ -41,7 +41,7 @@ from .graph import PlacementGraph, build_graph, example_feeds
 from .partition import Partition, Stage, partition_graph
 
 __all__ = ["profile_graph", "profile_graphs", "Calibration", "calibrate", "fit_calibration", "chain_model",
-           "interleaved_medians"]
+           "interleaved_medians", "pair_partition"]
 
 
 def profile_graphs(graphs: Sequence[PlacementGraph], feeds: Sequence[Mapping[str, np.ndarray] | None] | None = None,
@@ -148,6 +148,16 @@ def interleaved_medians(steps: Mapping[str, Callable[[], float]], rounds: int = 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def pair_partition(graph: PlacementGraph) -> Partition:
+    """The whole model once on device 0 and once on device 1, at the same time: what two devices of one
+    machine do to each other (``contention``)."""
+    def copy_on(d: int) -> Stage:
+        return Stage(d, 0, graph.model, {n: n for n in graph.graph_inputs},
+                     {o: f"d{d}/{o}" for o in graph.graph_outputs})
+
+    return Partition([copy_on(0), copy_on(1)], list(graph.graph_inputs), [], 2)
+
+
 def _stepper(runner: PipelineRunner, feeds: Mapping[str, np.ndarray]) -> Callable[[], float]:
     return lambda: runner.step(feeds)[1]
 
@@ -177,11 +187,7 @@ def calibrate(graph: PlacementGraph, devices: Sequence[Device], feeds: Mapping[s
             runners[f"split{n}"] = (PipelineRunner(partition_graph(g, [0, 1], 2), two), xs)
             runners[f"joined{n}"] = (PipelineRunner(partition_graph(g, [0, 0], 2), two), xs)
 
-        def copy_on(d: int) -> Stage:  # the whole model as one stage on device d
-            return Stage(d, 0, graph.model, {n: n for n in graph.graph_inputs},
-                         {o: f"d{d}/{o}" for o in graph.graph_outputs})
-
-        runners["pair"] = (PipelineRunner(Partition([copy_on(0), copy_on(1)], graph.graph_inputs, [], 2), two), feeds)
+        runners["pair"] = (PipelineRunner(pair_partition(graph), two), feeds)
     try:
         rounds = 8
         med = interleaved_medians({k: _stepper(r, f) for k, (r, f) in runners.items()}, rounds=rounds,
