@@ -193,9 +193,10 @@ class OptimizerConfig:
                 Vd = gb.one("Where", [gb.one("Greater", [row["amsgrad"], gb.const(0.5)]), Vmn, Vn])
             denom = gb.one("Add", [gb.one("Div", [gb.one("Sqrt", [Vd]), row["sqrt_bc2"]]), row["eps"]])
             Pn = gb.one("Sub", [P1, gb.one("Mul", [gb.one("Div", [Mn, denom]), row["step_size"]])])
-        # ok[b]: model b is active and its loss, gradient and new parameters are finite (inf - inf = NaN, so one
-        # sum over G + Pn catches a non-finite element in either)
-        check = gb.one("Add", [gb.reduce("ReduceSum", gb.one("Add", [G, Pn]), [1], keepdims=1),
+        # ok[b]: model b is active and its loss, gradient and new parameters are finite. A non-finite gradient
+        # element reaches the new parameters in every update above (even at lr 0: 0 * NaN = NaN), and a sum is
+        # non-finite when any term is (inf - inf = NaN): one ReduceSum over the new parameters checks all three.
+        check = gb.one("Add", [gb.reduce("ReduceSum", Pn, [1], keepdims=1),
                                gb.one("Reshape", [per_model_loss, gb.const([B, 1], np.int64)])])
         finite = gb.one("Not", [gb.one("Or", [gb.one("IsNaN", [check]), gb.one("IsInf", [check])])])
         ok = gb.one("And", [finite, gb.one("Greater", [row["active"], gb.const(0.5)])])
