@@ -82,6 +82,14 @@ def test_diverging_model_is_frozen_and_the_others_are_bit_identical(tmp_path):
         for k in sa[b]:
             assert sa[b][k].tobytes() == sb[b][k].tobytes(), (b, k)
     assert all(np.isfinite(v).all() for v in sa[1].values())  # frozen at its last finite values
+    # and to an array without model 1 at all
+    mods = make_modules("mlp", 3, seed0=30)
+    save_array(fuse_models(export_all([mods[0], mods[2]], SHAPE, tmp_path / "c" / "jobs")), tmp_path / "c" / "array")
+    train_array(tmp_path / "c" / "array", tmp_path / "data.npz", TrainConfig(lr=[0.05, 0.02], **cfg), progress=False)
+    sc = states(tmp_path / "c" / "array")
+    for b, c in ((0, 0), (2, 1)):
+        for k in sa[b]:
+            assert sa[b][k].tobytes() == sc[c][k].tobytes(), (b, k)
 
 
 def test_stop_on_diverge(tmp_path, capsys):
