@@ -127,6 +127,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
     from .trainer import FusedTrainer
 
     onnxruntime.set_default_logger_severity(3)
+    threads = int(os.environ.get("ONNXFUSE_BENCH_THREADS", "0"))  # 0: ORT's default (all cores)
     data = _Batches(batch_size)
     paths = [os.path.join(jobs_dir, f"model_{b}.onnx") for b in range(B)]
     lrs = learning_rates(B)
@@ -147,7 +148,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
             t0 = time.perf_counter()
             fa = fuse_models(paths)
             trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", B, lr=lrs),
-                                   workdir=os.path.join(work, "array"))
+                                   workdir=os.path.join(work, "array"), threads=threads or None)
             setup_s = time.perf_counter() - t0
             timed_s, loss = _train(fused_step(trainer), warmup, steps)
             losses = loss.tolist()
@@ -156,7 +157,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
                 t0 = time.perf_counter()
                 fa = fuse_models([paths[b]])
                 trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 1, lr=[lrs[b]]),
-                                       workdir=os.path.join(work, f"model_{b}"))
+                                       workdir=os.path.join(work, f"model_{b}"), threads=threads or None)
                 setup_s += time.perf_counter() - t0
                 dt, loss = _train(fused_step(trainer), warmup, steps)
                 timed_s += dt
@@ -184,8 +185,13 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
                     model, requires_grad=params, frozen_params=[], loss=ort_artifacts.LossType.CrossEntropyLoss,
                     optimizer=adamw, artifact_directory=art)
                 state = CheckpointState.load_checkpoint(os.path.join(art, "checkpoint"))
+                so = onnxruntime.SessionOptions()
+                so.log_severity_level = 3
+                so.add_session_config_entry("session.set_denormal_as_zero", "1")  # as FusedTrainer does
+                if threads:
+                    so.intra_op_num_threads = threads
                 module = Module(os.path.join(art, "training_model.onnx"), state,
-                                os.path.join(art, "eval_model.onnx"))
+                                os.path.join(art, "eval_model.onnx"), session_options=so)
                 optimizer = Optimizer(os.path.join(art, "optimizer_model.onnx"), module)
                 optimizer.set_learning_rate(lrs[b])
                 module.train()
