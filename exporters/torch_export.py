@@ -27,20 +27,52 @@ __all__ = ["export_module", "export_array", "load_factory", "DEFAULT_OPSET"]
 DEFAULT_OPSET = 17
 
 
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys are the same memory viewed the same way: one tensor under two names."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _state_metadata(module: torch.nn.Module, graph_inits: set[str]) -> dict:
+    """What each ``state_dict`` entry of ``module`` is, so that ``split`` can write every key back:
+
+    - a graph initializer: ``trainable`` (a parameter with requires_grad) or ``buffers`` (the rest); fused and
+      trained, and written from its trained value;
+    - ``extra_state[key] = {"kind": "alias", "of": other}``: the same tensor as ``other`` (tied weights, e.g.
+      GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``; found by storage identity, as torch's
+      ``named_parameters(remove_duplicate=True)`` drops the later names). The graph holds it once, under one
+      name; split writes the trained value of ``other`` under ``key`` too;
+    - ``extra_state[key]`` with kind ``bn_counter`` (BatchNorm's num_batches_tracked: advanced by the number of
+      training steps) or ``constant``: not an initializer of the graph, its value recorded here at export time
+      and written back unchanged. That is right for a buffer the exporter turned into a Constant node and for
+      a parameter or buffer the forward never reads, since training cannot change them. (A key that shares memory
+      with an initializer without being the same tensor, e.g. a slice of it, would be stale: warned about.)
+    """
     state = module.state_dict(keep_vars=True)
-    params = dict(module.named_parameters())
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
     counters = {f"{name}.num_batches_tracked" for name, m in module.named_modules()
                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
+    # one tensor, several keys: the key the graph holds (else the first) stands for the others
+    canonical: dict[tuple, str] = {}
+    for key, t in state.items():
+        if t.numel() == 0:
+            continue
+        k = _storage_key(t)
+        if k not in canonical or (key in graph_inits and canonical[k] not in graph_inits):
+            canonical[k] = key
+    in_graph_storage = {state[k].untyped_storage().data_ptr() for k in graph_inits if k in state}
     meta = {"framework": "torch", "torch_version": torch.__version__, "trainable": [], "buffers": [],
             "extra_state": {}}
     for key, t in state.items():
+        first = canonical.get(_storage_key(t), key) if t.numel() else key
         if key in graph_inits:
-            if key in params and params[key].requires_grad:
-                meta["trainable"].append(key)
-            else:
-                meta["buffers"].append(key)
-        else:  # not in the graph (a counter, or a parameter the forward never uses): carried as is
+            meta["trainable" if key in trainable else "buffers"].append(key)
+        elif first != key:
+            meta["extra_state"][key] = {"kind": "alias", "of": first}
+        else:
+            if t.numel() and t.untyped_storage().data_ptr() in in_graph_storage:
+                warnings.warn(f"state_dict entry '{key}' shares memory with a graph initializer but is not the same "
+                              "tensor (a slice or reshaped view of it): split writes its value from export time, "
+                              "not the trained one", stacklevel=3)
             arr = t.detach().cpu().numpy()
             meta["extra_state"][key] = {
                 "dtype": str(arr.dtype), "shape": list(arr.shape), "value": arr.reshape(-1).tolist(),

@@ -18,7 +18,7 @@ from .errors import NotFusibleError, UnsupportedOpError
 from .identity import AlignedModels
 from .layout import SHARED, Layout, stacked
 from .source import SourceModel
-from .weights import FusedWeight, WeightSlot, pack_weights
+from .weights import FusedWeight, WeightSlot, pack_weights, relayout
 
 __all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned"]
 
@@ -47,7 +47,8 @@ class FusionState:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: dict[str, np.ndarray] = {}
         self.weights: dict[str, FusedWeight] = {}
-        self.weight_of: dict[str, str] = {}  # model-0 initializer name -> fused weight name
+        self.weight_of: dict[tuple[int, str], str] = {}  # (model b, its initializer name) -> fused weight name
+        self.weight_views: dict[tuple[str, WeightSlot], str] = {}  # (fused weight, another slot) -> computed view
         self.tensors: dict[str, tuple[str, Layout]] = {}  # model-0 tensor name -> (fused name, layout)
         self.consts: dict[str, np.ndarray] = {}  # model-0 tensor name -> value, for shared constants
         self.conversions: dict[tuple[str, Layout], str] = {}
@@ -72,11 +73,11 @@ class FusionState:
     # ---- undo (a rule that fails half-way leaves no trace)
     def checkpoint(self) -> tuple:
         return (len(self.nodes), dict(self.tensors), dict(self.conversions), dict(self.consts), dict(self.inits),
-                dict(self.weights), dict(self.weight_of), self.layout_changes)
+                dict(self.weights), dict(self.weight_of), dict(self.weight_views), self.layout_changes)
 
     def rollback(self, mark: tuple) -> None:
         del self.nodes[mark[0]:]
-        (self.tensors, self.conversions, self.consts, self.inits, self.weights, self.weight_of,
+        (self.tensors, self.conversions, self.consts, self.inits, self.weights, self.weight_of, self.weight_views,
          self.layout_changes) = mark[1:]
 
     # ---- names
@@ -169,14 +170,35 @@ class FusionState:
 
     # ---- weights
     def pack_weight(self, sources: list[str], slot: WeightSlot, role: str, extra: dict | None = None) -> str:
+        """The fused weight holding model b's initializer ``sources[b]`` laid out by ``slot``.
+
+        The first request packs the B tensors into one model-major initializer in its slot: the parameter, trained
+        once, and the one entry array.json keeps for it. A later request for the same tensors (a tied weight: one
+        parameter read by several nodes, e.g. GPT-2's embedding table and LM head) gets that initializer when the
+        slot is the same, and otherwise a view computed from it in the graph (:func:`~onnxfuse.weights.relayout`:
+        Reshape/Transpose, made once per slot). Every use then reads the same parameter, and the backward pass sums
+        the gradients of all uses into it, as torch does for a tied parameter.
+        """
         key = sources[0]
-        if key in self.weight_of:
-            fw = self.weights[self.weight_of[key]]
-            if fw.slot != slot:
+        owners = [self.weight_of.get((b, s)) for b, s in enumerate(sources)]
+        if len(set(owners)) > 1:  # the identity check compares initializers by shape, not by which node shares one
+            b = next(b for b, o in enumerate(owners) if o != owners[0])
+            read = ["is also read by another node" if o else "is read by no other node so far" for o in owners]
+            raise RuleFailed(
+                f"the models tie weights differently: model 0's '{key}' {read[0]}, model {b}'s '{sources[b]}' "
+                f"{read[b]}; tie (or untie) the weight the same way in every model"
+            )
+        if owners[0] is not None:
+            fw = self.weights[owners[0]]
+            if fw.slot == slot:
+                return fw.name
+            if "buffer" in (fw.role, role):
                 raise RuleFailed(
-                    f"weight '{key}' is used by two nodes that need different layouts (tied weights are not supported)"
+                    f"buffer '{key}' is read in two layouts, but the training step writes a buffer in place (e.g. "
+                    "BatchNorm running statistics), so every reader must use the initializer itself; give each use "
+                    "its own buffer"
                 )
-            return fw.name
+            return self._weight_view(fw, slot)
         arrays = [m.array(s) for m, s in zip(self.models, sources)]
         trainable = self.src.trainable
         if role == "param" and trainable is not None and key not in trainable:
@@ -187,8 +209,22 @@ class FusionState:
             name=name, slot=slot, orig_shape=tuple(arrays[0].shape), dtype=str(arrays[0].dtype), role=role,
             sources=list(sources), extra=dict(extra or {}),
         )
-        self.weight_of[key] = name
+        for b, s in enumerate(sources):
+            self.weight_of[(b, s)] = name
         return name
+
+    def _weight_view(self, fw: FusedWeight, slot: WeightSlot) -> str:
+        """Fused weight ``fw`` as packed in ``slot`` instead of its own, computed in the graph (made once)."""
+        if (fw.name, slot) not in self.weight_views:
+            cur = fw.name
+            for op, arg in relayout(fw.slot, slot, fw.orig_shape, self.B):
+                if op == "Transpose":
+                    cur = self.emit("Transpose", [cur], name=f"{fw.name}__view", perm=arg)[0]
+                else:
+                    cur = self.emit("Reshape", [cur, self.const(arg, "shape")], name=f"{fw.name}__view")[0]
+            self.weight_views[(fw.name, slot)] = cur
+            self.layout_changes += 1
+        return self.weight_views[(fw.name, slot)]
 
 
 class NodeGroup:
@@ -275,7 +311,7 @@ class NodeGroup:
         """Input i is a weight that no other node reads and that is not packed yet: the rule may choose its slot
         freely (e.g. fold a Transpose into the packing)."""
         t = self.node.input[i]
-        return self.is_weight(i) and t not in self._st.weight_of and self._st.consumers.get(t, 0) == 1
+        return self.is_weight(i) and (0, t) not in self._st.weight_of and self._st.consumers.get(t, 0) == 1
 
     # ---- getting fused inputs
     def get(self, i: int, layout: Layout) -> str:
@@ -294,7 +330,11 @@ class NodeGroup:
         return self._st.tensors[self.node.input[i]][0]
 
     def weight(self, i: int, slot: WeightSlot, role: str = "param", extra: dict | None = None) -> str:
-        """Pack input i's B per-model initializers into one model-major fused weight laid out by ``slot``."""
+        """Input i's B per-model initializers as one model-major fused weight laid out by ``slot``.
+
+        The name returned is the fused initializer, unless another node already packed the same (tied) weight in
+        another slot: then it is a view computed from that initializer (see ``FusionState.pack_weight``). A rule
+        that needs the initializer itself asks first whether it may pick the slot (``sole_use_of_weight``)."""
         if not self.is_weight(i):
             self.fail(f"input {i} ('{self.node.input[i]}') must be an initializer (a weight), not a computed tensor")
         name = self._st.pack_weight(self.weight_sources(i), slot, role, extra)

@@ -52,16 +52,31 @@ def load_fused_weights(array_dir: str) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0) -> list[dict[str, np.ndarray]]:
-    """Per-model {original name: tensor}, including state that is not in the graph (BatchNorm counters advance
-    by the number of training steps, as torch's num_batches_tracked does once per training forward)."""
+    """Per-model {state_dict key: tensor}: every key the exporter recorded, so that torch's
+    ``load_state_dict(strict=True)`` accepts it.
+
+    Fused weights are unpacked (one entry per tensor, however many nodes read it). The entries of
+    ``spec.extra_state`` are state that is not a graph initializer: ``alias`` of another key (tied weights: the
+    trained value of the key it aliases, copied), ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the
+    number of training steps, as torch does once per training forward) and ``constant`` (its value at export time).
+    Arrays made before aliases were recorded carry tied weights as constants (their export-time value)."""
     out = []
     for b in range(spec.B):
         state = {fw.sources[b]: unpack_weight(fw, fused[fw.name], b) for fw in spec.weights.values()}
+        aliases = {}
         for key, e in spec.extra_state[b].items():
+            if e.get("kind") == "alias":
+                aliases[key] = e["of"]
+                continue
             value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
             if e.get("kind") == "bn_counter":
                 value = np.asarray(value + steps, dtype=e["dtype"])
             state[key] = value
+        for key, of in aliases.items():
+            if of not in state:
+                raise InputFileError(f"{spec.sources[b]}: state_dict entry '{key}' is an alias of '{of}', which the "
+                                     "array does not hold; re-export the model and re-run `onnxfuse fuse`")
+            state[key] = state[of].copy()
         out.append(state)
     return out
 

@@ -9,6 +9,10 @@ w (original shape S) is placed as
 and recovered exactly by the inverse (slice, reshape, inverse transpose): only data movement, so the round trip is
 bit-identical. Because blocks are contiguous, the optimizer can view any fused weight as ``[B, -1]`` and apply
 per-model coefficients ``[B, 1]``.
+
+One set of B tensors read in two slots (a tied weight, e.g. an embedding table [V, D] that is also the output
+projection) is packed once; the other slot is computed from it by :func:`relayout` (Reshape, Transpose, Reshape),
+again only data movement.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import numpy as np
 
 from .errors import InputFileError
 
-__all__ = ["WeightSlot", "FusedWeight", "ArraySpec", "pack_weights", "unpack_weight", "ARRAY_FORMAT"]
+__all__ = ["WeightSlot", "FusedWeight", "ArraySpec", "pack_weights", "unpack_weight", "relayout", "ARRAY_FORMAT"]
 
 ARRAY_FORMAT = "onnxfuse-array/1"
 
@@ -40,8 +44,11 @@ class WeightSlot:
     def from_block(self, block: np.ndarray, orig_shape: Sequence[int]) -> np.ndarray:
         if self.perm is None:
             return np.reshape(block, orig_shape)
-        transposed_shape = [orig_shape[p] for p in self.perm]
-        return np.transpose(np.reshape(block, transposed_shape), np.argsort(self.perm))
+        return np.transpose(np.reshape(block, self.transposed_shape(orig_shape)), np.argsort(self.perm))
+
+    def transposed_shape(self, orig_shape: Sequence[int]) -> list[int]:
+        """The original shape after ``perm`` (what the block is a reshape of)."""
+        return list(orig_shape) if self.perm is None else [int(orig_shape[p]) for p in self.perm]
 
 
 @dataclass
@@ -103,6 +110,37 @@ def unpack_weight(fw: FusedWeight, fused: np.ndarray, b: int) -> np.ndarray:
     return np.ascontiguousarray(fw.slot.from_block(fw.block(fused, b), fw.orig_shape))
 
 
+def relayout(src: WeightSlot, dst: WeightSlot, orig_shape: Sequence[int], B: int) -> list[tuple[str, list[int]]]:
+    """The steps that turn B tensors packed in slot ``src`` into the same tensors packed in slot ``dst``:
+    ``[(op, arg), ...]`` with op "Reshape" (arg: the new shape) or "Transpose" (arg: perm); a step that would change
+    nothing is left out (the same slot: no steps).
+
+        fused_src [B*L1, ...]  --Reshape-->    [B, *T1]   model b's transposed tensor, T1 = orig_shape[src.perm]
+                               --Transpose-->  [B, *T2]   perm [0, 1 + q...]: axis k of T2 is original axis
+                                                          dst.perm[k], which sits at q[k] = src.perm^-1[dst.perm[k]]
+                               --Reshape-->    [B*L2, *dst.block_shape[1:]] = fused_dst
+
+    Model b's block stays block b throughout (axis 0 is only ever split into [B, ...] and merged back), so
+    ``apply(relayout(s1, s2), pack_weights(s1, ws)) == pack_weights(s2, ws)`` bit for bit.
+    """
+    n = len(orig_shape)
+    identity = list(range(n))
+    inv_src = np.argsort(src.perm if src.perm is not None else identity)
+    q = [int(inv_src[p]) for p in (dst.perm if dst.perm is not None else identity)]
+    steps: list[tuple[str, list[int]]] = []
+    shape = [B * src.block_shape[0], *src.block_shape[1:]]
+    if q != identity:
+        per_model = [B, *src.transposed_shape(orig_shape)]
+        if per_model != shape:
+            steps.append(("Reshape", per_model))
+        steps.append(("Transpose", [0] + [1 + k for k in q]))
+        shape = [B, *dst.transposed_shape(orig_shape)]
+    target = [B * dst.block_shape[0], *dst.block_shape[1:]]
+    if target != shape:
+        steps.append(("Reshape", target))
+    return steps
+
+
 @dataclass
 class ArraySpec:
     """Everything ``array.json`` records about a fused array."""
@@ -112,7 +150,9 @@ class ArraySpec:
     inputs: list[dict]  # {"name", "shape", "dtype"} of the original inputs (shared by all models)
     outputs: list[dict]  # original outputs; the fused ones gain a leading model axis
     weights: dict[str, FusedWeight]
-    extra_state: list[dict]  # per model: state_dict entries that are not in the graph
+    # per model: state_dict entries that are not graph initializers, by key: {"kind": "alias", "of": key} (the
+    # same tensor as another key: tied weights), or a value with kind "bn_counter" or "constant"
+    extra_state: list[dict]
     summary: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from onnxfuse.layout import SHARED, packed, stacked
-from onnxfuse.weights import FusedWeight, WeightSlot, pack_weights, unpack_weight
+from onnxfuse.weights import FusedWeight, WeightSlot, pack_weights, relayout, unpack_weight
 
 
 @pytest.mark.parametrize("B", [1, 2, 5])
@@ -34,3 +34,21 @@ def test_layout_shapes():
     assert stacked(0).fused_shape(["N", 10], 4) == [4, "N", 10]
     assert stacked(2).fused_axis(1) == 1 and stacked(2).fused_axis(2) == 3
     assert SHARED.fused_shape([2, 3], 7) == [2, 3]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("shape,src,dst", [
+    ((5, 4), WeightSlot(None, (5, 4)), WeightSlot((1, 0), (1, 4, 5))),              # embedding table -> Gemm transB
+    ((5, 4), WeightSlot((1, 0), (1, 4, 5)), WeightSlot(None, (5, 4))),              # and back
+    ((5, 4), WeightSlot(None, (1, 5, 4)), WeightSlot(None, (5, 4))),                # stacked(0) -> packed(0): Reshape
+    ((7,), WeightSlot(None, (1, 1, 7)), WeightSlot(None, (1, 1, 1, 7))),            # a bias at two ranks
+    ((2, 3, 4), WeightSlot((2, 0, 1), (1, 4, 6)), WeightSlot((1, 2, 0), (3, 4, 2))),  # any two transposes
+])
+def test_relayout_turns_one_packing_into_the_other_bit_exact(B, shape, src, dst, rng):
+    """A tied weight is packed once; its other slot is computed with relayout's Reshape/Transpose steps."""
+    arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(B)]
+    x = pack_weights(src, arrays)
+    for op, arg in relayout(src, dst, shape, B):
+        x = np.transpose(x, arg) if op == "Transpose" else np.reshape(x, arg)
+    assert x.tobytes() == pack_weights(dst, arrays).tobytes() and x.shape == pack_weights(dst, arrays).shape
+    assert relayout(src, src, shape, B) == []
