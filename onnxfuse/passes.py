@@ -1,6 +1,7 @@
 """The fusion pipeline as passes, each a function a test can run alone:
 
-    load -> identity check -> fuse -> clean up -> topological sort -> onnx.checker
+    load (resolve what is static: ``resolve_static_pass``) -> identity check -> fuse -> clean up
+    -> topological sort -> onnx.checker
 """
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from typing import Sequence
 import onnx
 from onnx import numpy_helper
 
+from ._facts import live_nodes, reads
 from ._io import atomic_dir
 from .engine import fuse_aligned
 from .errors import ConfigError, NotFusibleError
 from .identity import check_identical
-from .source import SourceModel, load_source
+from .source import SourceModel, load_source, resolve_static_pass
 from .weights import ArraySpec
 
-__all__ = ["FusedArray", "fuse_models", "save_array", "cleanup_pass", "toposort_pass", "check_pass"]
+__all__ = ["FusedArray", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
+           "check_pass"]
 
 
 @dataclass
@@ -37,16 +40,11 @@ class FusedArray:
 def cleanup_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     """Drop nodes none of whose outputs is used (e.g. a layout change a rule made but did not need)."""
     g = model.graph
-    needed = {o.name for o in g.output}
-    keep = []
-    for n in reversed(list(g.node)):
-        if any(o in needed for o in n.output if o):
-            keep.append(n)
-            needed.update(t for t in n.input if t)
-    used = needed
+    keep = live_nodes(g)
+    used = {t for n in keep for t in reads(n)} | {o.name for o in g.output}
     inits = [t for t in g.initializer if t.name in used]
     del g.node[:]
-    g.node.extend(reversed(keep))
+    g.node.extend(keep)
     del g.initializer[:]
     g.initializer.extend(inits)
     return model

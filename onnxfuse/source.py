@@ -1,17 +1,21 @@
-"""Loading one source model: the graph, its shapes, and which initializers are per-model weights."""
+"""Loading one source model: the graph with what is static at fuse time resolved, its shapes, and which initializers
+are per-model weights."""
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Collection
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
+from ._facts import FOLD_LIMIT, GraphFacts, live_nodes
 from .errors import InputFileError
 
-__all__ = ["SourceModel", "load_source", "METADATA_KEY", "FLOAT_TYPES", "tensor_shape", "np_dtype"]
+__all__ = ["SourceModel", "load_source", "resolve_static_pass", "weight_names", "METADATA_KEY", "FLOAT_TYPES",
+           "tensor_shape", "np_dtype"]
 
 # The exporter writes a JSON document under this metadata key: which initializers are trainable parameters,
 # which are buffers, and the state_dict entries that are not in the graph (e.g. num_batches_tracked).
@@ -80,8 +84,113 @@ def _read_model(path: str) -> onnx.ModelProto:
         raise InputFileError(f"'{path}' is not a readable ONNX model ({type(e).__name__}); re-export it") from e
 
 
+def _metadata(proto: onnx.ModelProto, label: str = "model") -> dict:
+    for p in proto.metadata_props:
+        if p.key == METADATA_KEY:
+            try:
+                return json.loads(p.value)
+            except json.JSONDecodeError as e:
+                raise InputFileError(f"{label}: metadata '{METADATA_KEY}' is not valid JSON") from e
+    return {}
+
+
+def weight_names(proto: onnx.ModelProto, meta: dict | None = None) -> set[str]:
+    """The initializers that differ per model: the exporter's trainable parameters and buffers, or, in a file
+    without onnxfuse metadata, every floating-point initializer."""
+    meta = _metadata(proto) if meta is None else meta
+    inits = {t.name: t for t in proto.graph.initializer}
+    if "trainable" in meta or "buffers" in meta:
+        return (set(meta.get("trainable", [])) | set(meta.get("buffers", []))) & set(inits)
+    return {n for n, t in inits.items() if t.data_type in FLOAT_TYPES}
+
+
+_RESOLVE_ROUNDS = 10
+
+
+def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None = None) -> onnx.ModelProto:
+    """Resolve what is static at fuse time, so that rules see constants and static shapes instead of arithmetic.
+
+    - Every tensor whose value follows from constants and static dims alone (shape arithmetic such as Shape ->
+      Gather -> Div -> Unsqueeze -> Concat, Range, ConstantOfShape; see :class:`GraphFacts`) becomes a Constant
+      node, and the nodes that only computed it are dropped.
+    - A Reshape whose output ONNX's shape inference leaves unknown next to the symbolic batch (``view(N, T, -1)``)
+      gets its output shape recorded as value_info (:meth:`GraphFacts.reshape_shape`).
+
+    Repeats until nothing changes: a folded target makes a Reshape's output static, which makes more Shape entries
+    static. What depends on a symbolic dim (the batch N) or on a weight (``weights``, default
+    :func:`weight_names`) stays computed, so the model computes the same function for every batch size and B models
+    identical up to weights stay identical.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    weights = weight_names(out) if weights is None else set(weights)
+    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None:
+        return out
+    for _ in range(_RESOLVE_ROUNDS):
+        facts = GraphFacts(out, opset, variable=weights)
+        nodes, changed = [], 0
+        for node in g.node:
+            values = _static_outputs(node, facts)
+            if values is None:
+                nodes.append(node)
+                shape = facts.reshape_shape(node) if node.op_type == "Reshape" and not node.domain else None
+                if shape is not None and _adds_static_dims(shape, facts.shape(node.output[0])):
+                    _set_value_info(g, helper.make_tensor_value_info(node.output[0], facts.dtype(node.output[0]),
+                                                                     shape))
+                    changed += 1
+                continue
+            changed += 1
+            for o, v in values.items():
+                nodes.append(helper.make_node("Constant", [], [o], name=f"{node.name or node.op_type}/static",
+                                              value=numpy_helper.from_array(np.asarray(v), o)))
+        del g.node[:]
+        g.node.extend(nodes)
+        if not changed:
+            break
+    keep = live_nodes(g)
+    del g.node[:]
+    g.node.extend(keep)
+    produced = {o for n in keep for o in n.output}
+    infos = [vi for vi in g.value_info if vi.name in produced]
+    del g.value_info[:]
+    g.value_info.extend(infos)
+    return out
+
+
+def _set_value_info(g: onnx.GraphProto, vi: onnx.ValueInfoProto) -> None:
+    kept = [v for v in g.value_info if v.name != vi.name]
+    del g.value_info[:]
+    g.value_info.extend(kept + [vi])
+
+
+def _adds_static_dims(new: list, old: list | None) -> bool:
+    """``new`` knows a dim ``old`` does not, and contradicts none."""
+    if old is None:
+        return any(isinstance(d, int) for d in new)
+    if len(new) != len(old) or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(new, old)):
+        return False
+    return any(isinstance(a, int) and not isinstance(b, int) for a, b in zip(new, old))
+
+
+def _static_outputs(node: onnx.NodeProto, facts: GraphFacts) -> dict[str, np.ndarray] | None:
+    """{output: value} when every used output of ``node`` is static (and it is not a Constant already)."""
+    if node.op_type == "Constant" or node.domain not in ("", "ai.onnx") or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return None
+    used = [o for o in node.output if facts.is_used(o)]
+    if not used:
+        return None
+    values = {o: facts.constant(o) for o in used}
+    if any(v is None or v.size > FOLD_LIMIT for v in values.values()):
+        return None
+    return values
+
+
 def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = None) -> SourceModel:
-    """Load, check and shape-infer one model. ``label`` names it in error messages (default: file name)."""
+    """Load, check, resolve (:func:`resolve_static_pass`) and shape-infer one model. ``label`` names it in error
+    messages (default: file name)."""
     if isinstance(model, onnx.ModelProto):
         proto, label = model, label or "model"
     else:
@@ -95,6 +204,9 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None or opset < 13:
         raise InputFileError(f"{label}: ONNX opset {opset} is too old; export with opset_version between 13 and 20")
+    meta = _metadata(proto, label)
+    weights = weight_names(proto, meta)
+    proto = resolve_static_pass(proto, weights)
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as e:
@@ -112,17 +224,6 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     for t in proto.graph.initializer:
         shapes[t.name] = [int(d) for d in t.dims]
         dtypes[t.name] = t.data_type
-    meta = {}
-    for p in proto.metadata_props:
-        if p.key == METADATA_KEY:
-            try:
-                meta = json.loads(p.value)
-            except json.JSONDecodeError as e:
-                raise InputFileError(f"{label}: metadata '{METADATA_KEY}' is not valid JSON") from e
-    if "trainable" in meta or "buffers" in meta:
-        weights = (set(meta.get("trainable", [])) | set(meta.get("buffers", []))) & set(inits)
-    else:
-        weights = {n for n, t in inits.items() if t.data_type in FLOAT_TYPES}
     return SourceModel(
         label=label,
         model=proto,

@@ -91,12 +91,16 @@ def broadcast_inputs(g: "NodeGroup", idx: Sequence[int]) -> tuple[list[str], Lay
 
 
 def const_list(g: "NodeGroup", i: int, what: str) -> list[int] | None:
-    """Input i as a list of ints when it is a constant known now; None when the input is absent."""
+    """Input i as a list of ints when it is a constant known now; None when the input is absent.
+
+    Shape arithmetic over static dims is a constant by now (``resolve_static_pass`` folded it when loading), so a
+    computed value here depends on the batch size or on a weight."""
     if not g.has_input(i):
         return None
     v = g.const(i)
     if v is None:
-        g.fail(f"{what} (input {i}) must be a constant to be remapped for the model axis")
+        g.fail(f"{what} (input {i}) must be a constant to be remapped for the model axis, but it is computed from "
+               "the batch size or from a weight; compute it from the other dims (x.shape[1:]) or make it a constant")
     return [int(x) for x in v.reshape(-1)]
 
 

@@ -53,7 +53,8 @@ def fuse_layernorm(g: "NodeGroup") -> None:
     L = stacked(0) if L is None or L.is_shared or L.axis >= k else stacked(L.axis)
     norm_shape = g.input_shape(0)[k:]
     if any(not isinstance(d, int) for d in norm_shape):
-        g.fail("the normalized dims must be static")
+        g.fail(f"the normalized dims {norm_shape} of input '{g.node.input[0]}' must be static (the scale and bias "
+               "are packed per model); normalize over dims that do not depend on the batch size")
     dtype = np.float32
     # ones/zeros rather than no bias: onnxruntime-training 1.19 builds LayerNorm's gradient only with all 3 inputs
     ones = g.new_const(np.ones(norm_shape, dtype), "ln_ones", dtype)
