@@ -18,9 +18,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import OnnxFuseError, UntrainableOpError
-from ._values import Dim, GraphFacts, Shape, SymDim
+from .._facts import Dim, GraphFacts, Shape, SymDim
 
-__all__ = ["REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
+__all__ = ["FINAL", "REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
+
+# Marks a node a rewrite emitted of its own op type: legalization runs to a fixed point, and that node is already in
+# the form the rewrite wants (the ReduceMax inside ReduceMax's mask, a LayerNormalization with all its outputs).
+FINAL = "onnxfuse: legalized"
 
 Rewrite = Callable[[onnx.NodeProto, "Context"], "list[onnx.NodeProto] | None"]
 REWRITES: dict[tuple[str, str], Rewrite] = {}
@@ -258,7 +262,7 @@ def apply_rewrites(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     applied: list[str] = []
     for node in g.node:
         fn = REWRITES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
-        if fn is None:
+        if fn is None or node.doc_string == FINAL:
             new_nodes.append(node)
             continue
         try:
@@ -273,6 +277,9 @@ def apply_rewrites(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
         if replacement is None:
             new_nodes.append(node)
             continue
+        for n in replacement:  # a rewrite's own op in its replacement is its final form (ReduceMax in the mask)
+            if (n.op_type, n.domain) == (node.op_type, node.domain):
+                n.doc_string = FINAL
         new_nodes.extend(replacement)
         applied.append(_describe(node, replacement))
     del g.node[:]

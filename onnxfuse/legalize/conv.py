@@ -9,6 +9,10 @@ and so is any convolution with group 1.
 
 - 1-D (any group): run it as a 2-D convolution over a unit height, free (Unsqueeze/Squeeze are views);
 - 3-D and higher with group > 1: one group-1 convolution per group (Split, Conv, Concat), correct but not fused.
+
+ConvGrad also reads only the ``pads`` attribute: a convolution exported with ``auto_pad`` SAME_* (torch's
+``padding='same'``) got the gradient of an unpadded convolution. Its pads are made explicit (the spatial dims are
+static), which also lets ONNX Runtime run it with dilations (its CPU Conv refuses SAME_* with dilation > 1).
 """
 from __future__ import annotations
 
@@ -24,27 +28,53 @@ def conv_with_correct_gradient(node: onnx.NodeProto, ctx: Context) -> list[onnx.
     """1-D: Conv(X [N, C, L], W [M, C/g, k], B; strides s, pads (pb, pe), dilations d, group g)
     ==>  Squeeze_2(Conv(Unsqueeze_2(X) [N, C, 1, L], Unsqueeze_2(W) [M, C/g, 1, k], B;
                         strides (1, s), pads (0, pb, 0, pe), dilations (1, d), group g)).
-    A 2-D convolution whose kernel, input and output have height 1 is the 1-D convolution along the width; auto_pad
-    SAME_* pads a unit axis with kernel 1 and stride 1 by 0, so it carries over as it is.
+    A 2-D convolution whose kernel, input and output have height 1 is the 1-D convolution along the width.
 
     S-D, S >= 3, group g > 1: Conv(X, W, B; g) ==> Concat_1(Conv(X_i, W_i, B_i; group 1) for i < g), where X_i is
     channel block i of X [N, C, *S] (C/g channels), W_i and B_i block i of W [M, C/g, *K] and B [M] (M/g rows):
     a grouped convolution is exactly that, by definition.
     """
-    x, w = node.input[0], node.input[1]
-    rank = ctx.rank(node, x)
+    w_shape = ctx.shape(node.input[1])  # the weight's rank is the input's, and known when the input's is not
+    rank = len(w_shape) if w_shape is not None else ctx.rank(node, node.input[0])
     attrs = ctx.attrs(node)
     group = int(attrs.get("group", 1))
+    auto_pad = attrs.pop("auto_pad", "NOTSET")
+    if auto_pad != "NOTSET":
+        attrs["pads"] = _explicit_pads(node, ctx, attrs, auto_pad, rank - 2)
     if rank == 3:
         return _as_2d(node, ctx, attrs)
     if rank >= 5 and group > 1:
         return _per_group(node, ctx, attrs, group)
+    if auto_pad != "NOTSET":
+        em = Emitter(node, ctx)
+        em.op("Conv", list(node.input), list(node.output), **attrs)
+        return em.nodes
     return None
+
+
+def _explicit_pads(node: onnx.NodeProto, ctx: Context, attrs: dict, auto_pad: str, S: int) -> list[int]:
+    """ONNX's auto_pad as begin/end pads: VALID pads nothing; SAME_* pads the total
+    max(0, (ceil(L/s) - 1)*s + d*(k-1) + 1 - L), the odd one at the end (UPPER) or the beginning (LOWER)."""
+    if auto_pad == "VALID":
+        return [0] * (2 * S)
+    w_shape = ctx.shape(node.input[1])
+    kernel = attrs.get("kernel_shape") or (w_shape[2:] if w_shape else None)
+    strides, dilations = attrs.get("strides", [1] * S), attrs.get("dilations", [1] * S)
+    begin, end = [], []
+    for a in range(S):
+        L = ctx.static_dim(node, node.input[0], 2 + a, f"auto_pad {auto_pad}")
+        if kernel is None or not isinstance(kernel[a], int):
+            raise ctx.error(node, "its kernel shape is unknown", "use a weight initializer")
+        total = max(0, (-(-L // strides[a]) - 1) * strides[a] + dilations[a] * (kernel[a] - 1) + 1 - L)
+        small, large = total // 2, total - total // 2
+        begin.append(small if auto_pad == "SAME_UPPER" else large)
+        end.append(large if auto_pad == "SAME_UPPER" else small)
+    return begin + end
 
 
 def _as_2d(node: onnx.NodeProto, ctx: Context, attrs: dict) -> list[onnx.NodeProto]:
     em = Emitter(node, ctx)
-    two_d = {k: attrs[k] for k in ("group", "auto_pad") if k in attrs}
+    two_d = {k: attrs[k] for k in ("group",) if k in attrs}
     for key in ("kernel_shape", "strides", "dilations"):
         if key in attrs:
             two_d[key] = [1, *attrs[key]]
