@@ -20,7 +20,7 @@ from .layout import SHARED, Layout, stacked
 from .source import SourceModel
 from .weights import FusedWeight, WeightSlot, pack_weights, relayout
 
-__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned"]
+__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned", "check_layouts"]
 
 
 class RuleFailed(Exception):
@@ -471,10 +471,40 @@ def fuse_aligned(aligned: AlignedModels, strict: bool = False, per_model_inputs:
                 f"internal error: the {node.op_type} rule left output(s) {missing} of node '{g.name}' unset"
             )
     per_model_work = counts["fused"] + counts["per_model"]
-    return FusionResult(model=_assemble(st), weights=st.weights,
+    model = _assemble(st)
+    check_layouts(st, model)
+    return FusionResult(model=model, weights=st.weights,
                         summary={"B": st.B, "nodes": len(aligned.aligned), **counts, "unfused": unfused,
                                  "fused_fraction": counts["fused"] / per_model_work if per_model_work else 1.0,
                                  "layout_changes": st.layout_changes, "fused_nodes": len(st.nodes)})
+
+
+def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:
+    """Every fused tensor has the shape its layout promises: ``layout.fused_shape(original shape, B)``, checked
+    against ONNX shape inference of the fused graph wherever both dims are known.
+
+    A rule that emits an op whose output shape is not what the rule assumed (PRelu broadcasts its slope to x's
+    shape only: a shared x made the output declared [N, ...] for a per-model value) makes ONNX Runtime compute
+    with wrong buffer sizes or shapes at run time; this turns it into an error at fuse time naming the node."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    except Exception:  # check_pass reports an invalid graph with its own message
+        return
+    shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+              for vi in inferred.value_info if vi.type.tensor_type.HasField("shape")}
+    producer = {o: n for n in st.src.nodes for o in n.output}
+    for orig, (name, layout) in st.tensors.items():
+        orig_shape = st.src.shapes.get(orig)
+        got = shapes.get(name)
+        if orig_shape is None or got is None:
+            continue
+        want = layout.fused_shape([d if isinstance(d, int) else None for d in orig_shape], st.B)
+        if len(want) != len(got) or any(isinstance(w, int) and isinstance(g, int) and w != g
+                                         for w, g in zip(want, got)):
+            node = producer.get(orig)
+            where = f"node '{node.name}' ({node.op_type})" if node is not None else f"tensor '{orig}'"
+            raise NotFusibleError(f"internal error: {where}: fused tensor '{name}' should be {layout} {want} but "
+                                  f"has shape {got}; report it with the model (fuse --strict names the rule)")
 
 
 def _assemble(st: FusionState) -> onnx.ModelProto:

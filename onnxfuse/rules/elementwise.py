@@ -17,7 +17,7 @@ UNARY = (
 )
 NARY = (
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Mod", "Equal", "Less", "LessOrEqual",
-    "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "PRelu",
+    "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where",
 )
 
 
@@ -50,6 +50,18 @@ def fuse_nary(g: "NodeGroup") -> None:
     axis where needed. Math: broadcasting then pairs model b's operands only with each other.
     """
     inputs, L = broadcast_inputs(g, range(g.num_inputs))
+    g.emit_same(inputs, L)
+
+
+@rule("PRelu")
+def fuse_prelu(g: "NodeGroup") -> None:
+    """PRelu(x, slope): as the n-ary ops, except that ONNX broadcasts slope to x's shape only (unidirectionally:
+    the output has x's shape), so x must carry the model axis itself. A shared x next to a per-model slope is given
+    one copy per model first (Expand); a shared output size [N, ...] would otherwise be declared for a per-model
+    value, and ONNX Runtime then reuses a buffer of the wrong size."""
+    inputs, L = broadcast_inputs(g, [0, 1])
+    if g.is_shared(0):
+        inputs[0] = g.get(0, L)
     g.emit_same(inputs, L)
 
 
