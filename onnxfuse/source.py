@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from ._facts import FOLD_LIMIT, GraphFacts, live_nodes
 from .errors import InputFileError
+from .windows import explicit_windows_pass
 
 __all__ = ["SourceModel", "load_source", "resolve_static_pass", "weight_names", "METADATA_KEY", "FLOAT_TYPES",
            "tensor_shape", "np_dtype"]
@@ -189,7 +190,8 @@ def _static_outputs(node: onnx.NodeProto, facts: GraphFacts) -> dict[str, np.nda
 
 
 def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = None) -> SourceModel:
-    """Load, check, resolve (:func:`resolve_static_pass`) and shape-infer one model. ``label`` names it in error
+    """Load, check, resolve (:func:`resolve_static_pass`), make window padding explicit
+    (:func:`~onnxfuse.windows.explicit_windows_pass`) and shape-infer one model. ``label`` names it in error
     messages (default: file name)."""
     if isinstance(model, onnx.ModelProto):
         proto, label = model, label or "model"
@@ -206,7 +208,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
         raise InputFileError(f"{label}: ONNX opset {opset} is too old; export with opset_version between 13 and 20")
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)
-    proto = resolve_static_pass(proto, weights)
+    proto = explicit_windows_pass(resolve_static_pass(proto, weights))
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as e:

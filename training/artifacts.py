@@ -5,6 +5,7 @@ Passes, in order (each a function of the model):
 
 0. ``onnxfuse.legalize``    rewrite what onnxruntime-training 1.19 cannot differentiate (LayerNorm outputs,
                             ReduceMax, HardSwish, ConvTranspose, Resize, ...) into equivalent trainable forms
+   ``static_shapes_pass``   every tensor's shape declared (some of ORT's gradient kernels read declared shapes)
 1. ``add_loss_pass``        per-model losses [B] and their sum (the gradient root)
 2. ``batchnorm_pass``       BatchNorm in training mode computes batch statistics only (dummy running stats,
                             momentum 0, so outputs 1 and 2 are the batch mean and biased variance); the running
@@ -65,6 +66,17 @@ def _opset(model: onnx.ModelProto) -> int:
 
 def _value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def static_shapes_pass(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every tensor's shape recorded in the graph, with shape arithmetic propagated (``data_prop``): some gradient
+    kernels of onnxruntime-training 1.19 size their output from the graph's declared shapes, not from the tensors
+    they get (MaxPoolGrad's input gradient got an unknown channel count as 0 after a GroupNorm's computed Reshape,
+    and the train step failed). Only the batch stays symbolic."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:  # the graph is checked elsewhere; without the shapes ORT infers what it can
+        return model
 
 
 def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec
@@ -268,6 +280,7 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     user_inputs = [i["name"] for i in spec.inputs]
 
     fwd, legalized = legalize(fused)  # ops ORT 1.19 cannot differentiate -> equivalent trainable forms
+    fwd = static_shapes_pass(fwd)
     fwd, _ = add_loss_pass(fwd, spec, loss)
     writes = batchnorm_pass(fwd)
     state = optimizer_state_pass(fwd, trainable, opt)

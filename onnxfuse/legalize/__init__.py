@@ -5,7 +5,7 @@ into equivalent forms it can (same forward up to float rounding, same gradient a
 
 The engine (``_engine.py``) applies one registered rewrite per op type; each family module holds its rewrites:
 ``norm`` (LayerNormalization outputs, InstanceNormalization), ``reduce`` (ReduceMax/Min/L1/SumSquare/LogSum),
-``conv`` (1-D and grouped N-D Conv), ``pad`` (reflect, edge, wrap), ``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu), ``einsum``, ``cumsum``,
+``conv`` (1-D and grouped N-D Conv), ``pad`` (reflect, edge, wrap), ``pool`` (AveragePool), ``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu), ``einsum``, ``cumsum``,
 ``conv_transpose``, ``resize``, ``depth_space`` (DepthToSpace, SpaceToDepth), ``split`` (unused outputs) and
 ``slicing`` (a negative step on the last axis). A node that needs a rewrite but has a form none supports raises
 :class:`onnxfuse.errors.UntrainableOpError` naming it.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import onnx
 
 # importing a family module registers its rewrites
-from . import (activation, conv, conv_transpose, cumsum, depth_space, einsum, norm, pad, reduce, resize,  # noqa: F401
-               slicing, split)
+from . import (activation, conv, conv_transpose, cumsum, depth_space, einsum, norm, pad, pool, reduce,  # noqa: F401
+               resize, slicing, split)
 from ..errors import UntrainableOpError
 from ._engine import REWRITES, apply_rewrites
 

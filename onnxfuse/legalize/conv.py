@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import onnx
 
+from ..windows import same_pads
 from ._engine import Context, Emitter, rewrite
 
 __all__ = ["conv_with_correct_gradient"]
@@ -53,23 +54,17 @@ def conv_with_correct_gradient(node: onnx.NodeProto, ctx: Context) -> list[onnx.
 
 
 def _explicit_pads(node: onnx.NodeProto, ctx: Context, attrs: dict, auto_pad: str, S: int) -> list[int]:
-    """ONNX's auto_pad as begin/end pads: VALID pads nothing; SAME_* pads the total
-    max(0, (ceil(L/s) - 1)*s + d*(k-1) + 1 - L), the odd one at the end (UPPER) or the beginning (LOWER)."""
+    """auto_pad as begin and end pads (:func:`onnxfuse.windows.same_pads`); the spatial dims must be static."""
     if auto_pad == "VALID":
         return [0] * (2 * S)
     w_shape = ctx.shape(node.input[1])
     kernel = attrs.get("kernel_shape") or (w_shape[2:] if w_shape else None)
+    if kernel is None or not all(isinstance(k, int) for k in kernel):
+        raise ctx.error(node, "its kernel shape is unknown", "use a weight initializer")
     strides, dilations = attrs.get("strides", [1] * S), attrs.get("dilations", [1] * S)
-    begin, end = [], []
-    for a in range(S):
-        L = ctx.static_dim(node, node.input[0], 2 + a, f"auto_pad {auto_pad}")
-        if kernel is None or not isinstance(kernel[a], int):
-            raise ctx.error(node, "its kernel shape is unknown", "use a weight initializer")
-        total = max(0, (-(-L // strides[a]) - 1) * strides[a] + dilations[a] * (kernel[a] - 1) + 1 - L)
-        small, large = total // 2, total - total // 2
-        begin.append(small if auto_pad == "SAME_UPPER" else large)
-        end.append(large if auto_pad == "SAME_UPPER" else small)
-    return begin + end
+    pads = [same_pads(ctx.static_dim(node, node.input[0], 2 + a, f"auto_pad {auto_pad}"), kernel[a], strides[a],
+                      dilations[a], auto_pad == "SAME_UPPER") for a in range(S)]
+    return [p[0] for p in pads] + [p[1] for p in pads]
 
 
 def _as_2d(node: onnx.NodeProto, ctx: Context, attrs: dict) -> list[onnx.NodeProto]:
