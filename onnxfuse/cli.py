@@ -10,7 +10,7 @@ import logging
 import traceback
 import warnings
 
-from .errors import ConfigError, OnnxFuseError, TrainingStoppedError
+from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError
 from .training.losses import LOSSES
 
 __all__ = ["main", "build_parser"]
@@ -94,6 +94,7 @@ def _train_settings(args) -> dict:
         "keep_checkpoints": args.keep_checkpoints, "on_diverge": args.on_diverge,
         "halving": _numbers(args.halving, "--halving", int), "halving_keep": args.halving_keep,
         "shuffle": False if args.no_shuffle else None, "per_model_labels": True if args.per_model_labels else None,
+        "verify_steps": args.verify_steps,
     }
     loss_options = {k: v for k, v in (("label_smoothing", args.label_smoothing), ("ignore_index", args.ignore_index),
                                       ("class_axis", args.class_axis)) if v is not None}
@@ -110,8 +111,10 @@ def _train_settings(args) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def cmd_train(args) -> int:
-    from .training import TrainConfig, train_array
+def _run_config(args, resume: bool = False):
+    """(TrainConfig or None, overrides or None, data, eval data) from --config and the flags; with ``resume`` and
+    no config file: no TrainConfig, and the flags override the checkpoint's own settings."""
+    from .training import TrainConfig
 
     settings, data, eval_data = {}, args.data, args.eval_data
     if args.config:
@@ -121,17 +124,22 @@ def cmd_train(args) -> int:
         settings, file_data, file_eval = config_to_train_settings(cfg_file, args.array)
         data, eval_data = data or file_data, eval_data or file_eval
     flags = _train_settings(args)
-    if args.resume and not args.config:
-        cfg, overrides = None, flags  # the checkpoint's own settings, changed only where a flag is given
-    else:
-        settings.update(flags)
-        if "batch_size" not in settings:
-            raise ConfigError("--batch-size is required (or batch_size in --config)")
-        if "steps" not in settings and "epochs" not in settings:
-            raise ConfigError("--steps or --epochs is required (or steps/epochs in --config)")
-        if data is None:
-            raise ConfigError("--data is required (a .npz file or sklearn:<name>), or data.train in --config")
-        cfg, overrides = TrainConfig.from_dict(settings), None
+    if resume and not args.config:
+        return None, flags, data, eval_data
+    settings.update(flags)
+    if "batch_size" not in settings:
+        raise ConfigError("--batch-size is required (or batch_size in --config)")
+    if "steps" not in settings and "epochs" not in settings:
+        raise ConfigError("--steps or --epochs is required (or steps/epochs in --config)")
+    if data is None:
+        raise ConfigError("--data is required (a .npz file or sklearn:<name>), or data.train in --config")
+    return TrainConfig.from_dict(settings), None, data, eval_data
+
+
+def cmd_train(args) -> int:
+    from .training import train_array
+
+    cfg, overrides, data, eval_data = _run_config(args, resume=args.resume)
     res = train_array(args.array, data, cfg, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
                       overrides=overrides)
     print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
@@ -142,6 +150,20 @@ def cmd_train(args) -> int:
         st = res.status.get(b)
         print(f"{b:>5}  {loss:>10.4f}  {ev_loss.get(b, float('nan')):>10.4f}  "
               f"{100 * ev_acc.get(b, float('nan')):>7.1f}%  {'' if st is None else st['status'] + ' at step ' + str(st['step'])}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .training import load_array
+    from .training.run import verify_array
+
+    load_array(args.array)  # before --config could build an array there: check writes nothing
+    cfg, _, data, eval_data = _run_config(args)
+    report = verify_array(args.array, data, cfg, eval_data=eval_data)
+    print(report.table())
+    print(report.summary())
+    if not report.ok:
+        raise report.error()
     return 0
 
 
@@ -177,6 +199,62 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The settings of a run, shared by `train` and `check` (which checks the run these flags describe)."""
+    p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it")
+    p.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
+                   "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
+    p.add_argument("--eval-data", help="held-out data, the same forms as --data")
+    p.add_argument("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
+    p.add_argument("--eval-every", type=int, help="evaluate every K steps (0: at the end only)")
+    p.add_argument("--loss", choices=list(LOSSES),
+                   help="cross-entropy / nll: labels are class indices; mse, l1, bce-with-logits: targets shaped "
+                   "like the output; model: the output is the loss (no labels)")
+    p.add_argument("--label-smoothing", type=float, help="cross-entropy label smoothing in [0, 1] (default 0)")
+    p.add_argument("--ignore-index", type=int,
+                   help="cross-entropy / nll: labels with this value count for nothing (default -100)")
+    p.add_argument("--class-axis", type=int,
+                   help="class axis of the output: 1 for [N, C, ...] (default), -1 for [N, T, V] language models")
+    p.add_argument("--per-model-labels", action="store_true",
+                   help="'labels' in the data file is [B, n, ...]: one set of labels per model")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="default sgd")
+    p.add_argument("--lr", help="learning rate: one value, or one per model (comma-separated); default 1e-3")
+    p.add_argument("--momentum", help="SGD momentum, one or one per model (default 0)")
+    p.add_argument("--dampening", help="SGD dampening, one or one per model (default 0)")
+    p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum (per model: --config)")
+    p.add_argument("--weight-decay", help="one or one per model (default: AdamW 0.01, otherwise 0, as torch.optim)")
+    p.add_argument("--betas", help="Adam/AdamW beta1,beta2 (default 0.9,0.999; per model: --config)")
+    p.add_argument("--eps", help="Adam/AdamW eps, one or one per model (default 1e-8)")
+    p.add_argument("--amsgrad", action="store_true", help="Adam/AdamW amsgrad (per model: --config)")
+    p.add_argument("--clip-grad-norm", help="clip each model's gradient norm to this (one or one per model)")
+    p.add_argument("--schedule", choices=["constant", "step", "multistep", "exponential", "cosine", "linear",
+                                          "onecycle"], help="learning-rate schedule (torch.optim.lr_scheduler)")
+    p.add_argument("--warmup-steps", type=int, help="cosine/linear: linear warm-up steps")
+    p.add_argument("--step-size", type=int, help="step: decay every K steps")
+    p.add_argument("--gamma", type=float, help="step/multistep/exponential decay factor")
+    p.add_argument("--milestones", help="multistep: comma-separated steps")
+    p.add_argument("--max-lr", type=float, help="onecycle: peak learning rate")
+    p.add_argument("--end-factor", type=float, help="linear: final lr factor (default 0)")
+    p.add_argument("--steps", type=int, help="optimizer steps (or --epochs)")
+    p.add_argument("--epochs", type=int, help="passes over the data (or --steps)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--no-shuffle", action="store_true", help="take batches in file order")
+    p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
+    p.add_argument("--data-order", choices=["shared", "per-model", "shards"],
+                   help="shared batches (default), an own shuffle per model, or shard b for model b")
+    p.add_argument("--on-diverge", choices=["freeze", "stop"],
+                   help="a model whose loss or update is not finite: freeze it (default) or stop the run")
+    p.add_argument("--halving", help="steps at which successive halving keeps the best half by eval loss")
+    p.add_argument("--halving-keep", type=float, help="fraction kept at each halving (default 0.5)")
+    p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
+    p.add_argument("--device", help="cpu (default) or cuda[:id]")
+    p.add_argument("--log-every", type=int, help="write training metrics every K steps (default 1)")
+    p.add_argument("--verify-steps", type=int,
+                   help="before training, check the first K steps of every model against the model trained "
+                   "alone on the same runtime (default 1; 0: skip; a resumed run skips it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
                                 "ONNX graph and train them together with ONNX Runtime.")
@@ -205,58 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
     t.add_argument("array", metavar="ARRAY_DIR")
-    t.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it")
-    t.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
-                   "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
-    t.add_argument("--eval-data", help="held-out data, the same forms as --data")
-    t.add_argument("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
-    t.add_argument("--eval-every", type=int, help="evaluate every K steps (0: at the end only)")
-    t.add_argument("--loss", choices=list(LOSSES),
-                   help="cross-entropy / nll: labels are class indices; mse, l1, bce-with-logits: targets shaped "
-                   "like the output; model: the output is the loss (no labels)")
-    t.add_argument("--label-smoothing", type=float, help="cross-entropy label smoothing in [0, 1] (default 0)")
-    t.add_argument("--ignore-index", type=int,
-                   help="cross-entropy / nll: labels with this value count for nothing (default -100)")
-    t.add_argument("--class-axis", type=int,
-                   help="class axis of the output: 1 for [N, C, ...] (default), -1 for [N, T, V] language models")
-    t.add_argument("--per-model-labels", action="store_true",
-                   help="'labels' in the data file is [B, n, ...]: one set of labels per model")
-    t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="default sgd")
-    t.add_argument("--lr", help="learning rate: one value, or one per model (comma-separated); default 1e-3")
-    t.add_argument("--momentum", help="SGD momentum, one or one per model (default 0)")
-    t.add_argument("--dampening", help="SGD dampening, one or one per model (default 0)")
-    t.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum (per model: --config)")
-    t.add_argument("--weight-decay", help="one or one per model (default: AdamW 0.01, otherwise 0, as torch.optim)")
-    t.add_argument("--betas", help="Adam/AdamW beta1,beta2 (default 0.9,0.999; per model: --config)")
-    t.add_argument("--eps", help="Adam/AdamW eps, one or one per model (default 1e-8)")
-    t.add_argument("--amsgrad", action="store_true", help="Adam/AdamW amsgrad (per model: --config)")
-    t.add_argument("--clip-grad-norm", help="clip each model's gradient norm to this (one or one per model)")
-    t.add_argument("--schedule", choices=["constant", "step", "multistep", "exponential", "cosine", "linear",
-                                          "onecycle"], help="learning-rate schedule (torch.optim.lr_scheduler)")
-    t.add_argument("--warmup-steps", type=int, help="cosine/linear: linear warm-up steps")
-    t.add_argument("--step-size", type=int, help="step: decay every K steps")
-    t.add_argument("--gamma", type=float, help="step/multistep/exponential decay factor")
-    t.add_argument("--milestones", help="multistep: comma-separated steps")
-    t.add_argument("--max-lr", type=float, help="onecycle: peak learning rate")
-    t.add_argument("--end-factor", type=float, help="linear: final lr factor (default 0)")
-    t.add_argument("--steps", type=int, help="optimizer steps (or --epochs)")
-    t.add_argument("--epochs", type=int, help="passes over the data (or --steps)")
-    t.add_argument("--batch-size", type=int)
-    t.add_argument("--no-shuffle", action="store_true", help="take batches in file order")
-    t.add_argument("--seed", type=int, help="shuffling seed (default 0)")
-    t.add_argument("--data-order", choices=["shared", "per-model", "shards"],
-                   help="shared batches (default), an own shuffle per model, or shard b for model b")
-    t.add_argument("--on-diverge", choices=["freeze", "stop"],
-                   help="a model whose loss or update is not finite: freeze it (default) or stop the run")
-    t.add_argument("--halving", help="steps at which successive halving keeps the best half by eval loss")
-    t.add_argument("--halving-keep", type=float, help="fraction kept at each halving (default 0.5)")
-    t.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps (0: never)")
-    t.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
+    _add_run_flags(t)
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    t.add_argument("--device", help="cpu (default) or cuda[:id]")
-    t.add_argument("--log-every", type=int, help="write training metrics every K steps (default 1)")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("check", help="check the first training step(s) of every model of an array against the "
+                       "model trained alone, without training (the check `train` makes; writes nothing)")
+    c.add_argument("array", metavar="ARRAY_DIR")
+    _add_run_flags(c)
+    c.add_argument("-q", "--quiet", action="store_true", help="warnings only in the log")
+    c.set_defaults(func=cmd_check)
 
     s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
     s.add_argument("array", metavar="ARRAY_DIR")
@@ -305,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStoppedError as e:  # a run stopped on purpose (--on-diverge stop): its state is saved
         print(f"onnxfuse: {' '.join(str(e).split())}", file=sys.stderr)
         return 3
+    except VerificationError as e:  # the array would train a model wrongly: neither bad input nor a crash
+        if args.verbose:
+            traceback.print_exc()
+        print(f"onnxfuse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 4
     except OnnxFuseError as e:
         if args.verbose:
             traceback.print_exc()

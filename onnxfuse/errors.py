@@ -11,6 +11,7 @@ __all__ = [
     "DataError",
     "PlacementError",
     "TrainingStoppedError",
+    "VerificationError",
 ]
 
 
@@ -58,3 +59,9 @@ class DataError(OnnxFuseError):
 class PlacementError(OnnxFuseError):
     """A graph cannot be placed on the given devices (it does not fit their memory, a placement names a missing
     device, a placer does not apply to this graph...)."""
+
+
+class VerificationError(OnnxFuseError):
+    """The fused array's training of some model differs from that model trained alone on the same runtime (the
+    run-time check of ``onnxfuse train --verify-steps`` and ``onnxfuse check``): the array would train it wrongly.
+    Nothing is written; the CLI exits with status 4."""

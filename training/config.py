@@ -16,7 +16,7 @@ Normalized form (what the trainer reads)::
     grid        {"optimizer.lr": [...], ...}   (empty when not used)
     schedule    {name, + its parameters}  or a list of such dicts, one per model
     clip_grad_norm, steps, epochs (one of them None), batch_size, eval_every, eval_batch_size,
-    checkpoint_every, keep_checkpoints, on_diverge, halving, halving_keep, log_every, device
+    checkpoint_every, keep_checkpoints, on_diverge, halving, halving_keep, log_every, device, verify_steps
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ _REQUIRED = object()  # a schedule parameter without a default
 
 TOP_KEYS = ("model", "data", "loss", "optimizer", "grid", "schedule", "clip_grad_norm", "steps", "epochs",
             "batch_size", "eval_every", "eval_batch_size", "checkpoint_every", "keep_checkpoints", "on_diverge",
-            "halving", "halving_keep", "log_every", "device")
+            "halving", "halving_keep", "log_every", "device", "verify_steps")
 MODEL_KEYS = ("factory", "count", "seeds", "input_shape", "per_model_inputs")
 DATA_KEYS = ("train", "eval", "eval_fraction", "shuffle", "seed", "order", "per_model_labels")
 LOSS_KEYS = ("name", "label_smoothing", "ignore_index", "class_axis")
@@ -73,7 +73,7 @@ PER_MODEL_KEYS = tuple(f"optimizer.{k}" for k in ("lr", "momentum", "dampening",
                                                   "betas", "eps", "amsgrad")) + ("clip_grad_norm",)
 TOP_DEFAULTS = {"clip_grad_norm": None, "steps": None, "epochs": None, "batch_size": 32, "eval_every": 0,
                 "eval_batch_size": 256, "checkpoint_every": 0, "keep_checkpoints": 2, "on_diverge": "freeze",
-                "halving": [], "halving_keep": 0.5, "log_every": 1, "device": "cpu"}
+                "halving": [], "halving_keep": 0.5, "log_every": 1, "device": "cpu", "verify_steps": 1}
 
 
 # ---------------------------------------------------------------- value checks (each raises one ConfigError line)
@@ -467,6 +467,7 @@ def _top_level(where: str, raw: dict, cfg: dict) -> None:
     cfg["halving_keep"] = _ranged(0.0, 1.0, lo_open=True, hi_open=True)(where, "halving_keep", get("halving_keep"))
     cfg["log_every"] = _pos_int(where, "log_every", get("log_every"))
     cfg["device"] = _device(where, get("device"))
+    cfg["verify_steps"] = _nonneg_int(where, "verify_steps", get("verify_steps"))
     if cfg["halving"]:
         if cfg["data"]["eval"] is None and cfg["data"]["eval_fraction"] == 0:
             raise _fail(where, "halving needs eval data to rank the models; set data.eval or data.eval_fraction")
@@ -675,6 +676,7 @@ def config_to_train_settings(cfg: dict, array_dir: str | os.PathLike) -> tuple[d
         "eval_fraction": data["eval_fraction"] or 0.0, "checkpoint_every": c["checkpoint_every"],
         "keep_checkpoints": c["keep_checkpoints"], "on_diverge": c["on_diverge"], "halving": c["halving"] or None,
         "halving_keep": c["halving_keep"], "device": c["device"], "log_every": c["log_every"],
+        "verify_steps": c["verify_steps"],
     }
     if "betas" in opt:
         settings["betas"] = [tuple(p) for p in opt["betas"]]

@@ -9,6 +9,9 @@ Files in the array folder:
     trained/                         the final state: weights.safetensors of the surviving array (array.json
                                      describes it), dropped/model_<b>.safetensors, train_state.json
 
+Before a fresh run trains, it verifies its first ``verify_steps`` steps against every model trained alone
+(``verify.py``); a mismatch stops it before anything is written. ``verify_array`` runs the same check on demand.
+
 A resumed run restores weights, optimizer state, schedule position, data position and RNG state from the newest
 checkpoint, so its final weights are those of an uninterrupted run.
 """
@@ -23,7 +26,8 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Sequence
 
 import numpy as np
@@ -38,11 +42,12 @@ from onnxfuse.weights import ArraySpec
 
 from .data import BatchSampler, Dataset, load_npz, make_dataset
 from .losses import LABELS, LOSS_OPTIONS, LossSpec, get_loss
-from .optim import OptimizerConfig, make_optimizer
+from .optim import OptimizerConfig, StepValues, make_optimizer
 from .schedules import PerModelSchedules, check_schedules
 from .trainer import FusedTrainer, check_device, load_array
+from .verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
-__all__ = ["TrainConfig", "TrainResult", "train_array", "TrainingStopped", "METRICS_HEADER"]
+__all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER"]
 
 log = logging.getLogger("onnxfuse.train")
 METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status"]
@@ -86,6 +91,7 @@ class TrainConfig:
     halving_keep: float = 0.5
     device: str = "cpu"
     log_every: int = 1
+    verify_steps: int = 1  # check the first K steps of every model against it trained alone (0: skip)
 
     def optimizer_config(self, B: int) -> OptimizerConfig:
         return make_optimizer(self.optimizer, B, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
@@ -137,6 +143,7 @@ def _validate(config: TrainConfig, spec: ArraySpec) -> None:
     positive_int("--checkpoint-every", config.checkpoint_every, allow_zero=True)
     positive_int("--keep-checkpoints", config.keep_checkpoints)
     positive_int("--eval-batch-size", config.eval_batch_size)
+    positive_int("--verify-steps", config.verify_steps, allow_zero=True)
     if config.on_diverge not in ("freeze", "stop"):
         raise ConfigError(f"--on-diverge must be freeze or stop, got '{config.on_diverge}'")
     if config.data_order not in ("shared", "per-model", "shards"):
@@ -240,12 +247,17 @@ def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
                         f"{loss.ignore_index}) for the model's {K} classes, found {labels.min()}..{labels.max()}")
 
 
-def _batch(ds: Dataset, idx: np.ndarray, run: "_Run") -> dict[str, np.ndarray]:
-    """The step's arrays for the models still in the array."""
+def _full_batch(ds: Dataset, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's arrays for every model of the array."""
     if idx.ndim == 2:  # per-model order: [B, N] indices into shared arrays -> [B, N, ...]
         return {k: v[idx] for k, v in ds.arrays.items()}
-    if len(run.models) == run.spec0.B:
-        return ds.batch(idx)
+    return ds.batch(idx)
+
+
+def _batch(ds: Dataset, idx: np.ndarray, run: "_Run") -> dict[str, np.ndarray]:
+    """The step's arrays for the models still in the array."""
+    if idx.ndim == 2 or len(run.models) == run.spec0.B:
+        return _full_batch(ds, idx)
     rows = np.asarray(run.models)[:, None]  # per-model arrays: the surviving models' rows only
     return {k: (v[rows, idx[None, :]] if k in ds.per_model else v[idx]) for k, v in ds.arrays.items()}
 
@@ -263,10 +275,7 @@ class _Run:
         self.status: dict[int, dict] = {}  # original model -> {"status": ..., "step": ...}
         self.active = [True] * spec.B
         self.dropped: dict[int, dict[str, np.ndarray]] = {}  # original model -> its state_dict when dropped
-        self.opt0 = config.optimizer_config(spec.B)
-        specs = check_schedules(config.schedule, spec.B, total_steps)
-        self.schedules = PerModelSchedules(specs, self.opt0, total_steps)
-        self.opt0.momentum_varies = self.schedules.moves_momentum
+        self.opt0, self.schedules = _optimizer_and_schedules(config, spec.B, total_steps)
         self.opt = self.opt0
         self.fused, self.spec = fused, spec
         self.trainer = self._trainer()
@@ -317,6 +326,15 @@ class _Run:
         self.active = [self.active[i] for i in positions]
         self.models = survivors
         self.last_loss = self.last_loss[positions]
+
+
+def _optimizer_and_schedules(config: TrainConfig, B: int, total_steps: int
+                             ) -> tuple[OptimizerConfig, PerModelSchedules]:
+    """The array's optimizer configuration and its per-model schedules at step 0."""
+    opt = config.optimizer_config(B)
+    schedules = PerModelSchedules(check_schedules(config.schedule, B, total_steps), opt, total_steps)
+    opt.momentum_varies = schedules.moves_momentum  # one-cycle moves SGD's momentum: keep a momentum buffer
+    return opt, schedules
 
 
 def _refuse(array_dir: str, models: list[int], states: list[dict], spec0: ArraySpec):
@@ -469,11 +487,95 @@ def _halve(run: _Run, ev: dict) -> list[int]:
     return keep
 
 
+# ------------------------------------------------------------------------------------------------ verification
+def _first_steps(ds: Dataset, sampler: BatchSampler, config: TrainConfig, B: int, total: int, K: int
+                 ) -> tuple[list[dict[str, np.ndarray]], list[StepValues]]:
+    """The batches and per-model step values of a fresh run's first K steps, drawn without moving ``sampler``."""
+    position = sampler.state_dict()
+    batches = [_full_batch(ds, sampler.next()) for _ in range(K)]
+    sampler.load_state_dict(position)
+    _, schedules = _optimizer_and_schedules(config, B, total)
+    values = []
+    for _ in range(K):
+        values.append(schedules.values([True] * B))
+        schedules.advance()
+    return batches, values
+
+
+def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: FusedTrainer | None, ds: Dataset,
+            sampler: BatchSampler, config: TrainConfig, total: int, K: int) -> VerifyReport:
+    """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
+    fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
+    of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
+    checked with Dropout off, in a trainer of its own."""
+    t0 = time.perf_counter()
+    dropout_off = has_random_dropout(fused)
+    if trainer is None or dropout_off:
+        opt, _ = _optimizer_and_schedules(config, spec.B, total)
+        trainer = FusedTrainer(without_dropout(fused) if dropout_off else fused, spec, config.loss_spec(), opt,
+                               config.device)
+    with warnings.catch_warnings():  # nodes fused per model were reported when the array was fused
+        warnings.simplefilter("ignore")
+        model, one_spec = _refuse(array_dir, [0], split_weights(spec, trainer.weights())[:1], spec)
+    batches, values = _first_steps(ds, sampler, config, spec.B, total, K)
+    report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
+    # the time includes the reference's fusion and, with Dropout, the check's own trainer
+    return replace(report, seconds=time.perf_counter() - t0, dropout_off=dropout_off)
+
+
 # ---------------------------------------------------------------------------------------------------------- main
+@dataclass
+class _Prepared:
+    """A run's inputs, validated: nothing is written before this exists."""
+
+    config: TrainConfig
+    loss: LossSpec
+    train: Dataset
+    eval: Dataset | None
+    sampler: BatchSampler
+    total: int
+
+
+def _prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data) -> _Prepared:
+    """Validate the settings against the array, load the data, and count the run's steps."""
+    if config is None:
+        raise ConfigError("no training configuration given")
+    if len(spec.outputs) != 1:
+        raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
+    _validate(config, spec)
+    loss = config.loss_spec()
+    train_ds, eval_ds = _datasets(data, eval_data, config, spec, loss)
+    if config.halving and eval_ds is None:
+        raise ConfigError("--halving ranks models by eval loss: give --eval-data or --eval-fraction")
+    sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
+                           per_model=spec.B if config.data_order == "per-model" else None)
+    total = config.steps if config.steps is not None else config.epochs * sampler.batches_per_epoch
+    if config.halving and config.halving[-1] >= total:
+        raise ConfigError(f"--halving step {config.halving[-1]} is not before the last step {total}")
+    return _Prepared(config, loss, train_ds, eval_ds, sampler, total)
+
+
+def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None,
+                 eval_data=None) -> VerifyReport:
+    """The check a fresh ``train_array`` makes before it trains (see ``verify.py``), on demand: the first
+    ``config.verify_steps`` steps of every model of the array in ``array_dir`` against the model trained alone,
+    with the run's data, batches, loss and hyper-parameters. Nothing is written to ``array_dir``; the report says
+    per model what was compared (``report.ok``, ``report.table()``, ``report.error()``)."""
+    array_dir = os.fspath(array_dir)
+    fused, spec = load_array(array_dir)
+    p = _prepare(spec, config, data, eval_data)
+    if p.config.verify_steps < 1:
+        raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
+    return _verify(array_dir, fused, spec, None, p.train, p.sampler, p.config, p.total,
+                   min(p.config.verify_steps, p.total))
+
+
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
                 eval_data=None, resume: bool = False, overrides: dict | None = None) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
-    there. Everything is validated before anything is written. ``resume``: continue from the newest checkpoint,
+    there. Everything is validated before anything is written; a fresh run then checks its first
+    ``config.verify_steps`` steps against every model trained alone (``verify.py``) and raises
+    ``VerificationError``, having written nothing, on a mismatch. ``resume``: continue from the newest checkpoint,
     with its saved settings unless ``config`` is given (``overrides`` changes single settings, e.g. more steps)."""
     from tqdm import tqdm
 
@@ -492,25 +594,19 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
             if overrides and "epochs" in overrides:
                 settings["steps"] = None
             config = TrainConfig.from_dict({**settings, **(overrides or {})})
-    if config is None:
-        raise ConfigError("no training configuration given")
-    if len(spec.outputs) != 1:
-        raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
-    _validate(config, spec)
-    loss = config.loss_spec()
-    train_ds, eval_ds = _datasets(data, eval_data, config, spec, loss)
-    if config.halving and eval_ds is None:
-        raise ConfigError("--halving ranks models by eval loss: give --eval-data or --eval-fraction")
-    sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
-                           per_model=spec.B if config.data_order == "per-model" else None)
-    total = config.steps if config.steps is not None else config.epochs * sampler.batches_per_epoch
-    if config.halving and config.halving[-1] >= total:
-        raise ConfigError(f"--halving step {config.halving[-1]} is not before the last step {total}")
+    p = _prepare(spec, config, data, eval_data)
+    config, loss, train_ds, eval_ds, sampler, total = p.config, p.loss, p.train, p.eval, p.sampler, p.total
 
     trained = os.path.join(array_dir, TRAINED_DIR)
-    with atomic_dir(trained, overwrite=True) as tmp:
+    with atomic_dir(trained, overwrite=True) as tmp:  # removed again if anything below fails
         run = _Run(array_dir, config, fused, spec, loss, total, os.path.join(tmp, "artifacts"))
         elapsed0 = _restore(run, ckpt, sampler) if ckpt is not None else 0.0
+        if ckpt is None and config.verify_steps:  # before metrics.csv is touched
+            report = _verify(array_dir, fused, spec, run.trainer, train_ds, sampler, config, total,
+                             min(config.verify_steps, total))
+            log.info("%s", report.summary())
+            if not report.ok:
+                raise report.error()
         metrics = _Metrics(os.path.join(array_dir, "metrics.csv"), run.step if ckpt is not None else None)
         data_record = {"_data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else None,
                        "_eval_data": os.fspath(eval_data) if isinstance(eval_data, (str, os.PathLike)) else None}
