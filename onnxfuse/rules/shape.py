@@ -83,7 +83,14 @@ def fuse_reshape(g: "NodeGroup") -> None:
             and all(_same_dim(in_s[k], out_s[k]) for k in range(a)))
     a = a if keep else 0
     x = g.get(0, stacked(a))
-    new_target = insert_model_entry(g, 1, a, g.B)
+    if g.const(1) is None and out_s is not None and sum(not isinstance(d, int) for d in out_s) <= 1:
+        # a target computed from the batch size (x.flatten(2) is Reshape(x, Concat(Shape(x)[:2], [-1])) whose
+        # output is static but for one dim: a constant target with -1 there, so that the fused graph's shapes stay
+        # known to shape inference (some gradient kernels and the legalization need them)
+        static = [d if isinstance(d, int) else -1 for d in out_s]
+        new_target = g.new_const(static[:a] + [g.B] + static[a:], "shape")
+    else:
+        new_target = insert_model_entry(g, 1, a, g.B)
     out = g.emit("Reshape", [x, new_target], [g.out_name(0)])[0]
     g.set_output(0, out, stacked(a))
 
