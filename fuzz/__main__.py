@@ -1,0 +1,85 @@
+"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out]`` (``make fuzz N=500 SEED=0``).
+
+Generates N random models (seeds SEED .. SEED+N-1), checks each at B = 1, 2, 3 against torch, shrinks every
+failure to a minimal model, and prints a summary: tried, passed, sensitive to rounding, refused with a clear error,
+invalid (torch could not run the generated model), failed by cause, each cause with its minimal model's source.
+``--out`` gets ``report.json`` and one ``<cause>.py`` per failure cause. Exit status 1 when anything failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+
+from .grammar import generate, render
+from .campaign import Worker
+from .shrink import shrink
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=100, help="models to generate")
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--out", default="fuzz-out", help="folder for report.json and the minimal failing models")
+    ap.add_argument("--no-shrink", action="store_true", help="report failures as generated")
+    args = ap.parse_args(argv)
+
+    import onnxruntime
+    from tqdm import tqdm
+
+    onnxruntime.set_default_logger_severity(4)
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    os.makedirs(args.out, exist_ok=True)
+    counts: Counter = Counter()
+    causes: dict[str, list] = defaultdict(list)
+    fractions: list[float] = []
+    kinds_seen: Counter = Counter()
+    t0 = time.time()
+    bar = tqdm(range(args.seed, args.seed + args.n), desc="fuzz", unit="model", file=sys.stderr)
+    worker = Worker()
+    for seed in bar:
+        spec = generate(seed)
+        kinds_seen.update(render(spec).kinds)
+        out = worker.check(spec)
+        counts[out.status] += 1
+        if out.status == "pass":
+            fractions.append(out.fused_fraction)
+        if out.status in ("fail", "refused"):
+            causes[out.cause].append((seed, spec, out))
+        bar.set_postfix(passed=counts["pass"], failed=counts["fail"], refused=counts["refused"])
+    bar.close()
+
+    report = {"seeds": [args.seed, args.seed + args.n - 1], "counts": dict(counts), "seconds": round(time.time() - t0),
+              "layer_kinds": dict(kinds_seen), "causes": []}
+    print(f"\ntried {args.n}: passed {counts['pass']}, sensitive to rounding {counts['sensitive']}, "
+          f"refused {counts['refused']}, invalid {counts['invalid']}, failed {counts['fail']} "
+          f"({report['seconds']} s)")
+    if fractions:
+        full = sum(f == 1.0 for f in fractions)
+        print(f"fused completely: {full} of {len(fractions)} passing models; lowest fused fraction "
+              f"{min(fractions):.0%}")
+    for k, (cause, items) in enumerate(sorted(causes.items(), key=lambda kv: -len(kv[1]))):
+        seed, spec, out = items[0]
+        if out.status == "fail" and not args.no_shrink:
+            spec, out = shrink(spec, out, worker.check)
+        src = render(spec).source
+        name = os.path.join(args.out, f"cause_{k}.py")
+        with open(name, "w") as f:
+            f.write(f"# {out.status} at B={out.B}, {out.stage}: {out.message}\n# seeds: "
+                    f"{[s for s, _, _ in items]}\n{src}")
+        report["causes"].append({"status": out.status, "cause": cause, "seeds": [s for s, _, _ in items],
+                                 "minimal": {"B": out.B, "stage": out.stage, "message": out.message, "source": name}})
+        print(f"\n[{out.status}] {len(items)} model(s), seeds {[s for s, _, _ in items][:8]}: {cause}\n"
+              f"  minimal (B={out.B}): {out.message}\n" + "\n".join("    " + ln for ln in src.splitlines()[6:]))
+    worker.close()
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 1 if counts["fail"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

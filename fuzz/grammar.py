@@ -1,0 +1,827 @@
+"""A grammar of random valid PyTorch models, written out as Python source.
+
+A model is a :class:`ModelSpec`: an input (float features of some rank, or token ids), a list of :class:`Layer`
+choices and a head. :func:`render` turns it into the source of a ``torch.nn.Module`` subclass by walking the layers
+with the per-sample shape of the current tensor; a layer that does not apply to the shape it meets (after the
+shrinker removed what came before it) is left out, so every sub-list of layers is a valid model. The source is what
+the harness executes and what a failure prints, so the printed model is exactly the model that failed.
+
+Every layer kind is one entry of ``KINDS``: ``sample(rng, shape)`` draws its parameters (or None when it does not
+apply) and ``emit(p, shape, name, src, dst)`` writes its ``__init__`` and ``forward`` lines and returns the new
+shape (or None). Shapes exclude the batch axis: ``(C, L)``, ``(C, H, W)``, ``(C, D, H, W)``, ``(T, D)``, ``(F,)``.
+The kinds cover every op family onnxfuse has a fusion rule or a legalization rewrite for.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["Layer", "ModelSpec", "Rendered", "KINDS", "generate", "render", "BATCH"]
+
+BATCH = 8
+MAX_ELEMS = 3072  # per sample, so that a model trains in milliseconds
+MAX_CH = 16
+
+
+@dataclass
+class Layer:
+    kind: str
+    p: dict
+
+
+@dataclass
+class ModelSpec:
+    seed: int
+    input: dict  # {"kind": "float", "shape": [...]} or {"kind": "tokens", "T": 8, "vocab": 50}
+    layers: list[Layer]
+    head: str = "auto"  # auto | regress | classify | lm | lm-tied
+    per_model_inputs: bool = False
+
+    def replace(self, **kw) -> "ModelSpec":
+        d = dict(seed=self.seed, input=self.input, layers=list(self.layers), head=self.head,
+                 per_model_inputs=self.per_model_inputs)
+        d.update(kw)
+        return ModelSpec(**d)
+
+
+@dataclass
+class Rendered:
+    source: str
+    input_shape: tuple  # per sample
+    input_kind: str
+    output_shape: tuple  # per sample
+    loss: str  # cross-entropy | mse
+    class_axis: int
+    num_classes: int
+    kinds: list[str] = field(default_factory=list)  # the layer kinds actually used, in order
+    vocab: int = 0
+
+
+@dataclass
+class Kind:
+    name: str
+    sample: Callable  # (rng, shape) -> dict | None
+    emit: Callable  # (p, shape, name, src, dst) -> (init lines, forward lines, new shape) | None
+    weight: float = 1.0
+    nested: bool = False  # holds an inner layer (residual, gating)
+
+
+def _elems(shape) -> int:
+    return int(math.prod(shape))
+
+
+def _fits(shape) -> bool:
+    return all(d >= 1 for d in shape) and _elems(shape) <= MAX_ELEMS
+
+
+def _divisors(n: int, cap: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def _spatial(shape) -> int:
+    """Number of spatial axes when the tensor can be read as [N, C, *S] (1-3), else 0."""
+    return len(shape) - 1 if 2 <= len(shape) <= 4 else 0
+
+
+def _out_len(size, k, s, p, d):
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convolutions
+
+def _conv_sample(rng, shape):
+    if not _spatial(shape):
+        return None
+    C = shape[0]
+    out = rng.choice([4, 8, 12, 16])
+    k = rng.choice([1, 2, 3, 3, 5])
+    mode = rng.choice(["zeros"] * 6 + ["reflect", "replicate", "circular"])
+    pad = rng.choice([0, (k - 1) // 2, 1, "same"])
+    stride = rng.choice([1, 1, 2])
+    if pad == "same":
+        stride = 1
+    groups = rng.choice([g for g in _divisors(C) if out % g == 0])
+    if rng.random() < 0.2 and out % C == 0:
+        groups = C  # depthwise
+    return dict(out=out, k=k, stride=stride, pad=pad, dil=rng.choice([1, 1, 2]), groups=groups,
+                bias=rng.random() < 0.7, mode=mode)
+
+
+def _conv_emit(p, shape, n, src, dst):
+    d = _spatial(shape)
+    if not d or shape[0] % p["groups"] or p["out"] % p["groups"]:
+        return None
+    S = shape[1:]
+    pad = p["pad"]
+    if pad == "same":
+        if p["mode"] != "zeros" or p["stride"] != 1:
+            return None
+        out_s = tuple(S)
+    else:
+        if p["mode"] == "reflect" and any(pad >= s for s in S) or p["mode"] != "zeros" and pad == 0:
+            return None
+        if p["mode"] == "circular" and any(pad > s for s in S):
+            return None
+        out_s = tuple(_out_len(s, p["k"], p["stride"], pad, p["dil"]) for s in S)
+    new = (p["out"], *out_s)
+    if not _fits(new):
+        return None
+    pad_src = repr(pad)
+    init = [f"self.{n} = nn.Conv{d}d({shape[0]}, {p['out']}, {p['k']}, stride={p['stride']}, padding={pad_src}, "
+            f"dilation={p['dil']}, groups={p['groups']}, bias={p['bias']}, padding_mode={p['mode']!r})"]
+    return init, [f"{dst} = self.{n}({src})"], new
+
+
+def _convt_sample(rng, shape):
+    if not _spatial(shape):
+        return None
+    C = shape[0]
+    out = rng.choice([4, 8, 12])
+    k = rng.choice([1, 2, 3, 4])
+    stride = rng.choice([1, 2])
+    dil = rng.choice([1, 1, 2])
+    return dict(out=out, k=k, stride=stride, pad=rng.randint(0, (k - 1) // 2 + 1) if k > 1 else 0, dil=dil,
+                out_pad=rng.randint(0, max(stride, dil) - 1),
+                groups=rng.choice([g for g in _divisors(C) if out % g == 0]), bias=rng.random() < 0.7)
+
+
+def _convt_emit(p, shape, n, src, dst):
+    d = _spatial(shape)
+    if not d or shape[0] % p["groups"] or p["out"] % p["groups"]:
+        return None
+    if p["out_pad"] >= max(p["stride"], p["dil"]):
+        return None
+    out_s = tuple((s - 1) * p["stride"] - 2 * p["pad"] + p["dil"] * (p["k"] - 1) + p["out_pad"] + 1 for s in shape[1:])
+    new = (p["out"], *out_s)
+    if not _fits(new) or any(s > 32 for s in out_s):
+        return None
+    init = [f"self.{n} = nn.ConvTranspose{d}d({shape[0]}, {p['out']}, {p['k']}, stride={p['stride']}, "
+            f"padding={p['pad']}, output_padding={p['out_pad']}, groups={p['groups']}, bias={p['bias']}, "
+            f"dilation={p['dil']})"]
+    return init, [f"{dst} = self.{n}({src})"], new
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# normalization
+
+def _norm_sample(rng, shape):
+    kinds = ["layer"]
+    if len(shape) in (1, 2, 3, 4):
+        kinds.append("batch")
+    if _spatial(shape) and _elems(shape[1:]) > 1:
+        kinds += ["instance", "group"]
+    kind = rng.choice(kinds)
+    return dict(kind=kind, affine=rng.random() < 0.8, momentum=rng.choice([0.1, 0.3]), groups=rng.choice([1, 2, 4]),
+                last=rng.choice([1, 1, 2]))
+
+
+def _norm_emit(p, shape, n, src, dst):
+    C = shape[0]
+    kind = p["kind"]
+    if kind == "batch":
+        if len(shape) not in (1, 2, 3, 4):
+            return None
+        dim = {1: 1, 2: 1, 3: 2, 4: 3}[len(shape)]
+        return [f"self.{n} = nn.BatchNorm{dim}d({C}, momentum={p['momentum']}, affine={p['affine']})"], \
+            [f"{dst} = self.{n}({src})"], shape
+    if kind == "instance":
+        d = _spatial(shape)
+        if not d or _elems(shape[1:]) < 2:
+            return None
+        return [f"self.{n} = nn.InstanceNorm{d}d({C}, affine={p['affine']})"], [f"{dst} = self.{n}({src})"], shape
+    if kind == "group":
+        if not _spatial(shape) or C % p["groups"] or _elems(shape) // p["groups"] < 2:
+            return None
+        return [f"self.{n} = nn.GroupNorm({p['groups']}, {C}, affine={p['affine']})"], \
+            [f"{dst} = self.{n}({src})"], shape
+    last = min(p["last"], len(shape))
+    dims = list(shape[-last:])
+    if _elems(dims) < 2:
+        return None
+    return [f"self.{n} = nn.LayerNorm({dims}, elementwise_affine={p['affine']})"], [f"{dst} = self.{n}({src})"], shape
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activations and element-wise maths
+
+_ACTS = {
+    "relu": "F.relu({x})", "gelu": "F.gelu({x})", "gelu_tanh": "F.gelu({x}, approximate='tanh')",
+    "silu": "F.silu({x})", "hardswish": "F.hardswish({x})", "leaky_relu": "F.leaky_relu({x}, 0.1)",
+    "sigmoid": "torch.sigmoid({x})", "tanh": "torch.tanh({x})", "elu": "F.elu({x})",
+    "hardsigmoid": "F.hardsigmoid({x})", "softplus": "F.softplus({x})", "mish": "F.mish({x})",
+    "relu6": "F.relu6({x})", "selu": "F.selu({x})", "celu": "F.celu({x}, 0.5)", "softsign": "F.softsign({x})",
+    "hardtanh": "F.hardtanh({x}, -0.5, 0.5)", "logsigmoid": "F.logsigmoid({x})",
+}
+
+
+def _act_sample(rng, shape):
+    kind = rng.choice(list(_ACTS) + ["prelu", "prelu", "softmax", "log_softmax"])
+    return dict(kind=kind, dim=rng.randint(1, max(1, len(shape))), shared=rng.random() < 0.3)
+
+
+def _act_emit(p, shape, n, src, dst):
+    kind = p["kind"]
+    if kind in _ACTS:
+        return [], [f"{dst} = " + _ACTS[kind].format(x=src)], shape
+    if kind == "prelu":
+        num = 1 if p["shared"] or len(shape) < 1 else shape[0]
+        return [f"self.{n} = nn.PReLU({num}, init=0.2)"], [f"{dst} = self.{n}({src})"], shape
+    dim = min(p["dim"], len(shape))
+    fn = "F.softmax" if kind == "softmax" else "F.log_softmax"
+    return [], [f"{dst} = {fn}({src}, dim={dim})"], shape
+
+
+def _elementwise_sample(rng, shape):
+    return dict(kind=rng.choice(["affine_channel", "affine_last", "affine_full", "ratio", "clamp", "square_tanh",
+                                 "gauss", "where", "sqrt_abs", "cumsum", "scalar"]),
+                dim=rng.randint(1, max(1, len(shape))))
+
+
+def _elementwise_emit(p, shape, n, src, dst):
+    kind = p["kind"]
+    if kind.startswith("affine"):
+        if kind == "affine_channel" and len(shape) >= 2:
+            pshape = [shape[0]] + [1] * (len(shape) - 1)
+        elif kind == "affine_full":
+            pshape = list(shape)
+        else:
+            pshape = [shape[-1]]
+        init = [f"self.{n}_g = nn.Parameter(1 + 0.1 * torch.randn({pshape}))",
+                f"self.{n}_b = nn.Parameter(0.1 * torch.randn({pshape}))"]
+        return init, [f"{dst} = {src} * self.{n}_g + self.{n}_b"], shape
+    if kind == "cumsum":
+        dim = min(p["dim"], len(shape))
+        if shape[dim - 1] > 16:
+            return None
+        return [], [f"{dst} = torch.cumsum({src}, dim={dim}) / {shape[dim - 1]}"], shape
+    line = {
+        "ratio": "{x} / (1 + {x}.abs())", "clamp": "torch.clamp({x}, -1.0, 1.0)", "square_tanh": "{x} * torch.tanh({x})",
+        "gauss": "torch.exp(-{x} * {x})", "where": "torch.where({x} > 0, {x}, 0.1 * {x})",
+        "sqrt_abs": "torch.sqrt({x}.abs() + 1.0)", "scalar": "({x} - 0.5) * 2.0",
+    }[kind]
+    return [], [f"{dst} = " + line.format(x=src)], shape
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pooling and reductions
+
+def _pool_sample(rng, shape):
+    if not _spatial(shape):
+        return None
+    k = rng.choice([2, 3])
+    return dict(kind=rng.choice(["max", "max", "avg", "avg", "adaptive_avg", "adaptive_max", "lp"]), k=k,
+                stride=rng.choice([None, 1, 2]), pad=rng.choice([0, 0, k // 2]), ceil=rng.random() < 0.3,
+                count_pad=rng.random() < 0.5, half=rng.random() < 0.5)
+
+
+def _pool_emit(p, shape, n, src, dst):
+    d = _spatial(shape)
+    if not d:
+        return None
+    S = shape[1:]
+    kind = p["kind"]
+    if kind in ("adaptive_avg", "adaptive_max"):
+        if kind == "adaptive_max" or not p["half"]:
+            out = [1] * d
+        elif all(s % 2 == 0 for s in S):
+            out = [s // 2 for s in S]
+        else:
+            return None
+        cls = "AdaptiveAvgPool" if kind == "adaptive_avg" else "AdaptiveMaxPool"
+        return [f"self.{n} = nn.{cls}{d}d({tuple(out) if d > 1 else out[0]})"], [f"{dst} = self.{n}({src})"], \
+            (shape[0], *out)
+    k, pad = p["k"], p["pad"]
+    stride = p["stride"] or k
+    if pad > k // 2 or any(s + 2 * pad < k for s in S):
+        return None
+    if kind == "lp":
+        if d == 3 or pad:
+            return None
+        out_s = tuple((s - k) // stride + 1 for s in S)
+        init = [f"self.{n} = nn.LPPool{d}d(2, {k}, stride={stride})"]
+        return init, [f"{dst} = self.{n}({src})"], (shape[0], *out_s)
+
+    def length(s):
+        span = s + 2 * pad - k
+        o = (-(-span // stride) if p["ceil"] else span // stride) + 1
+        if p["ceil"] and (o - 1) * stride >= s + pad:
+            o -= 1  # torch: the last window must start inside the input or the left padding
+        return o
+
+    out_s = tuple(length(s) for s in S)
+    if any(o < 1 for o in out_s):
+        return None
+    if kind == "max":
+        init = [f"self.{n} = nn.MaxPool{d}d({k}, stride={stride}, padding={pad}, ceil_mode={p['ceil']})"]
+    else:
+        init = [f"self.{n} = nn.AvgPool{d}d({k}, stride={stride}, padding={pad}, ceil_mode={p['ceil']}, "
+                f"count_include_pad={p['count_pad']})"]
+    return init, [f"{dst} = self.{n}({src})"], (shape[0], *out_s)
+
+
+def _reduce_sample(rng, shape):
+    if not shape:
+        return None
+    axes = sorted(rng.sample(range(1, len(shape) + 1), rng.randint(1, len(shape))))
+    return dict(op=rng.choice(["mean", "mean", "sum", "amax", "amin"]), axes=axes, keep=rng.random() < 0.3)
+
+
+def _reduce_emit(p, shape, n, src, dst):
+    axes = [a for a in p["axes"] if a <= len(shape)]
+    if not axes:
+        return None
+    if p["keep"]:
+        new = tuple(1 if k + 1 in axes else s for k, s in enumerate(shape))
+    else:
+        new = tuple(s for k, s in enumerate(shape) if k + 1 not in axes)
+        if not new:
+            return None
+    scale = f" / {_elems([shape[a - 1] for a in axes])}" if p["op"] == "sum" else ""
+    dims = axes[0] if len(axes) == 1 else tuple(axes)
+    return [], [f"{dst} = {src}.{p['op']}(dim={dims}, keepdim={p['keep']}){scale}"], new
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shape manipulation
+
+def _concat_sample(rng, shape):
+    if not shape:
+        return None
+    return dict(axis=rng.randint(1, len(shape)), other=rng.choice(list(_ACTS)))
+
+
+def _concat_emit(p, shape, n, src, dst):
+    a = min(p["axis"], len(shape))
+    new = tuple(2 * s if k + 1 == a else s for k, s in enumerate(shape))
+    if not _fits(new) or (a == 1 and len(shape) >= 2 and new[0] > MAX_CH * 2):
+        return None
+    other = _ACTS[p["other"]].format(x=src)
+    return [], [f"{dst} = torch.cat([{src}, {other}], dim={a})"], new
+
+
+def _split_sample(rng, shape):
+    if not shape:
+        return None
+    return dict(axis=rng.randint(1, len(shape)), how=rng.choice(["glu", "swap", "add", "sizes"]))
+
+
+def _split_emit(p, shape, n, src, dst):
+    a = min(p["axis"], len(shape))
+    size = shape[a - 1]
+    if size < 2:
+        return None
+    if p["how"] == "sizes":
+        first = max(1, size // 3)
+        return [], [f"{n}_a, {n}_b = torch.split({src}, [{first}, {size - first}], dim={a})",
+                    f"{dst} = torch.cat([{n}_b, {n}_a], dim={a})"], shape
+    if size % 2:
+        return None
+    half = tuple(size // 2 if k + 1 == a else s for k, s in enumerate(shape))
+    lines = [f"{n}_a, {n}_b = {src}.chunk(2, dim={a})"]
+    if p["how"] == "glu":
+        return [], lines + [f"{dst} = {n}_a * torch.sigmoid({n}_b)"], half
+    if p["how"] == "add":
+        return [], lines + [f"{dst} = {n}_a + {n}_b"], half
+    return [], lines + [f"{dst} = torch.cat([{n}_b, {n}_a], dim={a})"], shape
+
+
+def _slice_sample(rng, shape):
+    if not shape:
+        return None
+    return dict(axis=rng.randint(1, len(shape)), how=rng.choice(["range", "range", "step", "flip", "narrow",
+                                                                   "computed", "select"]),
+                lo=rng.random(), hi=rng.random())
+
+
+def _slice_emit(p, shape, n, src, dst):
+    a = min(p["axis"], len(shape))
+    size = shape[a - 1]
+    pre = ", ".join([":"] * a)
+    if p["how"] == "flip":
+        return [], [f"{dst} = {src}.flip({a})"], shape
+    if p["how"] == "select":  # a constant index list (Gather with constant indices)
+        if size < 2:
+            return None
+        idx = sorted({int(p["lo"] * size), int(p["hi"] * size) % size, size - 1})
+        new = tuple(len(idx) if k + 1 == a else s for k, s in enumerate(shape))
+        return [], [f"{dst} = {src}[{pre}, {idx}]"], new
+    if p["how"] == "step":
+        if size < 2:
+            return None
+        new = tuple((s + 1) // 2 if k + 1 == a else s for k, s in enumerate(shape))
+        return [], [f"{dst} = {src}[{pre}, ::2]"], new
+    if p["how"] == "computed":  # bounds computed from the shape at run time (rotary embeddings do this)
+        if size < 2:
+            return None
+        new = tuple(size - size // 2 if k + 1 == a else s for k, s in enumerate(shape))
+        return [], [f"{dst} = {src}[{pre}, {src}.shape[{a}] // 2:]"], new
+    lo = int(p["lo"] * (size - 1))
+    hi = lo + 1 + int(p["hi"] * (size - 1 - lo))
+    if hi - lo == size:
+        return None
+    new = tuple(hi - lo if k + 1 == a else s for k, s in enumerate(shape))
+    if p["how"] == "narrow":
+        return [], [f"{dst} = {src}.narrow({a}, {lo}, {hi - lo})"], new
+    return [], [f"{dst} = {src}[{pre}, {lo}:{hi}]"], new
+
+
+def _flatten_sample(rng, shape):
+    if len(shape) < 2:
+        return None
+    return dict(start=rng.randint(1, len(shape) - 1), span=rng.randint(1, len(shape) - 1))
+
+
+def _flatten_emit(p, shape, n, src, dst):
+    if len(shape) < 2:
+        return None
+    start = min(p["start"], len(shape) - 1)
+    end = min(start + p["span"], len(shape))
+    new = shape[: start - 1] + (_elems(shape[start - 1 : end]),) + shape[end:]
+    return [], [f"{dst} = {src}.flatten({start}, {end})"], new
+
+
+def _reshape_sample(rng, shape):
+    if not shape:
+        return None
+    return dict(rank=rng.choice([1, 2, 2, 3]), cut=rng.random(), how=rng.choice(["shape0", "minus1", "unflatten"]))
+
+
+def _reshape_emit(p, shape, n, src, dst):
+    P = _elems(shape)
+    divs = [d for d in _divisors(P) if 1 < d < P] or [1]
+    a = divs[int(p["cut"] * len(divs)) % len(divs)]
+    if p["rank"] == 1:
+        new = (P,)
+    elif p["rank"] == 2 or P // a < 4:
+        new = (a, P // a)
+    else:
+        rest = P // a
+        bdivs = [d for d in _divisors(rest) if 1 < d < rest] or [1]
+        b = bdivs[len(bdivs) // 2]
+        new = (a, b, rest // b)
+    if new == tuple(shape):
+        return None
+    dims = ", ".join(str(d) for d in new)
+    if p["how"] == "minus1":
+        return [], [f"{dst} = {src}.reshape(-1, {dims})"], new
+    if p["how"] == "unflatten" and len(shape) == 1 and len(new) >= 2:
+        return [], [f"{dst} = {src}.unflatten(1, ({dims}))"], new
+    return [], [f"{dst} = {src}.reshape({src}.shape[0], {dims})"], new
+
+
+def _permute_sample(rng, shape):
+    if len(shape) < 2:
+        return None
+    perm = list(range(1, len(shape) + 1))
+    while perm == sorted(perm):
+        rng.shuffle(perm)
+    return dict(perm=perm, transpose=rng.random() < 0.4)
+
+
+def _permute_emit(p, shape, n, src, dst):
+    r = len(shape)
+    if r < 2:
+        return None
+    if p["transpose"]:
+        i, j = sorted({min(p["perm"][0], r), min(p["perm"][-1], r)})
+        if i == j:
+            i, j = 1, 2
+        new = list(shape)
+        new[i - 1], new[j - 1] = new[j - 1], new[i - 1]
+        return [], [f"{dst} = {src}.transpose({i}, {j})"], tuple(new)
+    perm = [a for a in p["perm"] if a <= r]
+    perm += [a for a in range(1, r + 1) if a not in perm]
+    if perm == sorted(perm):
+        return None
+    return [], [f"{dst} = {src}.permute(0, {', '.join(map(str, perm))})"], tuple(shape[a - 1] for a in perm)
+
+
+def _repeat_sample(rng, shape):
+    if not shape:
+        return None
+    return dict(axis=rng.randint(1, len(shape)), how=rng.choice(["repeat", "expand"]))
+
+
+def _repeat_emit(p, shape, n, src, dst):
+    a = min(p["axis"], len(shape))
+    new = tuple(s * 2 if k + 1 == a else s for k, s in enumerate(shape))
+    if p["how"] == "expand":  # a unit axis broadcast to 3
+        if shape[a - 1] != 1:
+            return None
+        new = tuple(3 if k + 1 == a else s for k, s in enumerate(shape))
+        sizes = ", ".join(["-1"] + [str(d) for d in new])
+        return [], [f"{dst} = {src}.expand({sizes})"], new
+    if not _fits(new):
+        return None
+    reps = ", ".join(["1"] + ["2" if k + 1 == a else "1" for k in range(len(shape))])
+    return [], [f"{dst} = {src}.repeat({reps})"], new
+
+
+def _resize_sample(rng, shape):
+    if not _spatial(shape):
+        return None
+    return dict(mode=rng.choice(["nearest", "nearest", "linear"]), corners=rng.random() < 0.5)
+
+
+def _resize_emit(p, shape, n, src, dst):
+    d = _spatial(shape)
+    new = (shape[0], *[2 * s for s in shape[1:]])
+    if not d or not _fits(new) or any(s > 32 for s in new[1:]):
+        return None
+    if p["mode"] == "nearest":
+        return [], [f"{dst} = F.interpolate({src}, scale_factor=2, mode='nearest')"], new
+    mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[d]
+    return [], [f"{dst} = F.interpolate({src}, scale_factor=2, mode={mode!r}, align_corners={p['corners']})"], new
+
+
+def _pad_sample(rng, shape):
+    if not _spatial(shape):
+        return None
+    return dict(mode=rng.choice(["constant", "constant", "reflect", "replicate"]), a=rng.randint(0, 2),
+                b=rng.randint(0, 2))
+
+
+def _pad_emit(p, shape, n, src, dst):
+    d = _spatial(shape)
+    if not d or p["a"] + p["b"] == 0:
+        return None
+    if p["mode"] == "reflect" and any(max(p["a"], p["b"]) >= s for s in shape[1:]):
+        return None
+    pads = [p["a"], p["b"]] * d
+    new = (shape[0], *[s + p["a"] + p["b"] for s in shape[1:]])
+    if not _fits(new):
+        return None
+    extra = ", value=0.5" if p["mode"] == "constant" else ""
+    return [], [f"{dst} = F.pad({src}, {pads}, mode={p['mode']!r}{extra})"], new
+
+
+def _pixel_sample(rng, shape):
+    if len(shape) != 3:
+        return None
+    return dict(up=rng.random() < 0.5)
+
+
+def _pixel_emit(p, shape, n, src, dst):
+    if len(shape) != 3:
+        return None
+    C, H, W = shape
+    if p["up"]:
+        if C % 4:
+            return None
+        return [f"self.{n} = nn.PixelShuffle(2)"], [f"{dst} = self.{n}({src})"], (C // 4, 2 * H, 2 * W)
+    if H % 2 or W % 2 or 4 * C > MAX_CH * 4:
+        return None
+    return [f"self.{n} = nn.PixelUnshuffle(2)"], [f"{dst} = self.{n}({src})"], (4 * C, H // 2, W // 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# matrix products
+
+def _linear_sample(rng, shape):
+    if not 1 <= len(shape) <= 3:
+        return None
+    return dict(out=rng.choice([4, 8, 16, 24]), bias=rng.random() < 0.8)
+
+
+def _linear_emit(p, shape, n, src, dst):
+    if not 1 <= len(shape) <= 3:
+        return None
+    new = (*shape[:-1], p["out"])
+    if not _fits(new) or shape[-1] > 512:
+        return None
+    return [f"self.{n} = nn.Linear({shape[-1]}, {p['out']}, bias={p['bias']})"], [f"{dst} = self.{n}({src})"], new
+
+
+def _attention_sample(rng, shape):
+    if len(shape) != 2:
+        return None
+    return dict(heads=rng.choice([1, 2, 4]), causal=rng.random() < 0.4, proj=rng.random() < 0.6,
+                how=rng.choice(["matmul", "matmul", "einsum", "mha"]))
+
+
+def _attention_emit(p, shape, n, src, dst):
+    if len(shape) != 2:
+        return None
+    T, D = shape
+    h = p["heads"]
+    if D % h or D > 64 or T > 32:
+        return None
+    if p["how"] == "mha":
+        init = [f"self.{n} = nn.MultiheadAttention({D}, {h}, batch_first=True)"]
+        mask = ""
+        if p["causal"]:
+            init.append(f"self.register_buffer('{n}_mask', torch.triu(torch.ones({T}, {T}, dtype=torch.bool), 1))")
+            mask = f", attn_mask=self.{n}_mask"
+        return init, [f"{dst} = self.{n}({src}, {src}, {src}, need_weights=False{mask})[0]"], shape
+    dh = D // h
+    init = [f"self.{n}_q = nn.Linear({D}, {D})", f"self.{n}_k = nn.Linear({D}, {D}, bias=False)",
+            f"self.{n}_v = nn.Linear({D}, {D})"]
+    if p["proj"]:
+        init.append(f"self.{n}_o = nn.Linear({D}, {D})")
+    lines = []
+    for t in "qkv":
+        lines.append(f"{n}_{t} = self.{n}_{t}({src}).reshape({src}.shape[0], {T}, {h}, {dh}).transpose(1, 2)")
+    if p["how"] == "einsum":
+        lines.append(f"{n}_s = torch.einsum('nhtd,nhsd->nhts', {n}_q, {n}_k) * {1 / math.sqrt(dh)!r}")
+    else:
+        lines.append(f"{n}_s = {n}_q @ {n}_k.transpose(-2, -1) * {1 / math.sqrt(dh)!r}")
+    if p["causal"]:
+        init.append(f"self.register_buffer('{n}_mask', torch.triu(torch.ones({T}, {T}, dtype=torch.bool), 1))")
+        lines.append(f"{n}_s = {n}_s.masked_fill(self.{n}_mask, float('-inf'))")
+    lines.append(f"{n}_y = (F.softmax({n}_s, dim=-1) @ {n}_v).transpose(1, 2).reshape({src}.shape[0], {T}, {D})")
+    lines.append(f"{dst} = self.{n}_o({n}_y)" if p["proj"] else f"{dst} = {n}_y")
+    return init, lines, shape
+
+
+def _gram_sample(rng, shape):
+    if len(shape) != 2:
+        return None
+    return dict(einsum=rng.random() < 0.5)
+
+
+def _gram_emit(p, shape, n, src, dst):
+    if len(shape) != 2:
+        return None
+    T, D = shape
+    if p["einsum"]:
+        return [], [f"{dst} = torch.einsum('ntd,nsd->nts', {src}, {src}) / {D}"], (T, T)
+    return [], [f"{dst} = torch.bmm({src}, {src}.transpose(1, 2)) / {D}"], (T, T)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# composite layers: an inner layer whose output has the input's shape
+
+_INNER = ("conv", "linear", "act", "norm", "elementwise", "attention")
+
+
+def _inner_sample(rng, shape):
+    for _ in range(6):
+        kind = rng.choice(_INNER)
+        q = KINDS[kind].sample(rng, shape)
+        if q is None:
+            continue
+        if kind == "conv":
+            q.update(out=shape[0], stride=1, pad="same", mode="zeros", groups=rng.choice(_divisors(shape[0])))
+        if kind == "linear":
+            q.update(out=shape[-1])
+        if KINDS[kind].emit(q, shape, "t", "x", "y") is not None:
+            return kind, q
+    return None
+
+
+def _residual_sample(rng, shape):
+    inner = _inner_sample(rng, shape)
+    if inner is None:
+        return None
+    return dict(inner=inner[0], q=inner[1], join=rng.choice(["add", "add", "mul", "gate", "se"]))
+
+
+def _residual_emit(p, shape, n, src, dst):
+    if p["join"] == "se":  # squeeze-and-excitation: per-channel gates from a global mean
+        if not _spatial(shape):
+            return None
+        d = _spatial(shape)
+        axes = tuple(range(2, 2 + d))
+        init = [f"self.{n}_fc = nn.Conv{d}d({shape[0]}, {shape[0]}, 1)"]
+        return init, [f"{n}_s = torch.sigmoid(self.{n}_fc({src}.mean(dim={axes}, keepdim=True)))",
+                      f"{dst} = {src} * {n}_s"], shape
+    out = KINDS[p["inner"]].emit(p["q"], shape, f"{n}_f", src, f"{n}_y")
+    if out is None or tuple(out[2]) != tuple(shape):
+        return None
+    init, lines, _ = out
+    join = {"add": f"{src} + {n}_y", "mul": f"{src} * {n}_y", "gate": f"{src} * torch.sigmoid({n}_y)"}[p["join"]]
+    return init, lines + [f"{dst} = {join}"], shape
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in [
+    Kind("conv", _conv_sample, _conv_emit, 3.0),
+    Kind("conv_transpose", _convt_sample, _convt_emit, 0.7),
+    Kind("norm", _norm_sample, _norm_emit, 2.0),
+    Kind("act", _act_sample, _act_emit, 3.0),
+    Kind("elementwise", _elementwise_sample, _elementwise_emit, 1.0),
+    Kind("pool", _pool_sample, _pool_emit, 1.5),
+    Kind("reduce", _reduce_sample, _reduce_emit, 0.8),
+    Kind("concat", _concat_sample, _concat_emit, 0.8),
+    Kind("split", _split_sample, _split_emit, 0.8),
+    Kind("slice", _slice_sample, _slice_emit, 0.8),
+    Kind("flatten", _flatten_sample, _flatten_emit, 0.6),
+    Kind("reshape", _reshape_sample, _reshape_emit, 0.6),
+    Kind("permute", _permute_sample, _permute_emit, 0.8),
+    Kind("repeat", _repeat_sample, _repeat_emit, 0.4),
+    Kind("resize", _resize_sample, _resize_emit, 0.5),
+    Kind("pad", _pad_sample, _pad_emit, 0.5),
+    Kind("pixel", _pixel_sample, _pixel_emit, 0.3),
+    Kind("linear", _linear_sample, _linear_emit, 2.5),
+    Kind("attention", _attention_sample, _attention_emit, 1.5),
+    Kind("gram", _gram_sample, _gram_emit, 0.4),
+    Kind("residual", _residual_sample, _residual_emit, 1.5, nested=True),
+]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs, heads, generation and rendering
+
+def _sample_input(rng) -> dict:
+    r = rng.random()
+    if r < 0.3:
+        return {"kind": "float", "shape": [rng.choice([3, 4, 8]), rng.choice([8, 12, 16]), rng.choice([8, 12, 16])]}
+    if r < 0.55:
+        return {"kind": "float", "shape": [rng.choice([2, 3, 6, 8]), rng.choice([16, 24, 32])]}
+    if r < 0.65:
+        return {"kind": "float", "shape": [rng.choice([2, 3]), 4, rng.choice([4, 6]), rng.choice([4, 6])]}
+    if r < 0.8:
+        return {"kind": "float", "shape": [rng.choice([6, 16, 24])]}
+    return {"kind": "tokens", "T": rng.choice([6, 8]), "vocab": rng.choice([20, 37]), "dim": rng.choice([8, 16])}
+
+
+def generate(seed: int, max_layers: int = 6) -> ModelSpec:
+    """A random model: its input, 1..max_layers layers valid for the shapes they meet, and a head."""
+    rng = random.Random(seed)
+    inp = _sample_input(rng)
+    shape = tuple(inp["shape"]) if inp["kind"] == "float" else (inp["T"], inp["dim"])
+    layers: list[Layer] = []
+    for _ in range(rng.randint(1, max_layers)):
+        for _attempt in range(12):
+            names = list(KINDS)
+            kind = rng.choices(names, weights=[KINDS[k].weight for k in names])[0]
+            p = KINDS[kind].sample(rng, shape)
+            if p is None:
+                continue
+            out = KINDS[kind].emit(p, shape, "t", "x", "x")
+            if out is None:
+                continue
+            layers.append(Layer(kind, p))
+            shape = tuple(out[2])
+            break
+    head = "auto"
+    if inp["kind"] == "tokens":
+        head = rng.choice(["lm", "lm-tied", "auto"])
+    return ModelSpec(seed, inp, layers, head, per_model_inputs=inp["kind"] == "float" and rng.random() < 0.2)
+
+
+def _has_parameters(init_line: str) -> bool:
+    if "nn.Parameter" in init_line:
+        return True
+    module = init_line.split("= nn.", 1)[-1] if "= nn." in init_line else ""
+    return bool(module) and not module.startswith(("Pool", "MaxPool", "AvgPool", "Adaptive", "LPPool", "Pixel")) \
+        and "affine=False" not in module
+
+
+def render(spec: ModelSpec) -> Rendered:
+    """The module source of ``spec``; layers that do not apply to the shape they meet are left out."""
+    init: list[str] = []
+    fwd: list[str] = []
+    used: list[str] = []
+    inp = spec.input
+    if inp["kind"] == "tokens":
+        in_shape = (inp["T"],)
+        init.append(f"self.emb = nn.Embedding({inp['vocab']}, {inp['dim']})")
+        fwd.append("x = self.emb(x)")
+        shape = (inp["T"], inp["dim"])
+    else:
+        in_shape = shape = tuple(inp["shape"])
+    for layer in spec.layers:
+        out = KINDS[layer.kind].emit(layer.p, shape, f"l{len(used)}", "x", "x")
+        if out is None:
+            continue
+        init += out[0]
+        fwd += out[1]
+        shape = tuple(out[2])
+        used.append(layer.kind)
+    loss, class_axis, K = "mse", 1, 0
+    head = spec.head
+    if head in ("lm", "lm-tied") and (inp["kind"] != "tokens" or len(shape) != 2):
+        head = "auto"
+    if head in ("lm", "lm-tied"):
+        V, D = inp["vocab"], shape[-1]
+        if head == "lm-tied" and D == inp["dim"]:
+            fwd.append("x = x @ self.emb.weight.t()")  # the output projection is the embedding (tied)
+        else:
+            init.append(f"self.head = nn.Linear({D}, {V})")
+            fwd.append("x = self.head(x)")
+        shape, loss, class_axis, K = (shape[0], V), "cross-entropy", -1, V
+    elif head in ("auto", "classify") and len(shape) == 1 and (head == "classify" or spec.seed % 2 == 0):
+        K = 5
+        init.append(f"self.head = nn.Linear({shape[0]}, {K})")
+        fwd.append("x = self.head(x)")
+        shape, loss = (K,), "cross-entropy"
+    if not any(_has_parameters(line) for line in init):  # something to train: a per-feature scale and shift
+        init += [f"self.head_g = nn.Parameter(1 + 0.1 * torch.randn({shape[-1]}))",
+                 f"self.head_b = nn.Parameter(0.1 * torch.randn({shape[-1]}))"]
+        fwd.append("x = x * self.head_g + self.head_b")
+    body_init = "\n".join("        " + line for line in init) or "        pass"
+    body_fwd = "\n".join("        " + line for line in fwd)
+    source = (
+        "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\n"
+        "class FuzzNet(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        f"{body_init}\n\n"
+        "    def forward(self, x):\n"
+        f"{body_fwd}\n"
+        "        return x\n"
+    )
+    return Rendered(source, in_shape, inp["kind"], shape, loss, class_axis, K, used, inp.get("vocab", 0))

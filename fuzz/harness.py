@@ -1,0 +1,406 @@
+"""Differential check of one generated model: fused by onnxfuse and trained by ONNX Runtime, against torch.
+
+For each B: B instances of the model with different weights are exported, fused, and compared with torch on each
+model alone: the forward pass (train mode), a few SGD-momentum steps (every split tensor) and a few AdamW steps
+(what the split model computes, after ``load_state_dict(strict=True)``), with per-model learning rates. The bounds
+are the zoo test's: forward and SGD parameters < 1e-4, BatchNorm statistics < 1e-5 (norm-wise relative, with an
+absolute floor for tensors near 0), AdamW outputs < 1e-3.
+
+A result beyond a bound counts as a failure only when it is also beyond 3x the training's own sensitivity to float
+rounding, measured on torch alone: the same model trained in float64, and from weights nudged by 1e-7. A ReLU input
+or a max within rounding of a tie may send a gradient elsewhere in any two float32 programs; such a case is reported
+as ``sensitive``, not as a bug.
+
+Outcomes: ``pass``; ``fail`` (onnxfuse computed something else, or crashed with an internal error); ``sensitive``;
+``refused`` (onnxfuse stopped with one of its own clear errors, e.g. an op ONNX Runtime cannot train);
+``invalid`` (torch itself could not run or export the generated model: a grammar problem, not onnxfuse's).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tempfile
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .grammar import BATCH, ModelSpec, Rendered, render
+
+__all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err"]
+
+STEPS = 3
+FORWARD_TOL, SGD_TOL, STAT_TOL, ADAMW_TOL = 1e-4, 1e-4, 1e-5, 1e-3
+
+
+@dataclass
+class Outcome:
+    status: str  # pass | fail | sensitive | refused | invalid
+    stage: str = ""  # export | fuse | forward | train-sgd | train-adamw | split
+    message: str = ""
+    B: int = 0
+    fused_fraction: float = 1.0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def cause(self) -> str:
+        """A label that groups failures with the same mechanism: stage, and the message without its numbers and
+        names."""
+        msg = re.sub(r"'[^']*'", "'…'", self.message)
+        msg = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", msg)
+        return f"{self.stage}: {msg[:160]}"
+
+
+def rel_err(a, e) -> float:
+    a, e = np.asarray(a, np.float64).ravel(), np.asarray(e, np.float64).ravel()
+    d = np.linalg.norm(e)
+    return float(np.linalg.norm(a - e) / d) if d > 0 else float(np.linalg.norm(a - e))
+
+
+def _beyond(a, r, tol) -> float:
+    """How far ``a`` is from ``r`` in units of the bound (> 1: beyond it): norm-wise relative error over ``tol``,
+    with an absolute floor of 1e-6 per element's root for tensors near 0."""
+    a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+    if a.shape != r.shape:
+        return np.inf
+    if not np.isfinite(a).all() or not np.isfinite(r).all():
+        return 0.0 if np.array_equal(np.isfinite(a), np.isfinite(r)) and np.allclose(
+            a[np.isfinite(a)], r[np.isfinite(r)], rtol=tol) else np.inf
+    return float(np.linalg.norm(a - r) / (tol * np.linalg.norm(r) + 1e-6 * np.sqrt(r.size)))
+
+
+def module_class(source: str):
+    """The ``FuzzNet`` class defined by ``source``."""
+    ns: dict = {}
+    exec(compile(source, "<fuzz model>", "exec"), ns)
+    return ns["FuzzNet"]
+
+
+class _Case:
+    """The torch side of one model: B instances, inputs, targets, and torch training."""
+
+    def __init__(self, r: Rendered, seed: int, per_model_inputs: bool, B: int):
+        self.r, self.B, self.per_model_inputs = r, B, per_model_inputs
+        cls = module_class(r.source)
+        self.mods = []
+        gen = torch.Generator().manual_seed(seed)
+        for b in range(B):
+            torch.manual_seed(1000 * seed + b)
+            m = cls()
+            with torch.no_grad():  # distinct weights everywhere (norm layers start at ones/zeros in every seed)
+                for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+                    if not t.dtype.is_floating_point:
+                        continue
+                    if name.endswith("running_var"):
+                        t.uniform_(0.5, 1.5, generator=gen)
+                    else:
+                        t.mul_(1 + 0.1 * torch.randn(t.shape, generator=gen)).add_(
+                            0.02 * torch.randn(t.shape, generator=gen))
+            self.mods.append(m.train())
+        self.gen = gen
+
+    def inputs(self, n: int = BATCH) -> torch.Tensor:
+        """One batch; [B, n, ...] (one slice per model) when the array takes per-model inputs."""
+        lead = (self.B, n) if self.per_model_inputs else (n,)
+        if self.r.input_kind == "tokens":
+            return torch.randint(0, self.r.vocab, lead + self.r.input_shape, generator=self.gen)
+        return torch.randn(lead + self.r.input_shape, generator=self.gen)
+
+    def targets(self, n: int = BATCH) -> torch.Tensor:
+        if self.r.loss == "cross-entropy":
+            shape = (n,) if self.r.class_axis == 1 else (n,) + self.r.output_shape[:-1]
+            return torch.randint(0, self.r.num_classes, shape, generator=self.gen)
+        return 0.5 * torch.randn((n,) + self.r.output_shape, generator=self.gen)
+
+    def model_input(self, x: torch.Tensor, b: int) -> torch.Tensor:
+        return x[b] if self.per_model_inputs else x
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.r.loss == "mse":
+            return torch.nn.functional.mse_loss(out, y.to(out.dtype))
+        if self.r.class_axis == -1:
+            return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        return torch.nn.functional.cross_entropy(out, y)
+
+    def train_torch(self, mod, kind, lr, batches, dtype=torch.float32):
+        opt = _torch_optimizer(kind, mod.parameters(), lr)
+        losses = []
+        for x, y in batches:
+            if dtype != torch.float32:
+                x = x.to(dtype) if x.dtype.is_floating_point else x
+            opt.zero_grad()
+            loss = self.loss(mod.train()(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+
+def _torch_optimizer(kind, params, lr):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=1e-2, eps=1e-6)
+
+
+LRS = {"sgd": [1e-2, 3e-3, 5e-3], "adamw": [1e-3, 3e-4, 5e-4]}
+
+
+def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None) -> Outcome:
+    """Check generated model ``spec`` at each B in ``Bs``; the first outcome that is not a pass, else a pass."""
+    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir)
+
+
+def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=(1, 2, 3),
+                 optimizers=("sgd", "adamw"), workdir: str | None = None) -> Outcome:
+    """Check the model whose source ``r.source`` defines ``FuzzNet`` (any module, written by hand or rendered)."""
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="fuzz-") as tmp:
+        try:
+            case = _Case(r, seed, per_model_inputs, max(Bs))
+            paths = _export(case, tmp)
+        except _Invalid as e:
+            return Outcome("invalid", "export", str(e))
+        last = Outcome("pass")
+        for B in Bs:
+            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"))
+            out.B = B
+            if out.status != "pass":
+                return out
+            last = out
+        return last
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _export(case: _Case, tmp: str) -> list[str]:
+    from onnxfuse.exporters import export_module
+
+    x = case.inputs()
+    paths = []
+    for b, m in enumerate(case.mods):
+        xb = case.model_input(x, b)
+        try:
+            with torch.no_grad():
+                out = copy.deepcopy(m)(xb)
+            if tuple(out.shape[1:]) != case.r.output_shape or not torch.isfinite(out).all():
+                raise _Invalid(f"torch output {tuple(out.shape)} is not {case.r.output_shape} or not finite")
+            path = os.path.join(tmp, f"model_{b}.onnx")
+            export_module(copy.deepcopy(m), path, example_inputs=(xb,))
+        except _Invalid:
+            raise
+        except Exception as e:
+            raise _Invalid(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        paths.append(path)
+    return paths
+
+
+def _fail_from(stage: str, e: Exception) -> Outcome:
+    from onnxfuse.errors import OnnxFuseError
+
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    internal = "internal error" in first
+    if isinstance(e, OnnxFuseError) and not internal:
+        return Outcome("refused", stage, f"{type(e).__name__}: {first}")
+    return Outcome("fail", stage, f"{type(e).__name__}: {first}",
+                   details={"traceback": traceback.format_exc(limit=-6)})
+
+
+def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str) -> Outcome:
+    from onnxfuse import fuse_models
+
+    os.makedirs(folder, exist_ok=True)
+    per_model = ("input",) if case.per_model_inputs else ()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fa = fuse_models(paths[:B], per_model_inputs=per_model)
+    except Exception as e:
+        return _fail_from("fuse", e)
+    frac = fa.spec.summary.get("fused_fraction", 1.0)
+    sub = _Sub(case, B)
+    stages = [("forward", lambda: _forward(sub, fa))]
+    stages += [(f"train-{k}", (lambda k=k: _train(sub, fa, k, folder))) for k in optimizers]
+    for stage, fn in stages:
+        try:
+            res = fn()
+        except Exception as e:
+            out = _fail_from(stage, e)
+            out.fused_fraction = frac
+            return out
+        if res is not None:
+            res.stage, res.fused_fraction = stage, frac
+            return res
+    return Outcome("pass", fused_fraction=frac)
+
+
+class _Sub:
+    """The first B models of a case (inputs sliced to B models)."""
+
+    def __init__(self, case: _Case, B: int):
+        self.case, self.B = case, B
+        self.mods = case.mods[:B]
+
+    def inputs(self):
+        x = self.case.inputs()
+        return x[: self.B] if self.case.per_model_inputs else x
+
+
+def _run_fused_forward(model, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # see README: ConvBN fusion
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"input": x})[0]
+
+
+def _forward(sub: _Sub, fa) -> Outcome | None:
+    x = sub.inputs()
+    fused = _run_fused_forward(fa.model, x.numpy())
+    worst = (0.0, -1)
+    for b, m in enumerate(sub.mods):
+        xb = sub.case.model_input(x, b)
+        with torch.no_grad():
+            ref = copy.deepcopy(m).train()(xb).numpy()
+        beyond = _beyond(fused[b], ref, FORWARD_TOL)
+        if beyond > worst[0]:
+            worst = (beyond, b)
+    if worst[0] <= 1:
+        return None
+    b = worst[1]
+    xb = sub.case.model_input(x, b)
+    with torch.no_grad():
+        ref32 = copy.deepcopy(sub.mods[b]).train()(xb).numpy()
+        ref64 = copy.deepcopy(sub.mods[b]).double().train()(xb.double() if xb.dtype.is_floating_point else xb).numpy()
+    sensitivity = _beyond(ref32, ref64, FORWARD_TOL)
+    err = rel_err(fused[b], ref32) if fused[b].shape == ref32.shape else np.inf
+    status = "sensitive" if worst[0] <= 3 * max(sensitivity, 1e-9) else "fail"
+    shape_note = "" if fused[b].shape == ref32.shape else f" (shape {fused[b].shape} vs {ref32.shape})"
+    return Outcome(status, message=f"model {b}: fused forward differs from torch by {err:.3g}{shape_note}",
+                   details={"beyond": worst[0], "sensitivity": sensitivity})
+
+
+def _train(sub: _Sub, fa, kind: str, folder: str) -> Outcome | None:
+    from onnxfuse.split import split_weights
+    from onnxfuse.training import FusedTrainer, get_loss, make_optimizer
+
+    case, B = sub.case, sub.B
+    lrs = LRS[kind][:B]
+    opt = (make_optimizer("sgd", B, lr=lrs, momentum=0.9, weight_decay=1e-4) if kind == "sgd" else
+           make_optimizer("adamw", B, lr=lrs, weight_decay=1e-2, eps=1e-6))
+    loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
+    trainer = FusedTrainer(fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind))
+    batches = [(sub.inputs(), case.targets()) for _ in range(STEPS)]
+    fused_losses = []
+    for x, y in batches:
+        feeds = {"input": x.numpy()}
+        feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
+        fused_losses.append(trainer.step(feeds))
+    states = split_weights(fa.spec, trainer.weights(), steps=STEPS)
+    for b in range(B):
+        def alone(dtype=torch.float32, nudge=0.0):
+            m = copy.deepcopy(sub.mods[b])
+            if dtype != torch.float32:
+                m = m.to(dtype)
+            if nudge:
+                with torch.no_grad():
+                    g = torch.Generator().manual_seed(7)
+                    for p in m.parameters():
+                        p.mul_(1 + nudge * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            bs = [(case.model_input(x, b), y) for x, y in batches]
+            if dtype != torch.float32:
+                bs = [(x.to(dtype) if x.dtype.is_floating_point else x, y.to(dtype) if y.dtype.is_floating_point
+                       else y) for x, y in bs]
+            losses = case.train_torch(m, kind, lrs[b], bs, dtype)
+            return m, losses
+
+        ref, ref_losses = alone()
+        got = states[b]
+        why = _compare(kind, case, b, got, [float(v[b]) for v in fused_losses], ref, ref_losses, batches)
+        if why is None:
+            continue
+        beyond, message = why
+        # the training's own sensitivity to rounding, on torch alone
+        exact, exact_losses = alone(torch.float64)
+        nudged, nudged_losses = alone(nudge=1e-7)
+        sens = max(_compare_modules(kind, case, b, ref, ref_losses, exact, exact_losses, batches, as_double=True),
+                   _compare_modules(kind, case, b, ref, ref_losses, nudged, nudged_losses, batches))
+        status = "sensitive" if beyond <= 3 * max(sens, 1e-9) else "fail"
+        return Outcome(status, message=f"model {b}: {message}", details={"beyond": beyond, "sensitivity": sens})
+    return None
+
+
+def _load(case: _Case, state: dict) -> torch.nn.Module:
+    m = module_class(case.r.source)()
+    m.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True)
+    return m
+
+
+def _probe_outputs(case: _Case, m: torch.nn.Module, b: int, batches, as_double=False) -> list[np.ndarray]:
+    """What a trained model computes on two fresh batches, in train mode (batch statistics) and eval mode."""
+    g = torch.Generator().manual_seed(99)
+    outs = []
+    x = batches[0][0]
+    for mode in ("train", "eval"):
+        xb = case.model_input(x, b)
+        if case.r.input_kind == "float":
+            xb = torch.randn(xb.shape, generator=g)
+            if as_double:
+                xb = xb.double()
+        with torch.no_grad():
+            outs.append(getattr(copy.deepcopy(m), mode)()(xb).double().numpy())
+    return outs
+
+
+def _compare(kind, case, b, got_state, got_losses, ref, ref_losses, batches) -> tuple[float, str] | None:
+    """(how far beyond the bound, what) when the split state ``got_state`` differs from torch's ``ref``."""
+    loss_beyond = _beyond(got_losses, ref_losses, 1e-4)
+    if loss_beyond > 1:
+        return loss_beyond, f"per-step losses {np.round(got_losses, 6)} vs torch {np.round(ref_losses, 6)}"
+    missing = sorted(set(ref.state_dict()) - set(got_state))
+    if missing:
+        return np.inf, f"split state lacks state_dict key(s) {missing[:3]}"
+    if kind == "sgd":
+        worst = (0.0, "")
+        for key, r in ref.state_dict().items():
+            g = np.asarray(got_state[key])
+            if not r.dtype.is_floating_point:
+                if not np.array_equal(g, r.numpy()):
+                    return np.inf, f"{key}: {g.ravel()[:4]} vs torch {r.numpy().ravel()[:4]}"
+                continue
+            tol = STAT_TOL if "running_" in key else SGD_TOL
+            beyond = _beyond(g, r.numpy(), tol)
+            if beyond > worst[0]:
+                worst = (beyond, f"{key} differs from torch by {rel_err(g, r.numpy()):.3g} (bound {tol:g})")
+        return worst if worst[0] > 1 else None
+    try:
+        ours = _load(case, got_state)
+    except Exception as e:
+        return np.inf, f"the split state does not load with strict=True: {str(e).splitlines()[0]}"
+    beyond = _compare_modules(kind, case, b, ref, ref_losses, ours, got_losses, batches)
+    if beyond > 1:
+        outs = _probe_outputs(case, ours, b, batches)
+        refs = _probe_outputs(case, ref, b, batches)
+        return beyond, (f"train/eval outputs after AdamW differ from torch by "
+                        f"{rel_err(outs[0], refs[0]):.3g}/{rel_err(outs[1], refs[1]):.3g} (bound {ADAMW_TOL:g})")
+    return None
+
+
+def _compare_modules(kind, case, b, ref, ref_losses, other, other_losses, batches, as_double=False) -> float:
+    """How far ``other`` is from ``ref`` in units of the bound of ``kind``'s check."""
+    beyond = _beyond(other_losses, ref_losses, 1e-4)
+    if kind == "sgd":
+        for key, r in ref.state_dict().items():
+            o = other.state_dict()[key]
+            if r.dtype.is_floating_point:
+                beyond = max(beyond, _beyond(o.double().numpy(), r.double().numpy(),
+                                             STAT_TOL if "running_" in key else SGD_TOL))
+        return beyond
+    a = _probe_outputs(case, other, b, batches, as_double)
+    r = _probe_outputs(case, ref, b, batches)
+    return max(beyond, *(_beyond(x, y, ADAMW_TOL) for x, y in zip(a, r)))
