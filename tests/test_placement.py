@@ -287,5 +287,9 @@ def test_fit_calibration_recovers_known_overheads():
     dev = cal.apply([Device()])[0]
     assert dev.speed == pytest.approx(1 / s) and dev.call_overhead == pytest.approx(c)
     # noise that makes a fit negative is clamped, never a negative cost
-    bad = fit_calibration(50e-6, 40e-6, 64, 1e-3, 4e-3, 10, [(1024.0, 1e-6), (4e6, 0.5e-6)])
-    assert bad.op_overhead == 0 and bad.latency >= 0 and bad.kernel_scale == 0.5 and bad.bandwidth > 0
+    # (chain faster than one node: o < 0; hand-off faster than a call: latency < 0; larger hand-off faster: no
+    # bandwidth to fit, a free link; kernels slower than the whole model: s < 0.5; contention outside [0, 1])
+    bad = fit_calibration(50e-6, 40e-6, 64, 1e-3, 4e-3, 10, [(1024.0, 1e-6), (4e6, 0.5e-6)], contention=1.7)
+    assert bad.op_overhead == 0 and bad.call_overhead == pytest.approx(50e-6) and bad.latency == 0
+    assert bad.kernel_scale == 0.5 and bad.bandwidth >= 1e12 and bad.contention == 1.0
+    assert fit_calibration(50e-6, 40e-6, 64, 1e-3, 4e-3, 10, contention=-0.3).contention == 0.0
