@@ -81,6 +81,30 @@ def plant_zero_gradient(array_dir: str, tensor: str, b: int) -> None:
     onnx.save(m, path)
 
 
+def plant_wrong_mapping(array_dir: str, tensor: str, b: int) -> None:
+    """Corrupt the fused graph's weight mapping of ``tensor`` for model b: every node reads
+    W_used = Gather(Concat(W, W0), rows), whose rows send model b's block to model 0's block of W0, a constant copy
+    of the initial W (model b computes with model 0's weights there; the other models are untouched)."""
+    spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
+    fw = next(f for f in spec.weights.values() if f.sources[b] == tensor)
+    path = os.path.join(array_dir, "fused.onnx")
+    m = onnx.load(path)
+    value = nh.to_array(next(t for t in m.graph.initializer if t.name == fw.name))
+    rows = np.arange(fw.fused_shape[0])
+    rows[b * fw.block_len:(b + 1) * fw.block_len] = len(value) + rows[:fw.block_len]
+    m.graph.initializer.extend([nh.from_array(rows.astype(np.int64), "planted_rows"),
+                                nh.from_array(value, "planted_copy")])
+    nodes = [h.make_node("Concat", [fw.name, "planted_copy"], ["planted_both"], axis=0),
+             h.make_node("Gather", ["planted_both", "planted_rows"], ["planted_w"], axis=0)]
+    for node in m.graph.node:
+        node.input[:] = ["planted_w" if x == fw.name else x for x in node.input]
+        nodes.append(node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.checker.check_model(m)
+    onnx.save(m, path)
+
+
 def planted_copy(arrays, name: str, tensor: str) -> tuple[str, str]:
     d, made = arrays
     target = str(d / f"{name}_planted_{tensor.replace('.', '_')}")
@@ -182,6 +206,23 @@ def test_planted_defect_is_found_in_the_right_model_and_tensor(arrays, optimizer
     assert bad[0].loss_ok  # the forward pass is untouched
     message = str(report.error())
     assert "model 1" in message and "'conv2.weight'" in message and "--verify-steps 0" in message
+
+
+def test_a_corrupted_weight_mapping_stops_training_naming_the_model(arrays, capsys):
+    """The fused graph gives model 1 model 0's block of fc1.weight: its forward and gradients are another model's
+    there, and `onnxfuse train` stops before it writes anything, naming model 1."""
+    d, made = arrays
+    array = str(d / "lenet_wrong_mapping")
+    if not os.path.exists(array):
+        shutil.copytree(made["lenet"][0], array)
+        plant_wrong_mapping(array, "fc1.weight", 1)
+    before = snapshot(array)
+    flags = ["--data", made["lenet"][2], "--optimizer", "adamw", "--lr", "0.001", "--steps", "2", "--batch-size", N,
+             "-q"]
+    assert main(["train", array, *map(str, flags)]) == 4
+    err = capsys.readouterr().err
+    assert "model 1" in err and "model 0" not in err and "model 2" not in err, err
+    assert snapshot(array) == before
 
 
 class TCN(torch.nn.Module):
