@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.onnxfuse-installed
 TORCH  ?= torch==2.13.0
 EXTRA  ?= cpu
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install demo test test-all fuzz bench clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 10) <= v <= (3, 12) else \
@@ -32,8 +32,14 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
 
+# a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3 and compared with torch
+N    ?= 500
+SEED ?= 1000
+fuzz: $(STAMP)
+	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --out fuzz-out
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/fused_vs_sequential.py
 
 clean:
-	rm -rf onnxfuse-demo build *.egg-info .pytest_cache
+	rm -rf onnxfuse-demo build *.egg-info .pytest_cache fuzz-out

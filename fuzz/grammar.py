@@ -392,7 +392,7 @@ def _slice_sample(rng, shape):
     if not shape:
         return None
     return dict(axis=rng.randint(1, len(shape)), how=rng.choice(["range", "range", "step", "flip", "narrow",
-                                                                   "computed", "select"]),
+                                                                   "computed", "select", "buffer"]),
                 lo=rng.random(), hi=rng.random())
 
 
@@ -408,6 +408,11 @@ def _slice_emit(p, shape, n, src, dst):
         idx = sorted({int(p["lo"] * size), int(p["hi"] * size) % size, size - 1})
         new = tuple(len(idx) if k + 1 == a else s for k, s in enumerate(shape))
         return [], [f"{dst} = {src}[{pre}, {idx}]"], new
+    if p["how"] == "buffer":  # indices from a buffer: a per-model permutation (Gather per model)
+        if size < 2:
+            return None
+        return [f"self.register_buffer('{n}_idx', torch.randperm({size}))"], \
+            [f"{dst} = {src}.index_select({a}, self.{n}_idx)"], shape
     if p["how"] == "step":
         if size < 2:
             return None
@@ -446,7 +451,8 @@ def _flatten_emit(p, shape, n, src, dst):
 def _reshape_sample(rng, shape):
     if not shape:
         return None
-    return dict(rank=rng.choice([1, 2, 2, 3]), cut=rng.random(), how=rng.choice(["shape0", "minus1", "unflatten"]))
+    return dict(rank=rng.choice([1, 2, 2, 3]), cut=rng.random(),
+                how=rng.choice(["shape0", "minus1", "unflatten", "shape0_minus1"]))
 
 
 def _reshape_emit(p, shape, n, src, dst):
@@ -467,6 +473,9 @@ def _reshape_emit(p, shape, n, src, dst):
     dims = ", ".join(str(d) for d in new)
     if p["how"] == "minus1":
         return [], [f"{dst} = {src}.reshape(-1, {dims})"], new
+    if p["how"] == "shape0_minus1" and len(new) >= 2:  # -1 next to the batch (Swin's view(N, T, -1))
+        head = ", ".join(str(d) for d in new[:-1])
+        return [], [f"{dst} = {src}.reshape({src}.shape[0], {head}, -1)"], new
     if p["how"] == "unflatten" and len(shape) == 1 and len(new) >= 2:
         return [], [f"{dst} = {src}.unflatten(1, ({dims}))"], new
     return [], [f"{dst} = {src}.reshape({src}.shape[0], {dims})"], new
@@ -538,14 +547,19 @@ def _resize_emit(p, shape, n, src, dst):
 
 
 def _pad_sample(rng, shape):
-    if not _spatial(shape):
+    if not shape:
         return None
-    return dict(mode=rng.choice(["constant", "constant", "reflect", "replicate"]), a=rng.randint(0, 2),
+    return dict(mode=rng.choice(["constant", "constant", "reflect", "replicate", "to_multiple"]), a=rng.randint(0, 2),
                 b=rng.randint(0, 2))
 
 
 def _pad_emit(p, shape, n, src, dst):
     d = _spatial(shape)
+    if p["mode"] == "to_multiple":  # pads computed from the shape: the last axis up to a multiple of 4 (Swin)
+        if not shape or shape[-1] % 4 == 0:
+            return None
+        new = (*shape[:-1], shape[-1] + (-shape[-1]) % 4)
+        return [], [f"{dst} = F.pad({src}, [0, (-{src}.shape[-1]) % 4])"], new
     if not d or p["a"] + p["b"] == 0:
         return None
     if p["mode"] == "reflect" and any(max(p["a"], p["b"]) >= s for s in shape[1:]):
@@ -636,6 +650,23 @@ def _attention_emit(p, shape, n, src, dst):
     return init, lines, shape
 
 
+def _tied_sample(rng, shape):
+    if not 1 <= len(shape) <= 3:
+        return None
+    return dict(hidden=rng.choice([4, 8, 16]), twice=rng.random() < 0.4)
+
+
+def _tied_emit(p, shape, n, src, dst):
+    """An autoencoder with tied weights (W then W^T: one parameter in two layouts), or one Linear used twice."""
+    if not 1 <= len(shape) <= 3 or shape[-1] > 64:
+        return None
+    D = shape[-1]
+    if p["twice"]:
+        return [f"self.{n} = nn.Linear({D}, {D})"], [f"{dst} = self.{n}(torch.tanh(self.{n}({src})))"], shape
+    init = [f"self.{n} = nn.Linear({D}, {p['hidden']})"]
+    return init, [f"{n}_h = torch.tanh(self.{n}({src}))", f"{dst} = F.linear({n}_h, self.{n}.weight.t())"], shape
+
+
 def _gram_sample(rng, shape):
     if len(shape) != 2:
         return None
@@ -717,6 +748,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("linear", _linear_sample, _linear_emit, 2.5),
     Kind("attention", _attention_sample, _attention_emit, 1.5),
     Kind("gram", _gram_sample, _gram_emit, 0.4),
+    Kind("tied", _tied_sample, _tied_emit, 0.6),
     Kind("residual", _residual_sample, _residual_emit, 1.5, nested=True),
 ]}
 
