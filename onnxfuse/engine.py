@@ -486,8 +486,11 @@ def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:
     A rule that emits an op whose output shape is not what the rule assumed (PRelu broadcasts its slope to x's
     shape only: a shared x made the output declared [N, ...] for a per-model value) makes ONNX Runtime compute
     with wrong buffer sizes or shapes at run time; this turns it into an error at fuse time naming the node."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    del bare.graph.value_info[:]  # what the nodes compute, not what the engine declared
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False).graph
     except Exception:  # check_pass reports an invalid graph with its own message
         return
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
@@ -541,11 +544,28 @@ def _assemble(st: FusionState) -> onnx.ModelProto:
             shape = st.src.shapes.get(vi.name)
             vi = helper.make_tensor_value_info(vi.name, st.src.dtypes[vi.name], None if shape is None else [st.B] + shape)
         inputs.append(vi)
-    graph = helper.make_graph(st.nodes, f"fused_{st.B}x_{st.src.model.graph.name or 'model'}", inputs, outputs, inits)
+    graph = helper.make_graph(st.nodes, f"fused_{st.B}x_{st.src.model.graph.name or 'model'}", inputs, outputs, inits,
+                              value_info=_fused_value_info(st, {o.name for o in outputs} | {i.name for i in inputs}))
     model = helper.make_model(graph, opset_imports=list(st.src.model.opset_import),
                               producer_name="onnxfuse")
     model.ir_version = min(st.src.model.ir_version, 10)
     return model
+
+
+def _fused_value_info(st: FusionState, io: set[str]) -> list[onnx.ValueInfoProto]:
+    """The shape of every fused tensor the graph computes, from its original's (which the static-value pass resolved
+    where ONNX's inference cannot, e.g. a Reshape to [N, -1, 12]) and its layout, so that the fused graph knows
+    what each source knew: the legalization and ONNX Runtime's gradient kernels need static shapes."""
+    produced = {o for n in st.nodes for o in n.output if o}
+    infos = []
+    for orig, (name, layout) in st.tensors.items():
+        shape, dtype = st.src.shapes.get(orig), st.src.dtypes.get(orig)
+        if name in io or name not in produced or shape is None or dtype is None:
+            continue
+        dims = [d if isinstance(d, (int, str)) and not (isinstance(d, str) and d.startswith("unk__")) else None
+                for d in shape]
+        infos.append(helper.make_tensor_value_info(name, dtype, layout.fused_shape(dims, st.B)))
+    return infos
 
 
 def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
