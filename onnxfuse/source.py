@@ -208,7 +208,10 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
         raise InputFileError(f"{label}: ONNX opset {opset} is too old; export with opset_version between 13 and 20")
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)
-    proto = explicit_windows_pass(resolve_static_pass(proto, weights))
+    proto = resolve_static_pass(proto, weights)
+    windowed = explicit_windows_pass(proto)
+    if windowed is not proto:  # shapes downstream of a changed window were inferred again: resolve them again
+        proto = resolve_static_pass(windowed, weights)
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as e:

@@ -75,14 +75,17 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
                                   (count_include_pad 0) and, where torch counts pads, its output is multiplied by
                                   the constant ratio of the two divisors (:func:`average_divisors`).
 
-    A node whose spatial dims are not static is left as it is."""
+    ConvTranspose with output_padding >= stride gets output_padding 0 and, where needed, a Pad and its bias added
+    after it (:func:`_output_padding_as_pads`).
+
+    A node whose spatial dims are not static is left as it is. Returns ``model`` itself when nothing changed."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
     try:
-        inferred = onnx.shape_inference.infer_shapes(out, strict_mode=False).graph
+        inferred = onnx.shape_inference.infer_shapes(out, strict_mode=False, data_prop=True).graph
     except Exception:
-        return out
+        return model
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
               for vi in list(inferred.input) + list(inferred.value_info) if vi.type.tensor_type.HasField("shape")}
     shapes.update({t.name: list(t.dims) for t in g.initializer})
@@ -91,6 +94,12 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     changed: set[str] = set()  # outputs whose declared shape was the runtime's, not the specification's
     for node in g.node:
         nodes.append(node)
+        if node.domain in ("", "ai.onnx") and node.op_type == "ConvTranspose":
+            extra = _output_padding_as_pads(node, shapes, taken, g)
+            if extra is not None:
+                nodes.extend(extra)
+                changed.add(node.output[0])
+            continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("Conv", "MaxPool", "AveragePool"):
             continue
         x_shape = shapes.get(node.input[0])
@@ -142,19 +151,71 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
             g.initializer.append(numpy_helper.from_array(divisor_ratio.reshape(1, 1, *divisor_ratio.shape), ratio))
             nodes.append(helper.make_node("Mul", [node.output[0], ratio], [y], name=_fresh(f"{node.name}/divisor",
                                                                                              taken)))
+    if not changed:
+        return model
     del g.node[:]
     g.node.extend(nodes)
-    if changed:  # the exporter may have declared the runtime's output shape: infer it again
-        infos = [vi for vi in g.value_info if vi.name not in changed]
-        del g.value_info[:]
-        g.value_info.extend(infos)
-        outs = [o for o in g.output if o.name in changed]
+    # The exporter declared the shapes its runtime computes, downstream of every changed node too: forget them and
+    # infer them again from the new attributes.
+    stale = set(changed)
+    for node in g.node:  # topological order: a consumer comes after its producers
+        if any(i in stale for i in node.input):
+            stale.update(o for o in node.output if o)
+    infos = [vi for vi in g.value_info if vi.name not in stale]
+    del g.value_info[:]
+    g.value_info.extend(infos)
+    outs = [o for o in g.output if o.name in stale]
+    for o in outs:
+        o.type.tensor_type.ClearField("shape")
+    if outs:
+        again = {o.name: o for o in onnx.shape_inference.infer_shapes(out, strict_mode=False).graph.output}
         for o in outs:
-            o.type.tensor_type.ClearField("shape")
-        if outs:
-            again = {o.name: o for o in onnx.shape_inference.infer_shapes(out, strict_mode=False).graph.output}
-            for o in outs:
-                o.type.CopyFrom(again[o.name].type)
+            o.type.CopyFrom(again[o.name].type)
+    return out
+
+
+def _output_padding_as_pads(node: onnx.NodeProto, shapes: dict, taken: set[str], g: onnx.GraphProto
+                            ) -> list[onnx.NodeProto] | None:
+    """ConvTranspose with output_padding op >= stride s on some axis (torch allows op < max(s, dilation); ONNX
+    Runtime then reads memory it never wrote: outputs of 1e22) -> output_padding 0, the same output:
+
+        the first min(op, pe) extra positions are cut from the end padding instead (pe -= min(op, pe)); the
+        q = op - min(op, pe) others lie beyond every input's footprint, so they are 0 + bias: a Pad of q at the
+        end, with the bias added after it.
+
+    Returns the nodes that follow ``node`` (changed in place), [] when none are needed, or None when the node is
+    left as it is."""
+    attrs = _attrs(node)
+    op = list(attrs.get("output_padding", []))
+    S = len(op)
+    strides = list(attrs.get("strides", [1] * S))
+    if not op or all(o < st for o, st in zip(op, strides)) or "output_shape" in attrs or \
+            attrs.get("auto_pad", "NOTSET") != "NOTSET":
+        return None
+    pads = list(attrs.get("pads", [0] * (2 * S)))
+    moved = [min(o, pads[S + a]) for a, o in enumerate(op)]
+    q = [o - m for o, m in zip(op, moved)]
+    attrs["pads"] = pads[:S] + [pads[S + a] - moved[a] for a in range(S)]
+    attrs["output_padding"] = [0] * S
+    _set_attrs(node, attrs)
+    if not any(q):
+        return []
+    y = node.output[0]
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    node.output[0] = _fresh(f"{y}/unpadded", taken)
+    if bias:
+        del node.input[2:]
+    out = []
+    pad_value = _fresh(f"{node.name or y}/output_padding", taken)
+    g.initializer.append(numpy_helper.from_array(np.array([0] * (2 + S) + [0, 0] + q, np.int64), pad_value))
+    padded = _fresh(f"{y}/padded", taken) if bias else y
+    out.append(helper.make_node("Pad", [node.output[0], pad_value], [padded], name=_fresh(f"{node.name}/pad", taken)))
+    if bias:
+        shape = _fresh(f"{node.name or y}/bias_shape", taken)
+        g.initializer.append(numpy_helper.from_array(np.array([-1] + [1] * S, np.int64), shape))
+        column = _fresh(f"{bias}/column", taken)
+        out.append(helper.make_node("Reshape", [bias, shape], [column], name=_fresh(f"{node.name}/bias", taken)))
+        out.append(helper.make_node("Add", [padded, column], [y], name=_fresh(f"{node.name}/add_bias", taken)))
     return out
 
 
