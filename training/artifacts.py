@@ -11,7 +11,8 @@ Passes, in order (each a function of the model):
                             momentum 0, so outputs 1 and 2 are the batch mean and biased variance); the running
                             statistics are updated with torch's rule, including the unbiased variance n/(n-1)
 3. ``optimizer_state_pass`` zero-initialized optimizer state as extra (frozen) checkpoint parameters
-4. gradient graph (onnxruntime.training.onnxblock)
+4. gradient graph (onnxruntime.training.onnxblock); ``rename_added_initializers_pass`` renames what its
+   transformers added (they run again at session start and would add the same names)
 5. ``update_pass``          drop ORT's gradient accumulation, append the running-stat writes and the optimizer
                             update (one flat [B, P] update that reads every gradient, so no parameter is
                             overwritten before the backward pass is done with it)
@@ -201,6 +202,28 @@ def _build_gradient(model: onnx.ModelProto, trainable: list[str], frozen: list[s
     return training_model, parameters
 
 
+def rename_added_initializers_pass(tm: onnx.ModelProto, before: set[str]) -> None:
+    """Give the initializers ORT's graph transformers added while building the gradient graph names of their own.
+
+    The same transformers run again when the training session starts and add their initializers under the same
+    fixed names: GatherSliceToSplitFusion's ``squeeze_axes`` (an nn.MultiheadAttention array with SGD momentum)
+    then already existed and the session failed to start ("Initializer with same name exists")."""
+    g = tm.graph
+    taken = {t.name for t in g.initializer} | {i.name for i in g.input} | {o for n in g.node for o in n.output}
+    renames = {}
+    for t in g.initializer:
+        if t.name not in before:
+            new, k = f"{t.name}__onnxfuse", 0
+            while new in taken:
+                k += 1
+                new = f"{t.name}__onnxfuse{k}"
+            taken.add(new)
+            renames[t.name] = new
+            t.name = new
+    for node in g.node:
+        node.input[:] = [renames.get(x, x) for x in node.input]
+
+
 def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: list[str],
                 opt: OptimizerConfig, n_user_inputs: int) -> None:
     g = tm.graph
@@ -279,7 +302,8 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
         raise ConfigError("the array has no trainable parameters")
     user_inputs = [i["name"] for i in spec.inputs]
 
-    fwd, legalized = legalize(fused)  # ops ORT 1.19 cannot differentiate -> equivalent trainable forms
+    # ops ORT 1.19 cannot differentiate -> equivalent trainable forms
+    fwd, legalized = legalize(fused, parameters=set(trainable) | set(buffers))
     fwd = static_shapes_pass(fwd)
     fwd, _ = add_loss_pass(fwd, spec, loss)
     writes = batchnorm_pass(fwd)
@@ -287,6 +311,7 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     frozen = buffers + state
     outputs = ["loss", "per_model_loss"] + [v for _, v in writes]
     tm, parameters = _build_gradient(fwd, trainable, frozen, outputs)
+    rename_added_initializers_pass(tm, {t.name for t in fwd.graph.initializer})
     update_pass(tm, writes, trainable, opt, n_user_inputs=len(user_inputs) + 1)
     param_inputs = [i for i in tm.graph.input if i.name in set(trainable) | set(frozen)]
     em = eval_model(fused, spec, loss, [i.name for i in param_inputs],

@@ -5,7 +5,7 @@ into equivalent forms it can (same forward up to float rounding, same gradient a
 
 The engine (``_engine.py``) applies one registered rewrite per op type; each family module holds its rewrites:
 ``norm`` (LayerNormalization outputs, InstanceNormalization), ``reduce`` (ReduceMax/Min/L1/SumSquare/LogSum),
-``conv`` (1-D and grouped N-D Conv), ``pad`` (reflect, edge, wrap), ``pool`` (AveragePool), ``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu), ``einsum``, ``cumsum``,
+``conv`` (1-D and grouped N-D Conv), ``pad`` (reflect, edge, wrap), ``pool`` (AveragePool, GlobalMaxPool), ``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu, Sign), ``einsum``, ``cumsum``,
 ``conv_transpose``, ``resize``, ``depth_space`` (DepthToSpace, SpaceToDepth), ``split`` (unused outputs) and
 ``slicing`` (a negative step on the last axis). A node that needs a rewrite but has a form none supports raises
 :class:`onnxfuse.errors.UntrainableOpError` naming it.
@@ -26,15 +26,16 @@ __all__ = ["legalize", "legalized_ops"]
 _MAX_ROUNDS = 8
 
 
-def legalize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+def legalize(model: onnx.ModelProto, parameters: set[str] | None = None) -> tuple[onnx.ModelProto, list[str]]:
     """A new model in which every node ORT 1.19 cannot train is replaced by a trainable equivalent, and one
-    human-readable line per rewrite applied. The input model is not modified.
+    human-readable line per rewrite applied. The input model is not modified. ``parameters``: the initializers that
+    are trained (None: any initializer may be).
 
     Rewrites run to a fixed point: a replacement may itself need legalizing (ConvTranspose 1-D becomes a 1-D Conv,
     which becomes a 2-D one), and each round sees the shapes of what the previous round emitted."""
     applied: list[str] = []
     for _ in range(_MAX_ROUNDS):
-        model, new = apply_rewrites(model)
+        model, new = apply_rewrites(model, parameters)
         if not new:
             return model, applied
         applied += new

@@ -52,8 +52,10 @@ class Context:
     """What a rewrite may ask about the graph (shapes, dtypes, constants, uses), and where it gets unique names and
     new constant initializers."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, parameters: set[str] | None = None):
         self.opset = _default_opset(model)
+        # the initializers that are trained (None: every initializer may be one); the others are constants
+        self.parameters = parameters
         self.facts = GraphFacts(model, self.opset)
         g = model.graph
         self._taken: set[str] = set(self.facts.initializers)
@@ -81,6 +83,15 @@ class Context:
 
     def constant(self, name: str) -> np.ndarray | None:
         return self.facts.constant(name)
+
+    def is_fixed_constant(self, name: str) -> bool:
+        """A constant that is not trained: a Constant node's output or folded value, or an initializer that is not a
+        parameter (when the parameters are known)."""
+        if self.constant(name) is None:
+            return False
+        if name in self.facts.initializers:
+            return self.parameters is not None and name not in self.parameters
+        return True
 
     def int_values(self, name: str) -> list[SymDim] | None:
         return self.facts.int_values(name)
@@ -253,10 +264,10 @@ class Emitter:
             self.op("Identity", [value], [output])
 
 
-def apply_rewrites(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+def apply_rewrites(model: onnx.ModelProto, parameters: set[str] | None = None) -> tuple[onnx.ModelProto, list[str]]:
     """Replace every node whose rewrite returns nodes; returns the new model and one line per rewrite applied."""
     out = copy.deepcopy(model)
-    ctx = Context(out)
+    ctx = Context(out, parameters)
     g = out.graph
     new_nodes: list[onnx.NodeProto] = []
     applied: list[str] = []

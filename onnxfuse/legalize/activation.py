@@ -1,4 +1,4 @@
-"""Activations without a gradient builder in ORT 1.19: HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu.
+"""Activations without a gradient builder in ORT 1.19: HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu, Sign.
 
 Each becomes ops whose gradients ORT has (Clip, Relu, Min, Exp, Abs, Log, Mul, Add) with torch's constants, so the
 forward matches and the gradient is torch's away from kinks (x = 0, or -3 and 3: measure zero)."""
@@ -8,7 +8,7 @@ import onnx
 
 from ._engine import Context, Emitter, rewrite
 
-__all__ = ["hardsigmoid", "hardswish", "elu_family", "softplus", "prelu"]
+__all__ = ["hardsigmoid", "hardswish", "elu_family", "softplus", "prelu", "sign"]
 
 
 @rewrite("HardSigmoid")
@@ -98,4 +98,23 @@ def prelu(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
     em = Emitter(node, ctx)
     negative = em.op("Mul", [em.op("Min", [x, em.like(0.0, x, "zero")]), slope])
     em.op("Add", [em.op("Relu", [x]), negative], [y])
+    return em.nodes
+
+
+@rewrite("Sign")
+def sign(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """Sign(x)  ==>  Where(x > 0, 1, Where(x < 0, -1, 0)).
+
+    Layout: elementwise, any shape (x float; an integer Sign is never on a gradient path and is left alone).
+    Math: the same values; its gradient is 0 wherever it exists, which is what Where gives (its condition is not
+    differentiable and its branches are constants). torch's LPPool exports Sign(avg) * Relu(Abs(avg)); ORT 1.19 has
+    no gradient builder for Sign.
+    """
+    x, y = node.input[0], node.output[0]
+    if not ctx.is_float(x):
+        return None
+    em = Emitter(node, ctx)
+    zero = em.like(0.0, x, "zero")
+    negative = em.op("Where", [em.op("Less", [x, zero]), em.like(-1.0, x, "minus_one"), zero])
+    em.op("Where", [em.op("Greater", [x, zero]), em.like(1.0, x, "one"), negative], [y])
     return em.nodes

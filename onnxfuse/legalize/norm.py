@@ -17,8 +17,16 @@ def layernorm_outputs(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto
     float32), unused by the graph.
     Math: unchanged; ORT's LayerNormalizationGrad reads outputs 1 and 2, and its gradient builder fails on a node
     that does not declare them (torch's export at opset 17/20 declares only Y).
+
+    A node whose Scale or B is a small constant (at most ``_SMALL`` elements; the fused LayerNorm rule feeds ones
+    and zeros and applies the per-model affine after) is written as primitive ops instead (``_layernorm_ops``):
+    ORT's gradient builder merges equal small constants of two LayerNorms into one tensor and then defines its
+    gradient twice ("Duplicate definition of name (ln_ones__3_grad)": two LayerNorms over 8 features failed,
+    over 16 they did not).
     """
     outputs = list(node.output) + [""] * (3 - len(node.output))
+    if _small_constant_affine(node, ctx):
+        return _layernorm_ops(node, ctx, outputs)
     if all(outputs[:3]):
         return None
     new = onnx.NodeProto()
@@ -29,6 +37,38 @@ def layernorm_outputs(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto
                        outputs[1] or ctx.fresh(f"{label}/Mean"),
                        outputs[2] or ctx.fresh(f"{label}/InvStdDev")])
     return [new]
+
+
+_SMALL = 16
+
+
+def _small_constant_affine(node: onnx.NodeProto, ctx: Context) -> bool:
+    return any(name and ctx.is_fixed_constant(name) and ctx.constant(name).size <= _SMALL for name in node.input[1:3])
+
+
+def _layernorm_ops(node: onnx.NodeProto, ctx: Context, outputs: list[str]) -> list[onnx.NodeProto]:
+    """LayerNormalization as ReduceMean / Sub / Mul / Sqrt / Div: D = X - mean(X); Y = D / sqrt(mean(D*D) + eps)
+    * Scale + B over axes [axis, r) (keepdims), Mean and InvStdDev written when the graph reads them."""
+    x = node.input[0]
+    rank = ctx.rank(node, x)
+    attrs = ctx.attrs(node)
+    axis = int(attrs.get("axis", -1)) % rank
+    eps = float(attrs.get("epsilon", 1e-5))
+    axes = list(range(axis, rank))
+    em = Emitter(node, ctx)
+    mean = em.reduce("ReduceMean", x, axes, keepdims=1)
+    centered = em.op("Sub", [x, mean])
+    std = em.op("Sqrt", [em.op("Add", [em.reduce("ReduceMean", em.op("Mul", [centered, centered]), axes, keepdims=1),
+                                       em.like(eps, x, "epsilon")])])
+    y = em.op("Mul", [em.op("Div", [centered, std]), node.input[1]])
+    if len(node.input) > 2 and node.input[2]:
+        y = em.op("Add", [y, node.input[2]])
+    em.finish(y, outputs[0])
+    if outputs[1] and ctx.is_used(outputs[1]):
+        em.op("Identity", [mean], [outputs[1]])
+    if outputs[2] and ctx.is_used(outputs[2]):
+        em.op("Reciprocal", [std], [outputs[2]])
+    return em.nodes
 
 
 @rewrite("InstanceNormalization")

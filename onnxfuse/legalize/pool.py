@@ -54,3 +54,16 @@ def average_pool_as_conv(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodePr
     per_channel = em.reshape(sums, [-1, C] + n)
     em.op("Mul", [per_channel, em.const((1.0 / divisor).reshape([1, 1] + n), dtype, "inverse_divisor")], [y])
     return em.nodes
+
+
+@rewrite("GlobalMaxPool")
+def global_max_pool_as_reduce_max(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """GlobalMaxPool(X [N, C, *S])  ==>  ReduceMax(X, axes = spatial, keepdims 1) [N, C, 1, ...].
+
+    GlobalMaxPool has no gradient builder in onnxruntime-training 1.19; ReduceMax is legalized in turn (its gradient
+    split evenly among tied maxima, like torch.amax; torch's adaptive_max_pool gives a tie to one element instead,
+    which differs only at exact ties)."""
+    rank = ctx.rank(node, node.input[0])
+    em = Emitter(node, ctx)
+    em.reduce("ReduceMax", node.input[0], list(range(2, rank)), keepdims=1, output=node.output[0])
+    return em.nodes

@@ -13,8 +13,10 @@ __all__ = ["slice_reversed_last_axis"]
 @rewrite("Slice")
 def slice_reversed_last_axis(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
     """Slice(X, starts, ends, axes, steps) with steps < 0 on axis r-1
-    ==>  Transpose(swap r-2, r-1) -> the same Slice with axis r-1 renamed r-2 -> Transpose back   (r >= 2, and axis
-         r-2 not also reversed), else Gather(X, idx, axis=r-1) for the last axis (static length) + Slice for the rest.
+    ==>  Gather(X, idx, axis=r-1) for the last axis + Slice for the rest, when its length and bounds are static;
+         else Transpose(swap r-2, r-1) -> the same Slice with axis r-1 renamed r-2 -> Transpose back (r >= 2, and
+         axis r-2 not also reversed). (The transposed form's SliceGrad also failed, with 'narrowing_error', on a
+         flipped [N, 6] tensor in a fused array.)
 
     Layout: X [.., A, L]; the transposed X [.., L, A] is sliced along its axis r-2.
     Math: slicing commutes with a permutation of axes; Gather(idx = range(L)[start:end:step]) is the same selection
@@ -36,14 +38,18 @@ def slice_reversed_last_axis(node: onnx.NodeProto, ctx: Context) -> list[onnx.No
         return None
     em = Emitter(node, ctx)
     j = axes.index(last)
-    if rank >= 2 and not (rank - 2 in axes and steps[axes.index(rank - 2)] < 0):
+    shape = ctx.shape(x)
+    static_last = shape is not None and isinstance(shape[last], int)
+    starts_c, ends_c = ctx.constant(inputs[1]), ctx.constant(inputs[2])
+    if rank >= 2 and not (static_last and starts_c is not None and ends_c is not None) \
+            and not (rank - 2 in axes and steps[axes.index(rank - 2)] < 0):
         perm = list(range(rank - 2)) + [rank - 1, rank - 2]
         swapped = [rank - 2 if a == last else rank - 1 if a == rank - 2 else a for a in axes]
         t = em.transpose(x, perm)
         s = em.op("Slice", [t, inputs[1], inputs[2], em.const(swapped, hint="axes"), inputs[4]])
         em.transpose(s, perm, output=y)
         return em.nodes
-    starts, ends = ctx.constant(inputs[1]), ctx.constant(inputs[2])
+    starts, ends = starts_c, ends_c
     if starts is None or ends is None:
         raise ctx.error(node, "it reverses the last axis with non-constant starts or ends",
                         "flip a different axis (transpose first)")
