@@ -13,7 +13,7 @@ from fuzz.harness import check_source, module_class
 
 HEADER = "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\n"
 
-# (source, input shape per sample, loss); every class is called FuzzNet
+# (source, input shape per sample, loss: mse | cross-entropy | lm for token inputs); every class is called FuzzNet
 CASES = {
     # onnxruntime-training's ConvGrad zeroed memory past the input gradient of a grouped 1-D convolution: fc.weight's
     # gradient, placed there, came out 0 and fc.weight never moved (B >= 2; legalize/conv.py)
@@ -106,6 +106,133 @@ class FuzzNet(nn.Module):
     def forward(self, x):
         return self.d(F.pad(self.c(x), [1, 2, 0, 1], mode='replicate').flatten(2))
 """, (3, 5, 5), "mse"),
+    # GlobalMaxPool (torch's AdaptiveMaxPool(1)) has no gradient builder in ORT (legalize/pool.py)
+    "global_max_pool_3d": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv3d(2, 8, 3, stride=2, padding=1, groups=2)
+        self.p = nn.AdaptiveMaxPool3d((1, 1, 1))
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=4)
+        return self.p(self.c(a * torch.sigmoid(b)))
+""", (2, 4, 6, 8), "mse"),
+    # a dilated 'same' Conv1d after GroupNorm: the pads could be made explicit only with shape arithmetic propagated
+    # through GroupNorm's computed Reshape (windows.py infers with data_prop)
+    "same_conv_after_groupnorm": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n = nn.GroupNorm(2, 8)
+        self.c = nn.Conv1d(8, 12, 2, padding='same', dilation=2, groups=2)
+
+    def forward(self, x):
+        return self.c(self.n(x))
+""", (8, 16), "mse"),
+    # LPPool exports Pow -> AveragePool after a Reshape to [N, -1, 12]: the fused graph lost the shape the source had
+    # resolved, and the AveragePool rewrite needs it (the engine declares every fused tensor's shape)
+    "lp_pool_after_flatten": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.LPPool1d(2, 2, stride=2)
+        self.l = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return F.gelu(self.l(self.p(x.flatten(1, 2))))
+""", (3, 4, 12), "mse"),
+    # two LayerNorms over 8 features: ORT merged their equal ones/zeros constants and defined a gradient twice
+    # (legalize/norm.py writes such LayerNorms as primitive ops)
+    "two_small_layernorms": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 5, padding=2)
+        self.a = nn.LayerNorm([8])
+        self.b = nn.LayerNorm([8], elementwise_affine=False)
+
+    def forward(self, x):
+        return self.b(self.a(self.c(x)))
+""", (3, 8, 8), "mse"),
+    # flip on the last axis: the transposed Slice's SliceGrad failed ('narrowing_error'); now a Gather
+    "flip_last_axis": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n = nn.BatchNorm1d(6)
+        self.l = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.l(self.n(x).flip(1))
+""", (6,), "cross-entropy"),
+    # ceil_mode AvgPool followed by an affine: the exporter's declared shapes downstream of the pool were the
+    # runtime's (one window more) and contradicted the corrected pool (windows.py infers them again)
+    "avg_pool_ceil_then_affine": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.AvgPool2d(3, stride=3, padding=1, ceil_mode=True, count_include_pad=True)
+        self.g = nn.Parameter(1 + 0.1 * torch.randn(5))
+        self.b = nn.Parameter(0.1 * torch.randn(5))
+
+    def forward(self, x):
+        return self.p(x) * self.g + self.b
+""", (3, 12, 12), "mse"),
+    # nn.MultiheadAttention with a causal mask, trained with SGD momentum: ORT's GatherSliceToSplitFusion added its
+    # 'squeeze_axes' initializer at gradient building and again at session start (training/artifacts.py renames)
+    "masked_multihead_attention_momentum": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.register_buffer('mask', torch.triu(torch.ones(6, 6, dtype=torch.bool), 1))
+        self.head = nn.Linear(8, 20)
+
+    def forward(self, x):
+        x = self.emb(x)
+        return self.head(x * torch.sigmoid(self.att(x, x, x, need_weights=False, attn_mask=self.mask)[0]))
+""", (6,), "lm"),
+    # LPPool exports Sign(avg) * Relu(Abs(avg)): Sign has no gradient builder in ORT (legalize/activation.py)
+    "lp_pool_sign": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.p = nn.LPPool1d(2, 3, stride=1)
+        self.head = nn.Linear(6, 20)
+
+    def forward(self, x):
+        return self.head(self.p(self.emb(x)))
+""", (6,), "lm"),
+    # ConvTranspose with output_padding >= stride (torch allows it below the dilation): ONNX Runtime read memory it
+    # never wrote (outputs of 1e22); windows.py moves the padding into the pads and a Pad + bias after the node
+    "conv_transpose_output_padding_beyond_stride": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.se = nn.Conv2d(4, 4, 1)
+        self.t = nn.ConvTranspose2d(4, 12, 2, stride=1, output_padding=1, groups=4, dilation=2)
+        self.u = nn.ConvTranspose1d(3, 4, 3, stride=1, padding=1, output_padding=2, dilation=3)
+
+    def forward(self, x):
+        x = self.t(x * torch.sigmoid(self.se(x.mean(dim=(2, 3), keepdim=True))))
+        return self.u(x.flatten(2)[:, :3])
+""", (4, 4, 4), "mse"),
+    # ONNX Runtime's LayerNormalization is less precise than torch's over two nearly equal values: the fused forward
+    # differs from torch as ORT alone does (outcome 'runtime', judged by fuzz/ort_reference.py's plain ORT)
+    "layernorm_of_two_near_equal_values": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(24, 4)
+        self.n = nn.LayerNorm([2])
+
+    def forward(self, x):
+        a, b = self.l(x).chunk(2, dim=1)
+        return self.n(torch.exp(-(a * torch.sigmoid(b)) ** 2))
+""", (24,), "mse"),
 }
 
 
@@ -113,8 +240,14 @@ class FuzzNet(nn.Module):
 def test_regression_trains_like_torch(name):
     source, in_shape, loss = CASES[name]
     source = HEADER + source.lstrip("\n")
+    tokens = loss == "lm"  # token ids in [0, 20), logits [N, T, 20], cross-entropy over the last axis
     with torch.no_grad():
-        out_shape = tuple(module_class(source)()(torch.randn(2, *in_shape)).shape[1:])
-    r = Rendered(source, in_shape, "float", out_shape, loss, 1, out_shape[0] if loss == "cross-entropy" else 0)
+        x = torch.randint(0, 20, (2, *in_shape)) if tokens else torch.randn(2, *in_shape)
+        out_shape = tuple(module_class(source)()(x).shape[1:])
+    if tokens:
+        r = Rendered(source, in_shape, "tokens", out_shape, "cross-entropy", -1, out_shape[-1], vocab=20)
+    else:
+        r = Rendered(source, in_shape, "float", out_shape, loss, 1, out_shape[0] if loss == "cross-entropy" else 0)
     out = check_source(r, seed=3)
-    assert out.status == "pass", (out.status, out.B, out.stage, out.message)
+    # runtime: ONNX Runtime alone differs from torch, and the fused array equals ONNX Runtime alone
+    assert out.status in ("pass", "runtime"), (out.status, out.B, out.stage, out.message)

@@ -1,6 +1,6 @@
 """Every zoo model: the fused forward equals each model's own forward (B = 1 and 4), and fused training equals
 torch.optim training each model alone (or, where ONNX Runtime's kernels themselves part from torch, plain
-onnxruntime-training training it alone: tests/_ort_reference.py)."""
+onnxruntime-training training it alone: fuzz/ort_reference.py)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from _ort_reference import train_alone
+from fuzz.ort_reference import train_alone
 from conftest import rel_err, run_onnx
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
@@ -71,7 +71,7 @@ BATCH = 16  # BatchNorm1d on 8 samples made PointNet chaotic enough to flip a Re
 
 
 def _reference_loss(name: str) -> tuple[str, int]:
-    """The loss of a zoo entry's task for tests/_ort_reference.py: (loss, class axis)."""
+    """The loss of a zoo entry's task for fuzz/ort_reference.py: (loss, class axis)."""
     task = ZOO[name].task
     return ("mse", 1) if task in ("generator", "discriminator") else ("cross-entropy", -1 if task == "lm" else 1)
 
@@ -255,7 +255,7 @@ def _mismatch(run: ZooRun, b: int, got: dict, got_losses, ref: torch.nn.Module, 
 
 def _train_alone_in_ort(run: ZooRun, b: int, folder) -> tuple[dict, np.ndarray]:
     """Model b from its initial weights trained alone by plain onnxruntime-training on its own exported graph, with
-    torch.optim's maths in numpy: no onnxfuse code (tests/_ort_reference.py). Returns its state and losses."""
+    torch.optim's maths in numpy: no onnxfuse code (fuzz/ort_reference.py). Returns its state and losses."""
     loss, class_axis = _reference_loss(run.name)
     return train_alone(_module(run.name, run.initial[b]), loss, run.kind, run.lrs[b], run.extra, run.batches,
                        folder, class_axis=class_axis)
@@ -275,7 +275,7 @@ def assert_matches_torch(run: ZooRun, tmp_path) -> None:
     rounding of a tie flips, and the gradient follows another element), the fused model is checked, with the same
     tolerances, against the same model trained alone in plain onnxruntime-training instead: its own exported graph,
     ORT's gradients, torch.optim's update and torch's BatchNorm statistics in numpy, none of onnxfuse's graph
-    building (tests/_ort_reference.py) — so a fault of onnxfuse's that also shows at B = 1 cannot hide there."""
+    building (fuzz/ort_reference.py) — so a fault of onnxfuse's that also shows at B = 1 cannot hide there."""
     for b in range(len(run.lrs)):
         why = _mismatch(run, b, run.fused[b], run.fused_losses[:, b], run.torch_mods[b], run.torch_losses[:, b])
         if why is None:
