@@ -5,14 +5,16 @@ from .data import Dataset, batches, load_npz, make_dataset
 from .gan import FusedGAN, GANStep
 from .losses import LOSSES, LossSpec, get_loss
 from .optim import OPTIMIZERS, OptimizerConfig, make_optimizer
-from .run import TrainConfig, TrainingStopped, TrainResult, train_array
+from .run import TrainConfig, TrainingStopped, TrainResult, train_array, verify_array
+from .verify import VerifyReport
 from .schedules import SCHEDULES, PerModelSchedules
 from .config import config_to_train_settings, expand_per_model, load_config
 from .report import make_report
 from .trainer import FusedTrainer, check_device, load_array
 
 __all__ = [
-    "FusedTrainer", "TrainConfig", "TrainResult", "TrainingStopped", "train_array", "load_array", "check_device",
+    "FusedTrainer", "TrainConfig", "TrainResult", "TrainingStopped", "train_array", "verify_array", "VerifyReport",
+    "load_array", "check_device",
     "SCHEDULES", "PerModelSchedules", "load_config", "expand_per_model", "config_to_train_settings", "make_report",
     "OptimizerConfig", "make_optimizer", "OPTIMIZERS", "LOSSES", "LossSpec", "get_loss",
     "Dataset", "batches", "load_npz", "make_dataset", "FusedGAN", "GANStep",
