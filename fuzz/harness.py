@@ -259,7 +259,7 @@ class _Sub:
         return x[: self.B] if self.case.per_model_inputs else x
 
 
-def _run_fused_forward(model, x: np.ndarray) -> np.ndarray:
+def _run_onnx(model, x: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -271,7 +271,7 @@ def _run_fused_forward(model, x: np.ndarray) -> np.ndarray:
 
 def _forward(sub: _Sub, fa) -> Outcome | None:
     x = sub.inputs()
-    fused = _run_fused_forward(fa.model, x.numpy())
+    fused = _run_onnx(fa.model, x.numpy())
     worst = (0.0, -1)
     for b, m in enumerate(sub.mods):
         xb = sub.case.model_input(x, b)
@@ -309,16 +309,15 @@ def _forward(sub: _Sub, fa) -> Outcome | None:
 
 def _ort_alone_forward(path: str, x: np.ndarray) -> np.ndarray | None:
     """The exported model alone, run by ONNX Runtime: as exported, or, where ORT refuses that (its CPU Conv runs no
-    SAME padding with dilations), with its window padding made explicit (``onnxfuse.windows``, an exact rewrite
-    checked against torch on its own). None when neither runs."""
+    SAME padding with dilations), as onnxfuse loads it, with static values resolved and window padding made
+    explicit (exact rewrites, each checked against torch on its own). None when neither runs."""
     import onnx
 
-    from onnxfuse.windows import explicit_windows_pass
+    from onnxfuse.source import load_source
 
-    model = onnx.load(path)
-    for candidate in (model, explicit_windows_pass(model)):
+    for load in (onnx.load, lambda p: load_source(p).model):
         try:
-            return _run_fused_forward(candidate, x)
+            return _run_onnx(load(path), x)
         except Exception:
             continue
     return None

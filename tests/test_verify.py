@@ -57,21 +57,17 @@ def arrays(tmp_path_factory):
     return d, out
 
 
-def plant_zero_gradient(array_dir: str, tensor: str, b: int) -> None:
-    """Make the fused graph give model b's block of ``tensor`` a zero gradient with the forward unchanged:
-    W_used = W * mask + W0 * (1 - mask), W0 a constant copy of W and mask 0 on model b's block."""
+def _plant(array_dir: str, tensor: str, b: int, planted) -> None:
+    """Make every node of the fused graph read W_used instead of the fused weight W that holds model b's
+    ``tensor``: ``planted(W, value, block)`` -> (new initializers, nodes computing 'planted_w'), ``block`` the
+    slice of W's rows that are model b's."""
     spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
     fw = next(f for f in spec.weights.values() if f.sources[b] == tensor)
     path = os.path.join(array_dir, "fused.onnx")
     m = onnx.load(path)
     value = nh.to_array(next(t for t in m.graph.initializer if t.name == fw.name))
-    mask = np.ones([value.shape[0]] + [1] * (value.ndim - 1), np.float32)
-    mask[b * fw.block_len:(b + 1) * fw.block_len] = 0
-    m.graph.initializer.extend([nh.from_array(value, "planted_copy"), nh.from_array(mask, "planted_mask"),
-                                nh.from_array(1 - mask, "planted_keep")])
-    nodes = [h.make_node("Mul", [fw.name, "planted_mask"], ["planted_a"]),
-             h.make_node("Mul", ["planted_copy", "planted_keep"], ["planted_b"]),
-             h.make_node("Add", ["planted_a", "planted_b"], ["planted_w"])]
+    inits, nodes = planted(fw.name, value, slice(b * fw.block_len, (b + 1) * fw.block_len))
+    m.graph.initializer.extend(inits)
     for node in m.graph.node:
         node.input[:] = ["planted_w" if x == fw.name else x for x in node.input]
         nodes.append(node)
@@ -79,30 +75,35 @@ def plant_zero_gradient(array_dir: str, tensor: str, b: int) -> None:
     m.graph.node.extend(nodes)
     onnx.checker.check_model(m)
     onnx.save(m, path)
+
+
+def plant_zero_gradient(array_dir: str, tensor: str, b: int) -> None:
+    """Make the fused graph give model b's block of ``tensor`` a zero gradient with the forward unchanged:
+    W_used = W * mask + W0 * (1 - mask), W0 a constant copy of W and mask 0 on model b's block."""
+    def planted(w, value, block):
+        mask = np.ones([value.shape[0]] + [1] * (value.ndim - 1), np.float32)
+        mask[block] = 0
+        return ([nh.from_array(value, "planted_copy"), nh.from_array(mask, "planted_mask"),
+                 nh.from_array(1 - mask, "planted_keep")],
+                [h.make_node("Mul", [w, "planted_mask"], ["planted_a"]),
+                 h.make_node("Mul", ["planted_copy", "planted_keep"], ["planted_b"]),
+                 h.make_node("Add", ["planted_a", "planted_b"], ["planted_w"])])
+
+    _plant(array_dir, tensor, b, planted)
 
 
 def plant_wrong_mapping(array_dir: str, tensor: str, b: int) -> None:
     """Corrupt the fused graph's weight mapping of ``tensor`` for model b: every node reads
     W_used = Gather(Concat(W, W0), rows), whose rows send model b's block to model 0's block of W0, a constant copy
     of the initial W (model b computes with model 0's weights there; the other models are untouched)."""
-    spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
-    fw = next(f for f in spec.weights.values() if f.sources[b] == tensor)
-    path = os.path.join(array_dir, "fused.onnx")
-    m = onnx.load(path)
-    value = nh.to_array(next(t for t in m.graph.initializer if t.name == fw.name))
-    rows = np.arange(fw.fused_shape[0])
-    rows[b * fw.block_len:(b + 1) * fw.block_len] = len(value) + rows[:fw.block_len]
-    m.graph.initializer.extend([nh.from_array(rows.astype(np.int64), "planted_rows"),
-                                nh.from_array(value, "planted_copy")])
-    nodes = [h.make_node("Concat", [fw.name, "planted_copy"], ["planted_both"], axis=0),
-             h.make_node("Gather", ["planted_both", "planted_rows"], ["planted_w"], axis=0)]
-    for node in m.graph.node:
-        node.input[:] = ["planted_w" if x == fw.name else x for x in node.input]
-        nodes.append(node)
-    del m.graph.node[:]
-    m.graph.node.extend(nodes)
-    onnx.checker.check_model(m)
-    onnx.save(m, path)
+    def planted(w, value, block):
+        rows = np.arange(len(value))
+        rows[block] = len(value) + rows[: block.stop - block.start]
+        return ([nh.from_array(rows.astype(np.int64), "planted_rows"), nh.from_array(value, "planted_copy")],
+                [h.make_node("Concat", [w, "planted_copy"], ["planted_both"], axis=0),
+                 h.make_node("Gather", ["planted_both", "planted_rows"], ["planted_w"], axis=0)])
+
+    _plant(array_dir, tensor, b, planted)
 
 
 def planted_copy(arrays, name: str, tensor: str) -> tuple[str, str]:
