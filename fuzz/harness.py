@@ -22,11 +22,9 @@ Outcomes: ``pass``; ``fail`` (onnxfuse computed something else, or crashed with 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
-import sys
 import tempfile
 import traceback
 import warnings
@@ -36,6 +34,7 @@ import numpy as np
 import torch
 
 from .grammar import BATCH, ModelSpec, Rendered, render
+from .native import native_output_to
 
 __all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err"]
 
@@ -185,19 +184,6 @@ class _Invalid(Exception):
     pass
 
 
-@contextlib.contextmanager
-def _native_stdout_silenced():
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 1)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-
-
 def _export(case: _Case, tmp: str) -> list[str]:
     from onnxfuse.exporters import export_module
 
@@ -211,7 +197,7 @@ def _export(case: _Case, tmp: str) -> list[str]:
             if tuple(out.shape[1:]) != case.r.output_shape or not torch.isfinite(out).all():
                 raise _Invalid(f"torch output {tuple(out.shape)} is not {case.r.output_shape} or not finite")
             path = os.path.join(tmp, f"model_{b}.onnx")
-            with _native_stdout_silenced():  # torch's exporter prints its IR graph when it fails
+            with native_output_to(1):  # torch's exporter prints its IR graph when it fails
                 export_module(copy.deepcopy(m), path, example_inputs=(xb,))
         except _Invalid:
             raise

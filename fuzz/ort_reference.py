@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 import warnings
 from typing import Sequence
 
@@ -39,6 +38,8 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
+
+from .native import native_output_to
 
 __all__ = ["train_alone"]
 
@@ -274,21 +275,6 @@ OPTIMIZERS = {"sgd": _SGD, "adamw": _AdamW}
 
 
 # ---------------------------------------------------------------- the trainer
-@contextlib.contextmanager
-def _native_stderr_to(path: str):
-    """ORT's gradient builder logs every graph transformer to the C++ stderr whatever the logger severity: send
-    it to ``path`` (read it there when building fails)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(path, "wb") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def train_alone(module: torch.nn.Module, loss: str, optimizer: str, lr: float, hyper: dict,
                 batches: Sequence[tuple[torch.Tensor, torch.Tensor]], workdir: str | os.PathLike,
                 class_axis: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -329,7 +315,7 @@ def train_alone(module: torch.nn.Module, loss: str, optimizer: str, lr: float, h
     target = helper.make_tensor_value_info("ref_target", y_dtype, list(y0.shape))
     folder = os.fspath(workdir)
     os.makedirs(folder, exist_ok=True)
-    with _native_stderr_to(os.path.join(folder, "generate_artifacts.log")):
+    with native_output_to(2, os.path.join(folder, "generate_artifacts.log")):
         artifacts.generate_artifacts(model, requires_grad=params, frozen_params=stats,
                                      loss=_loss_block(loss, class_axis, target), optimizer=None,
                                      artifact_directory=folder)

@@ -2,10 +2,7 @@
 and torch's parameter gradients after one onnxruntime-training step; without it, ORT 1.19 cannot train the model."""
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import tempfile
 
 import numpy as np
 import onnx
@@ -16,25 +13,12 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import rel_err, run_onnx
+from fuzz.native import native_output_to
 from onnxfuse.errors import NotFusibleError, UntrainableOpError
 from onnxfuse.exporters import export_module
 from onnxfuse.legalize import legalize
 
 TOL = 1e-5
-
-
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """ORT's gradient builder logs INFO lines to the C++ stderr whatever the Python severity: swallow them."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _train_step(model: onnx.ModelProto, params: list[str], x: np.ndarray, target: np.ndarray, folder: str):
@@ -43,7 +27,7 @@ def _train_step(model: onnx.ModelProto, params: list[str], x: np.ndarray, target
     from onnxruntime.training.api import CheckpointState, Module
 
     os.makedirs(folder, exist_ok=True)
-    with _quiet_native_stderr():
+    with native_output_to(2):  # ORT's gradient builder logs INFO lines to the C++ stderr
         artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.MSELoss, optimizer=None,
                                      artifact_directory=folder)
         state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
