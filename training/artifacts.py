@@ -235,8 +235,9 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     gb = GraphBuilder(g, _opset(tm), "update/")
     true = gb.const([True], np.bool_, "overwrite")
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
+    # a non-finite new running statistic rejects the model's step like a non-finite parameter would
     done, ok = opt.append_update(gb, [(p, f"{p}_grad", shapes[p]) for p in trainable], HYPER_INPUT,
-                                 "per_model_loss")
+                                 "per_model_loss", buffers=[value for _, value in writes])
     # running statistics are model-major too ([B*C] = [B, C]): a model whose step is rejected keeps its own
     view = gb.const([opt.B, -1], np.int64, "model_view")
     for stat, value in writes:

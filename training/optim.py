@@ -19,9 +19,10 @@ SGD   g = g + wd*p;  buf = mom_c*buf + damp_c*g (step 1: mom_c=0, damp_c=1, i.e.
 Adam  g = g + wd*p (Adam) or p = p*(1 - lr*wd) (AdamW);  m = m + (1-b1)*(g - m);  v = b2*v + (1-b2)*g*g
       vmax = max(vmax, v) (amsgrad);  p = p - (lr/bc1) * m / (sqrt(v or vmax)/sqrt(bc2) + eps),  bc_i = 1 - b_i^t
 
-Fault isolation: a model whose loss, gradient or new parameters are not finite, or that the trainer marked
-inactive, keeps its parameters, optimizer state and BatchNorm statistics (``Where(ok, new, old)``); the step's
-per-model ``ok`` flags are an output.
+Fault isolation: a model whose loss, gradient, new parameters or new buffers (BatchNorm running statistics) are
+not finite, or that the trainer marked inactive, keeps its parameters, optimizer state and buffers
+(``Where(ok, new, old)``): its step is rejected as a whole, at the step where anything of it first stops being
+finite, so the state it is frozen in is entirely finite. The step's per-model ``ok`` flags are an output.
 """
 from __future__ import annotations
 
@@ -137,9 +138,11 @@ class OptimizerConfig:
         return rows.astype(np.float32)[:, :, None]
 
     def append_update(self, gb: GraphBuilder, params: Sequence[tuple[str, str, Sequence[int]]], hyper: str,
-                      per_model_loss: str) -> tuple[list[str], str]:
+                      per_model_loss: str, buffers: Sequence[str] = ()) -> tuple[list[str], str]:
         """Append the update of every (param, grad, fused shape). Returns the InPlaceAccumulatorV2 outputs and the
-        ``ok`` tensor [B, 1] (bool): the models whose step was applied.
+        ``ok`` tensor [B, 1] (bool): the models whose step was applied. ``buffers``: the step's new values of
+        model-major buffers (BatchNorm running statistics, written by the caller with ``Where(ok, new, old)``);
+        a model whose new buffer is not finite is not ok either.
 
         All parameters are updated as one flat ``[B, P]`` matrix (P = parameters per model): the views
         ``[B, -1]`` of every parameter and gradient are concatenated, the maths runs once, and Split hands each
@@ -198,6 +201,13 @@ class OptimizerConfig:
         # non-finite when any term is (inf - inf = NaN): one ReduceSum over the new parameters checks all three.
         check = gb.one("Add", [gb.reduce("ReduceSum", Pn, [1], keepdims=1),
                                gb.one("Reshape", [per_model_loss, gb.const([B, 1], np.int64)])])
+        if buffers:
+            # x * 0 is 0 for finite x and NaN for inf or NaN: the sum is exact (a large but finite running
+            # variance is not flagged), and non-finite exactly where some element is
+            zero = gb.const(0.0)
+            flags = [gb.reduce("ReduceSum", gb.one("Mul", [gb.one("Reshape", [v, view]), zero]), [1], keepdims=1)
+                     for v in buffers]
+            check = gb.one("Add", [check, flags[0] if len(flags) == 1 else gb.one("Sum", flags)])
         finite = gb.one("Not", [gb.one("Or", [gb.one("IsNaN", [check]), gb.one("IsInf", [check])])])
         ok = gb.one("And", [finite, gb.one("Greater", [row["active"], gb.const(0.5)])])
         for buf, new in news:
