@@ -25,6 +25,27 @@ __all__ = ["export_module", "export_array", "load_factory", "DEFAULT_OPSET"]
 # The TorchScript exporter keeps BatchNorm's training outputs; the dynamo exporter (torch >= 2.9 default) folded
 # BatchNorm into the preceding Conv even in train mode, which makes the graph untrainable as exported.
 DEFAULT_OPSET = 17
+MIN_OPSET = 13  # onnxfuse reads opsets from 13 on (onnxfuse/source.py)
+
+
+def _max_opset() -> int:
+    """The newest opset torch's TorchScript exporter writes (20 in torch 2.4-2.13)."""
+    try:
+        from torch.onnx import _constants
+
+        return int(_constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
+    except (ImportError, AttributeError):  # pragma: no cover - other torch versions
+        return 20
+
+
+def check_opset(opset) -> int:
+    """``opset`` if onnxfuse reads it and the TorchScript exporter writes it; else one ConfigError line."""
+    top = _max_opset()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= top:
+        raise ConfigError(f"--opset {opset} is not supported: torch's TorchScript exporter writes opsets up to "
+                          f"{top} and onnxfuse reads opsets from {MIN_OPSET} on; give one in {MIN_OPSET}..{top} "
+                          f"(default {DEFAULT_OPSET})")
+    return opset
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -97,6 +118,7 @@ def export_module(
     Exporting runs one training forward, which moves BatchNorm running statistics: the module's state_dict is
     restored afterwards and the ONNX initializers hold the values from before the export.
     """
+    check_opset(opset)
     if example_inputs is None:
         if input_shape is None:
             raise ConfigError("export_module needs input_shape or example_inputs")
@@ -174,6 +196,7 @@ def export_array(
         raise ConfigError(f"--seeds has {len(seeds)} values but --count is {count}; give one seed per model")
     if count < 1:
         raise ConfigError("--count must be at least 1")
+    check_opset(export_kwargs.get("opset", DEFAULT_OPSET))
     out_dir = os.fspath(out_dir)
     with atomic_dir(out_dir, overwrite) as tmp:
         for b, seed in enumerate(seeds):
