@@ -10,7 +10,7 @@ import logging
 import traceback
 import warnings
 
-from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError
+from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error
 from .training.losses import LOSSES
 
 __all__ = ["main", "build_parser"]
@@ -45,12 +45,15 @@ def _model_files(items: list[str]) -> list[str]:
 
 
 def cmd_export(args) -> int:
+    from ._folder import check_output_location
     from .exporters import export_array, load_factory
 
     shape = _numbers(args.input_shape, "--input-shape", int)
     if not shape or any(d < 1 for d in shape):
         raise ConfigError(f"--input-shape must be positive integers like 32,3,32,32, got '{args.input_shape}'")
     seeds = _numbers(args.seeds, "--seeds", int)
+    module_file = args.factory.rpartition(":")[0]
+    check_output_location(args.output, [module_file] if module_file.endswith(".py") else [])
     factory = load_factory(args.factory)
     paths = export_array(factory, args.output, args.count, shape, seeds=seeds, overwrite=args.overwrite,
                          opset=args.opset)
@@ -59,10 +62,20 @@ def cmd_export(args) -> int:
 
 
 def cmd_fuse(args) -> int:
+    from ._folder import check_output_location, is_array, open_array
     from ._io import check_output_dir
+
+    check_output_location(args.output, args.models)
+    check_output_dir(args.output, args.overwrite)
+    if args.overwrite and is_array(args.output):  # replacing an array: not while another command uses it
+        with open_array(args.output, "fuse"):
+            return _fuse(args)
+    return _fuse(args)
+
+
+def _fuse(args) -> int:
     from .passes import fuse_models, save_array
 
-    check_output_dir(args.output, args.overwrite)
     files = _model_files(args.models)
     per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
     with warnings.catch_warnings(record=True) as caught:
@@ -72,8 +85,8 @@ def cmd_fuse(args) -> int:
         print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
     s = fa.spec.summary
-    print(f"fused {fa.B} models into {args.output}/fused.onnx: {s['nodes']} nodes per model -> {s['fused_nodes']} "
-          f"fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, {s['shared']} shared, "
+    print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {args.output}/fused.onnx: {s['nodes']} nodes per "
+          f"model -> {s['fused_nodes']} fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, {s['shared']} shared, "
           f"{s['layout_changes']} layout changes); fused fraction {100 * s['fused_fraction']:.1f}%; "
           f"{len(fa.spec.weights)} fused weights")
     return 0
@@ -95,6 +108,7 @@ def _train_settings(args) -> dict:
         "halving": _numbers(args.halving, "--halving", int), "halving_keep": args.halving_keep,
         "shuffle": False if args.no_shuffle else None, "per_model_labels": True if args.per_model_labels else None,
         "verify_steps": args.verify_steps,
+        "allow_nonfinite_data": True if args.allow_nonfinite_data else None,
     }
     loss_options = {k: v for k, v in (("label_smoothing", args.label_smoothing), ("ignore_index", args.ignore_index),
                                       ("class_axis", args.class_axis)) if v is not None}
@@ -172,15 +186,17 @@ def cmd_report(args) -> int:
 
     summary = make_report(args.array, out_png=args.output)
     print(format_table(summary))
-    print(f"plot: {summary['png']} (summary: {summary['json']})")
+    run = f"; run {summary['run']}" if summary.get("run") else ""
+    print(f"plot: {summary['png']} (summary: {summary['json']}{run})")
     return 0
 
 
 def cmd_split(args) -> int:
     from .split import split_array
 
-    paths = split_array(args.array, args.output, overwrite=args.overwrite)
-    print(f"wrote {len(paths)} models to {args.output}/ (model_b.onnx for inference, model_b.safetensors state_dicts)")
+    paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial)
+    what = "initial weights" if args.initial else "trained weights"
+    print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for inference, model_b.safetensors state_dicts)")
     return 0
 
 
@@ -253,6 +269,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-steps", type=int,
                    help="before training, check the first K steps of every model against the model trained "
                    "alone on the same runtime (default 1; 0: skip; a resumed run skips it)")
+    p.add_argument("--allow-nonfinite-data", action="store_true",
+                   help="train on data with NaN or inf in its inputs or float labels (by default that is an error "
+                   "naming the first such value)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
     t.add_argument("array", metavar="ARRAY_DIR")
     _add_run_flags(t)
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the folder's current run from its newest checkpoint (with its settings and data; "
+                   "flags may change only steps/epochs, logging, evaluation, checkpoints and the device)")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     t.set_defaults(func=cmd_train)
 
@@ -298,7 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
     s.add_argument("array", metavar="ARRAY_DIR")
     s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR")
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true", help="replace MODELS_DIR (never the array or a folder "
+                   "holding it)")
+    s.add_argument("--initial", action="store_true",
+                   help="split the weights the array was fused with (an untrained array is refused without it)")
     s.set_defaults(func=cmd_split)
 
     r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
@@ -327,13 +351,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Log lines go to sys.stderr as it is when they are written (a caller, or a test, may have replaced it since
+    the first command of the process set the handler up)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if getattr(args, "quiet", False) else logging.INFO
     logger = logging.getLogger("onnxfuse")
     logger.setLevel(level)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("onnxfuse: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
@@ -355,9 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("onnxfuse: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a bug: still one line unless --verbose
+    except Exception as e:
         if args.verbose:
             traceback.print_exc()
+        user = as_user_error(e)  # a full disk, a read-only folder, out of memory: the user's to fix
+        if user is not None:
+            print(f"onnxfuse: error: {' '.join(str(user).split())}", file=sys.stderr)
+            return 2
+        # a bug: still one line unless --verbose
         print(f"onnxfuse: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "
               "(run with --verbose for the traceback)", file=sys.stderr)
         return 1

@@ -113,7 +113,7 @@ OOM_FIX = "use a smaller --batch-size, or fewer models per array (fuse fewer, or
 
 
 def as_user_error(exc: BaseException, path: str | None = None) -> OnnxFuseError | None:
-    """``exc`` as the user error it is (naming ``path``, or the path the error carries), or None for anything
+    """``exc`` as the user error it is (naming ``path``, else the path the error carries), or None for anything
     else (a bug: the CLI reports it as an internal error)."""
     if isinstance(exc, OnnxFuseError):
         return exc
@@ -131,6 +131,6 @@ def as_user_error(exc: BaseException, path: str | None = None) -> OnnxFuseError 
     if code not in _OS_ERRORS:
         return None
     what, fix = _OS_ERRORS[code]
-    where = getattr(exc, "filename", None) or path
+    where = path or getattr(exc, "filename", None)  # the caller's name for it (not a temporary file's)
     where = f"'{where}'" if where else "a file"
     return OutputError(f"{where}: {what}; {fix}, then run the command again")

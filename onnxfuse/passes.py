@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import warnings
@@ -14,6 +15,7 @@ from typing import Sequence
 import onnx
 from onnx import numpy_helper
 
+from . import _folder as array_folder
 from ._facts import live_nodes, reads
 from ._io import atomic_dir
 from .engine import fuse_aligned
@@ -152,14 +154,17 @@ def _strip_weights(src: SourceModel) -> onnx.ModelProto:
 
 
 def save_array(fa: FusedArray, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
-    """Write ``fused.onnx``, ``array.json`` and the weightless source graphs to ``out_dir`` atomically."""
+    """Write ``fused.onnx``, ``array.json`` and the weightless source graphs to ``out_dir`` atomically. With
+    ``overwrite``, an array folder there is replaced as a whole (its runs too), holding its lock."""
     out_dir = os.fspath(out_dir)
-    with atomic_dir(out_dir, overwrite) as tmp:
-        onnx.save(fa.model, os.path.join(tmp, "fused.onnx"))
-        fa.spec.save(os.path.join(tmp, "array.json"))
-        os.makedirs(os.path.join(tmp, "sources"))
-        for b, src in enumerate(fa.sources):
-            onnx.save(_strip_weights(src), os.path.join(tmp, "sources", f"model_{b}.onnx"))
+    replacing = overwrite and array_folder.is_array(out_dir)
+    with array_folder.open_array(out_dir, "fuse") if replacing else contextlib.nullcontext():
+        with atomic_dir(out_dir, overwrite) as tmp:
+            onnx.save(fa.model, os.path.join(tmp, array_folder.FUSED))
+            fa.spec.save(os.path.join(tmp, array_folder.SPEC))
+            os.makedirs(os.path.join(tmp, array_folder.SOURCES))
+            for b, src in enumerate(fa.sources):
+                onnx.save(_strip_weights(src), os.path.join(tmp, array_folder.SOURCES, f"model_{b}.onnx"))
     return out_dir
 
 

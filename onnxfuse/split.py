@@ -1,22 +1,28 @@
 """Split a fused array back into B ordinary models: ``model_{b}.onnx`` (inference-ready, the original graph with
 its trained weights) and ``model_{b}.safetensors`` (the original state_dict keys, loadable with
-``load_state_dict(strict=True)``)."""
+``load_state_dict(strict=True)``).
+
+The weights are the array's trained ones (``trained/``), of the folder's current run; an array without them
+(never trained, or its run did not finish) is refused unless the initial weights are asked for (``initial``)."""
 from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._io import atomic_dir
+from . import _folder as array_folder
+from ._io import atomic_dir, load_safetensors
 from .errors import InputFileError
 from .weights import ArraySpec, unpack_weight
 
-__all__ = ["to_inference", "load_fused_weights", "split_weights", "final_states", "split_array", "TRAINED_DIR"]
+__all__ = ["to_inference", "load_fused_weights", "split_weights", "model_steps", "final_states", "split_array",
+           "TRAINED_DIR"]
 
-TRAINED_DIR = "trained"
+TRAINED_DIR = array_folder.TRAINED
 
 
 def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -32,15 +38,27 @@ def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def load_fused_weights(array_dir: str) -> tuple[dict[str, np.ndarray], dict]:
-    """Trained fused weights if the array was trained, else the initial ones from fused.onnx; plus train state."""
+def load_fused_weights(array_dir: str, initial: bool = False) -> tuple[dict[str, np.ndarray], dict]:
+    """The trained fused weights and the train state; with ``initial``, the initial weights from fused.onnx.
+    An array without trained weights is an InputFileError saying why (never trained, or its run unfinished)."""
     trained = os.path.join(array_dir, TRAINED_DIR)
-    wfile, sfile = os.path.join(trained, "weights.safetensors"), os.path.join(trained, "train_state.json")
-    if os.path.exists(wfile):
-        from safetensors.numpy import load_file
-
-        with open(sfile) as f:
-            return load_file(wfile), json.load(f)
+    wfile, sfile = os.path.join(trained, "weights.safetensors"), os.path.join(trained, array_folder.TRAIN_STATE)
+    if not initial:
+        if not os.path.isdir(trained):
+            unfinished = array_folder.describe_unfinished(array_dir)
+            if unfinished:
+                raise InputFileError(f"'{array_dir}' has no trained weights: {unfinished}; continue it with "
+                                     f"`onnxfuse train {array_dir} --resume` (or train again), or pass --initial to "
+                                     "split the initial weights")
+            raise InputFileError(f"'{array_dir}' has not been trained (no {TRAINED_DIR}/): train it with `onnxfuse "
+                                 "train` first, or pass --initial to split the initial weights")
+        fix = "train the array again (or resume its run), or pass --initial to split the initial weights"
+        try:
+            with open(sfile) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InputFileError(f"'{sfile}' is missing or not readable ({type(e).__name__}); {fix}") from e
+        return load_safetensors(wfile, fix), state
     fused = os.path.join(array_dir, "fused.onnx")
     if not os.path.exists(fused):
         raise InputFileError(f"'{array_dir}' has no fused.onnx; create the array with `onnxfuse fuse`")
@@ -51,15 +69,26 @@ def load_fused_weights(array_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, {"steps": 0}
 
 
-def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0) -> list[dict[str, np.ndarray]]:
+def model_steps(status: dict | None, steps: int) -> int:
+    """The optimizer steps a model took when the array took ``steps``: a model that diverged at step t kept the
+    state of step t - 1 (its step t was rejected); ``status`` is its entry in a run's status (None: trained on)."""
+    status = status or {}
+    diverged = status.get("step") if status.get("status") == "diverged" else status.get("diverged")
+    return steps if diverged is None else min(steps, int(diverged) - 1)
+
+
+def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Sequence[int] = 0
+                  ) -> list[dict[str, np.ndarray]]:
     """Per-model {state_dict key: tensor}: every key the exporter recorded, so that torch's
-    ``load_state_dict(strict=True)`` accepts it.
+    ``load_state_dict(strict=True)`` accepts it. ``steps``: the optimizer steps taken, one for all models or one
+    per model (``model_steps``).
 
     Fused weights are unpacked (one entry per tensor, however many nodes read it). The entries of
     ``spec.extra_state`` are state that is not a graph initializer: ``alias`` of another key (tied weights: the
     trained value of the key it aliases, copied), ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the
     number of training steps, as torch does once per training forward) and ``constant`` (its value at export time).
     Arrays made before aliases were recorded carry tied weights as constants (their export-time value)."""
+    per_model = list(steps) if isinstance(steps, (list, tuple)) else [steps] * spec.B
     out = []
     for b in range(spec.B):
         state = {fw.sources[b]: unpack_weight(fw, fused[fw.name], b) for fw in spec.weights.values()}
@@ -70,7 +99,7 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0)
                 continue
             value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
             if e.get("kind") == "bn_counter":
-                value = np.asarray(value + steps, dtype=e["dtype"])
+                value = np.asarray(value + per_model[b], dtype=e["dtype"])
             state[key] = value
         for key, of in aliases.items():
             if of not in state:
@@ -81,43 +110,56 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int = 0)
     return out
 
 
-def final_states(array_dir: str, spec: ArraySpec) -> list[dict[str, np.ndarray]]:
-    """Every original model's state_dict after training (or as fused when untrained). A run that shrank the
+def final_states(array_dir: str, spec: ArraySpec, initial: bool = False) -> list[dict[str, np.ndarray]]:
+    """Every original model's state_dict after training (``initial``: as fused). A run that shrank the
     array (successive halving) stored the surviving array (``trained/array.json``) and each dropped model's state
-    at the step it was dropped (``trained/dropped/model_<b>.safetensors``)."""
-    from safetensors.numpy import load_file
-
-    fused, train_state = load_fused_weights(array_dir)
+    at the step it was dropped (``trained/dropped/model_<b>.safetensors``). A diverged model's
+    ``num_batches_tracked`` stopped with it."""
+    fused, train_state = load_fused_weights(array_dir, initial)
     trained = os.path.join(array_dir, TRAINED_DIR)
     current = spec
-    if os.path.exists(os.path.join(trained, "array.json")):
+    if not initial and os.path.exists(os.path.join(trained, "array.json")):
         current = ArraySpec.load(os.path.join(trained, "array.json"))
     missing = [n for n in current.weights if n not in fused]
     if missing:
         raise InputFileError(f"'{array_dir}': fused weight '{missing[0]}' is missing from the stored weights; "
                              "re-run `onnxfuse fuse` or `onnxfuse train`")
     models = train_state.get("models", list(range(current.B)))
+    steps, status = int(train_state.get("steps", 0)), train_state.get("status", {})
     states: list = [None] * spec.B
-    for b, state in zip(models, split_weights(current, fused, int(train_state.get("steps", 0)))):
+    for b, state in zip(models, split_weights(current, fused, [model_steps(status.get(str(b)), steps)
+                                                                for b in models])):
         states[b] = state
     for b in range(spec.B):
         if states[b] is None:
             path = os.path.join(trained, "dropped", f"model_{b}.safetensors")
-            if not os.path.exists(path):
-                raise InputFileError(f"'{path}' is missing: model {b} was dropped but its state was not saved")
-            states[b] = load_file(path)
+            states[b] = load_safetensors(path, f"model {b} was dropped and its state is lost: train the array "
+                                               "again, or pass --initial to split the initial weights")
     return states
 
 
-def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> list[str]:
-    """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths."""
-    from safetensors.numpy import save_file
+def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+                initial: bool = False) -> list[str]:
+    """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths.
 
+    The weights are the current run's trained ones (an array without them is refused); ``initial``: the
+    weights the array was fused with. ``out_dir`` may not be, be inside, or contain the array folder. Holds the
+    array folder's lock."""
     array_dir, out_dir = os.fspath(array_dir), os.fspath(out_dir)
     if not os.path.isdir(array_dir):
         raise InputFileError(f"array folder '{array_dir}' does not exist; create it with `onnxfuse fuse`")
+    array_folder.check_output_location(out_dir, [array_dir])
+    with array_folder.open_array(array_dir, "split"):
+        return _split_locked(array_dir, out_dir, overwrite, initial)
+
+
+def _split_locked(array_dir: str, out_dir: str, overwrite: bool, initial: bool) -> list[str]:
+    from safetensors.numpy import save_file
+
     spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
-    per_model = final_states(array_dir, spec)
+    if not initial:
+        array_folder.check_one_run(array_dir)
+    per_model = final_states(array_dir, spec, initial)
     sources = []
     for b in range(spec.B):
         path = os.path.join(array_dir, "sources", f"model_{b}.onnx")
@@ -130,6 +172,8 @@ def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
             graph_names = {i for n in src.graph.node for i in n.input}
             src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
             onnx.save(to_inference(src), os.path.join(tmp, f"model_{b}.onnx"))
-            save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(tmp, f"model_{b}.safetensors"))
+            # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
+            save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()},
+                      os.path.join(tmp, f"model_{b}.safetensors"))
             paths.append(os.path.join(out_dir, f"model_{b}.onnx"))
     return paths

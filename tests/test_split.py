@@ -18,7 +18,7 @@ def test_split_without_training_is_bit_exact(tmp_path):
     mods = make_modules("cnn_bn", 3)
     fa = fuse_models(export_all(mods, MODELS["cnn_bn"][1], tmp_path / "jobs"))
     save_array(fa, tmp_path / "array")
-    split_array(tmp_path / "array", tmp_path / "models")
+    split_array(tmp_path / "array", tmp_path / "models", initial=True)
     for b, m in enumerate(mods):
         state = load_file(str(tmp_path / "models" / f"model_{b}.safetensors"))
         sd = m.state_dict()

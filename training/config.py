@@ -16,7 +16,8 @@ Normalized form (what the trainer reads)::
     grid        {"optimizer.lr": [...], ...}   (empty when not used)
     schedule    {name, + its parameters}  or a list of such dicts, one per model
     clip_grad_norm, steps, epochs (one of them None), batch_size, eval_every, eval_batch_size,
-    checkpoint_every, keep_checkpoints, on_diverge, halving, halving_keep, log_every, device, verify_steps
+    checkpoint_every, keep_checkpoints, on_diverge, halving, halving_keep, log_every, device, verify_steps,
+    allow_nonfinite_data
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ _REQUIRED = object()  # a schedule parameter without a default
 
 TOP_KEYS = ("model", "data", "loss", "optimizer", "grid", "schedule", "clip_grad_norm", "steps", "epochs",
             "batch_size", "eval_every", "eval_batch_size", "checkpoint_every", "keep_checkpoints", "on_diverge",
-            "halving", "halving_keep", "log_every", "device", "verify_steps")
+            "halving", "halving_keep", "log_every", "device", "verify_steps", "allow_nonfinite_data")
 MODEL_KEYS = ("factory", "count", "seeds", "input_shape", "per_model_inputs")
 DATA_KEYS = ("train", "eval", "eval_fraction", "shuffle", "seed", "order", "per_model_labels")
 LOSS_KEYS = ("name", "label_smoothing", "ignore_index", "class_axis")
@@ -73,7 +74,8 @@ PER_MODEL_KEYS = tuple(f"optimizer.{k}" for k in ("lr", "momentum", "dampening",
                                                   "betas", "eps", "amsgrad")) + ("clip_grad_norm",)
 TOP_DEFAULTS = {"clip_grad_norm": None, "steps": None, "epochs": None, "batch_size": 32, "eval_every": 0,
                 "eval_batch_size": 256, "checkpoint_every": 0, "keep_checkpoints": 2, "on_diverge": "freeze",
-                "halving": [], "halving_keep": 0.5, "log_every": 1, "device": "cpu", "verify_steps": 1}
+                "halving": [], "halving_keep": 0.5, "log_every": 1, "device": "cpu", "verify_steps": 1,
+                "allow_nonfinite_data": False}
 
 
 # ---------------------------------------------------------------- value checks (each raises one ConfigError line)
@@ -468,6 +470,7 @@ def _top_level(where: str, raw: dict, cfg: dict) -> None:
     cfg["log_every"] = _pos_int(where, "log_every", get("log_every"))
     cfg["device"] = _device(where, get("device"))
     cfg["verify_steps"] = _nonneg_int(where, "verify_steps", get("verify_steps"))
+    cfg["allow_nonfinite_data"] = _bool(where, "allow_nonfinite_data", get("allow_nonfinite_data"))
     if cfg["halving"]:
         if cfg["data"]["eval"] is None and cfg["data"]["eval_fraction"] == 0:
             raise _fail(where, "halving needs eval data to rank the models; set data.eval or data.eval_fraction")
@@ -676,7 +679,7 @@ def config_to_train_settings(cfg: dict, array_dir: str | os.PathLike) -> tuple[d
         "eval_fraction": data["eval_fraction"] or 0.0, "checkpoint_every": c["checkpoint_every"],
         "keep_checkpoints": c["keep_checkpoints"], "on_diverge": c["on_diverge"], "halving": c["halving"] or None,
         "halving_keep": c["halving_keep"], "device": c["device"], "log_every": c["log_every"],
-        "verify_steps": c["verify_steps"],
+        "verify_steps": c["verify_steps"], "allow_nonfinite_data": c["allow_nonfinite_data"],
     }
     if "betas" in opt:
         settings["betas"] = [tuple(p) for p in opt["betas"]]
@@ -697,5 +700,5 @@ def _build_array(model: dict, array_dir: str) -> None:
     with tempfile.TemporaryDirectory(prefix="onnxfuse-jobs-") as jobs:
         paths = export_array(load_factory(model["factory"]), os.path.join(jobs, "jobs"), model["count"],
                              model["input_shape"], seeds=model["seeds"])
-        save_array(fuse_models(paths, per_model_inputs=model.get("per_model_inputs") or ()), array_dir,
-                   overwrite=True)
+        # never over an existing folder: one that is not empty (and holds no array) is refused
+        save_array(fuse_models(paths, per_model_inputs=model.get("per_model_inputs") or ()), array_dir)

@@ -16,7 +16,7 @@ from onnxfuse.errors import DataError, InputFileError
 
 from .losses import LABELS
 
-__all__ = ["Dataset", "load_npz", "make_dataset", "batches", "BatchSampler"]
+__all__ = ["Dataset", "load_npz", "make_dataset", "check_finite", "batches", "BatchSampler"]
 
 
 @dataclass
@@ -88,6 +88,36 @@ def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype,
         raise DataError(f"{source}: arrays have different numbers of samples {n}; every array needs one row per "
                         "sample (axis 1 for per-model arrays)")
     return Dataset(out, frozenset(per_model))
+
+
+_CHUNK = 1 << 22  # elements checked at a time: the check's own memory stays small for any data size
+
+
+def check_finite(arrays: dict[str, np.ndarray], dtypes: dict[str, str], source: str = "data") -> None:
+    """Raise a :class:`DataError` naming ``source``, the array and the first index at which a floating-point
+    array of ``dtypes`` (name -> the dtype the graph reads it as) holds NaN or inf, also after the cast (a
+    float64 value beyond float32's range becomes inf). A model fed such a value diverges at its first step, for a
+    cause that is the data's, not the model's."""
+    for name, dtype in dtypes.items():
+        if name not in arrays:
+            continue
+        a = np.asarray(arrays[name])
+        if a.dtype.kind not in "fc":
+            continue
+        target = np.dtype(dtype) if np.dtype(dtype).kind in "fc" else a.dtype
+        flat = a.reshape(-1)
+        for start in range(0, flat.size, _CHUNK):
+            with np.errstate(over="ignore", invalid="ignore"):
+                finite = np.isfinite(flat[start:start + _CHUNK].astype(target, copy=False))
+            if not finite.all():
+                i = start + int(np.argmin(finite))
+                index = [int(k) for k in np.unravel_index(i, a.shape)]
+                value = flat[i]
+                what = repr(float(value)) if np.isfinite(value) else str(value)
+                beyond = f" (beyond the range of {target.name})" if np.isfinite(value) else ""
+                raise DataError(f"{source}: '{name}' holds {what}{beyond} at index {index}: every model would "
+                                "diverge on it; clean the data, or pass --allow-nonfinite-data "
+                                "(allow_nonfinite_data: true in a config file) if the model is meant to read it")
 
 
 def batches(n: int, batch_size: int, shuffle: bool, seed: int) -> Iterator[np.ndarray]:

@@ -22,12 +22,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnxfuse.errors import InputFileError
+from onnxfuse import _folder as array_folder
+from onnxfuse.errors import ConfigError, InputFileError
 
 __all__ = ["METRICS_FILE", "METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "format_table"]
 
-METRICS_FILE = "metrics.csv"
-METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status")
+METRICS_FILE = array_folder.METRICS
+METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run")
 REQUIRED_COLUMNS = ("step", "model", "loss")
 SPLITS = ("train", "eval")
 MARKERS = {"diverged": "x", "dropped": "v"}  # other statuses get "o"
@@ -69,16 +70,15 @@ def _open_metrics(array_dir: str) -> str:
 
 def read_metrics(path: str) -> dict[int, ModelLog]:
     """Parse a metrics.csv (either header) into one :class:`ModelLog` per model id, sorted by id."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise InputFileError(f"'{path}' has no column '{missing[0]}' (header: {','.join(header) or 'none'}); "
-                                 f"expected {','.join(METRICS_COLUMNS)}")
-        logs: dict[int, ModelLog] = {}
-        for row in reader:
-            _add_row(path, reader.line_num, row, logs)
+    reader = csv.DictReader(array_folder.complete_lines(path))  # a last line cut short by a full disk or a kill: unwritten
+    header = reader.fieldnames or []
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise InputFileError(f"'{path}' has no column '{missing[0]}' (header: {','.join(header) or 'none'}); "
+                             f"expected {','.join(METRICS_COLUMNS)}")
+    logs: dict[int, ModelLog] = {}
+    for row in reader:
+        _add_row(path, reader.line_num, row, logs)
     if not logs:
         raise InputFileError(f"'{path}' has no rows; train for at least one logged step")
     return dict(sorted(logs.items()))
@@ -259,16 +259,30 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
     ``ARRAY_DIR/report.json``; return the summary (per model: peak and final lr, last train loss, best eval loss
     and its step, best and last eval accuracy, status and its step; per panel: the curves plotted)."""
     array_dir = os.fspath(array_dir)
+    png = os.fspath(out_png) if out_png is not None else os.path.join(array_dir, array_folder.REPORT_PNG)
+    _check_plot_format(png)
     path = _open_metrics(array_dir)
-    logs = read_metrics(path)
-    summary = summarize(logs)
-    png = os.fspath(out_png) if out_png is not None else os.path.join(array_dir, "report.png")
-    json_path = os.path.join(array_dir, "report.json")
-    summary.update({"array_dir": array_dir, "metrics": path, "png": png, "json": json_path})
-    summary["panels"] = _plot(logs, summary, png)
-    with open(json_path, "w") as f:
-        json.dump(summary, f, indent=1, allow_nan=False)
+    with array_folder.open_array(array_dir, "report"):
+        run_id = array_folder.check_one_run(array_dir)  # the metrics are the run whose weights trained/ holds
+        logs = read_metrics(path)
+        summary = summarize(logs)
+        json_path = os.path.join(array_dir, array_folder.REPORT_JSON)
+        summary.update({"array_dir": array_dir, "run": run_id, "metrics": path, "png": png, "json": json_path})
+        summary["panels"] = _plot(logs, summary, png)
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=1, allow_nan=False)
     return summary
+
+
+def _check_plot_format(png: str) -> None:
+    """The plot's file type, from its name, is one matplotlib writes (before anything is read or drawn)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(png)[1].lower().lstrip(".")
+    if ext not in kinds:
+        raise ConfigError(f"-o '{png}': matplotlib cannot write {'.' + ext if ext else 'a file without an extension'}"
+                          f"; give a name ending in one of {', '.join('.' + k for k in sorted(kinds))}")
 
 
 def _fmt(v: float | None, spec: str = ".4g") -> str:

@@ -1,28 +1,35 @@
 """A training run of a fused array, as a sweep needs it: per-model schedules, evaluation every K steps, fault
 isolation, successive halving, periodic checkpoints and exact resume.
 
-Files in the array folder:
+Files in the array folder (``onnxfuse/_folder.py`` names them; a run holds the folder's lock throughout):
 
-    metrics.csv                      step,model,split,loss,accuracy,lr,elapsed_s,status   (model = original index)
-    checkpoints/step_00000120/       weights, optimizer state, dropped models, state.json; written atomically,
-                                     the last ``keep_checkpoints`` kept
+    run.json                         the current run: id, settings hash, data hash, start time
+    metrics.csv                      step,model,split,loss,accuracy,lr,elapsed_s,status,run   (model = original index)
+    checkpoints/step_00000120/       weights, optimizer state, dropped models, state.json (with the run's id);
+                                     written atomically, the last ``keep_checkpoints`` kept
     trained/                         the final state: weights.safetensors of the surviving array (array.json
-                                     describes it), dropped/model_<b>.safetensors, train_state.json
+                                     describes it), dropped/model_<b>.safetensors, train_state.json (the run's id)
+    runs/<run id>/                   an earlier run's outputs, moved there when a new run has trained its first step
 
-Before a fresh run trains, it verifies its first ``verify_steps`` steps against every model trained alone
-(``verify.py``); a mismatch stops it before anything is written. ``verify_array`` runs the same check on demand.
+Before a fresh run trains, it checks its data (no NaN or inf unless ``allow_nonfinite_data``) and verifies its
+first ``verify_steps`` steps against every model trained alone (``verify.py``); a failure stops it before anything
+is written. ``verify_array`` runs the same check on demand.
 
-A resumed run restores weights, optimizer state, schedule position, data position and RNG state from the newest
-checkpoint, so its final weights are those of an uninterrupted run.
+A resumed run continues the folder's current run, from its newest checkpoint, and only with the same settings
+(those in ``RESUMABLE`` may change) and the same data; it restores weights, optimizer state, schedule position,
+data position and RNG state, so its final weights are those of an uninterrupted run.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
+import hashlib
 import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -34,24 +41,31 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxfuse import _folder as array_folder
 from onnxfuse._io import atomic_dir
-from onnxfuse.errors import ConfigError, DataError, InputFileError, TrainingStoppedError
+from onnxfuse.errors import ConfigError, DataError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError, \
+    TrainingStoppedError, as_user_error
 from onnxfuse.passes import fuse_models
-from onnxfuse.split import TRAINED_DIR, split_weights
+from onnxfuse.split import model_steps, split_weights
 from onnxfuse.weights import ArraySpec
 
-from .data import BatchSampler, Dataset, load_npz, make_dataset
+from .data import BatchSampler, Dataset, check_finite, load_npz, make_dataset
 from .losses import LABELS, LOSS_OPTIONS, LossSpec, get_loss
 from .optim import OptimizerConfig, StepValues, make_optimizer
 from .schedules import PerModelSchedules, check_schedules
 from .trainer import FusedTrainer, check_device, load_array
 from .verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
-__all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER"]
+__all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER",
+           "RESUMABLE", "settings_hash"]
 
 log = logging.getLogger("onnxfuse.train")
-METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status"]
-CHECKPOINTS = "checkpoints"
+METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run"]
+CHECKPOINTS = array_folder.CHECKPOINTS
+# settings a resumed run may change: how long it runs, what it logs and checks, where it runs; every other setting
+# decides what a step computes, and a run resumed with another value would not be the run its checkpoint began
+RESUMABLE = ("steps", "epochs", "log_every", "eval_every", "eval_batch_size", "checkpoint_every",
+             "keep_checkpoints", "device", "verify_steps", "allow_nonfinite_data")
 
 
 TrainingStopped = TrainingStoppedError  # the run stopped early on purpose (on_diverge="stop"); its state is saved
@@ -92,6 +106,7 @@ class TrainConfig:
     device: str = "cpu"
     log_every: int = 1
     verify_steps: int = 1  # check the first K steps of every model against it trained alone (0: skip)
+    allow_nonfinite_data: bool = False  # skip the check that inputs and float labels hold no NaN or inf
 
     def optimizer_config(self, B: int) -> OptimizerConfig:
         return make_optimizer(self.optimizer, B, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
@@ -125,6 +140,7 @@ class TrainResult:
     status: dict = field(default_factory=dict)  # original model -> {"status": diverged|dropped, "step": t}
     eval: dict = field(default_factory=dict)  # the last evaluation: {"loss": [...], "accuracy": [...]} per model
     survivors: list[int] = field(default_factory=list)
+    run_id: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -136,7 +152,8 @@ def _validate(config: TrainConfig, spec: ArraySpec) -> None:
 
     if (config.steps is None) == (config.epochs is None):
         raise ConfigError("give exactly one of --steps and --epochs")
-    positive_int("--steps" if config.steps is not None else "--epochs", config.steps or config.epochs)
+    positive_int("--steps" if config.steps is not None else "--epochs",
+                 config.steps if config.steps is not None else config.epochs)
     positive_int("--batch-size", config.batch_size)
     positive_int("--log-every", config.log_every)
     positive_int("--eval-every", config.eval_every, allow_zero=True)
@@ -202,6 +219,13 @@ def _load_arrays(data, spec: ArraySpec, what: str) -> tuple[dict, str]:
 def _datasets(data, eval_data, config: TrainConfig, spec: ArraySpec, loss: LossSpec) -> tuple[Dataset, Dataset | None]:
     arrays, source = _load_arrays(data, spec, "training")
     eval_arrays, eval_source = (None, None) if eval_data is None else _load_arrays(eval_data, spec, "evaluation")
+    if not config.allow_nonfinite_data:  # before any split or shard: indices as in the file
+        dtypes = {i["name"]: i["dtype"] for i in spec.inputs}
+        if loss.label_dtype is not None:
+            dtypes[LABELS] = np.dtype(loss.label_dtype).name
+        for a, src in ((arrays, source), (eval_arrays, eval_source)):
+            if a is not None:
+                check_finite(a, dtypes, src)
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")}
     if config.data_order == "shards":
         from . import datasets
@@ -284,6 +308,7 @@ class _Run:
         self.last_eval: dict = {}
         self.last_eval_step = -1
         self.config_record: dict = asdict(config)
+        self.run_record: dict = {}  # the run's id, settings hash and data hash (written with every state)
 
     def _trainer(self) -> FusedTrainer:
         os.makedirs(self.workdir, exist_ok=True)
@@ -296,7 +321,9 @@ class _Run:
                 "status": {str(k): v for k, v in self.status.items()}}
 
     def per_model_states(self) -> list[dict[str, np.ndarray]]:
-        return split_weights(self.spec, self.trainer.weights(), steps=self.trainer.steps)
+        # num_batches_tracked counts the steps each model took: a diverged model's stopped with it
+        steps = [model_steps(self.status.get(b), self.trainer.steps) for b in self.models]
+        return split_weights(self.spec, self.trainer.weights(), steps=steps)
 
     def load(self, weights: dict, opt_state: dict) -> None:
         for name, value in list(weights.items()) + list(opt_state.items()):
@@ -358,24 +385,45 @@ def _refuse(array_dir: str, models: list[int], states: list[dict], spec0: ArrayS
 
 # ----------------------------------------------------------------------------------------------------- metrics
 class _Metrics:
-    def __init__(self, path: str, resume_step: int | None):
-        self.path = path
+    """metrics.csv of one run: every row carries the run's id. A resumed run keeps its rows up to the checkpoint's
+    step and writes the rest again."""
+
+    def __init__(self, path: str, run_id: str, resume_step: int | None):
+        self.path, self.run_id = path, run_id
         rows = []
         if resume_step is not None and os.path.exists(path):
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
-        self.f = open(path, "w", newline="")
-        self.w = csv.DictWriter(self.f, METRICS_HEADER)
-        self.w.writeheader()
-        self.w.writerows(rows)
-        self.f.flush()
+            rows = [r for r in csv.DictReader(array_folder.complete_lines(path))
+                    if r.get("run") == run_id and int(r["step"]) <= resume_step]
+        # the kept rows go to a temporary file renamed into place: a kill while they are written leaves the old
+        # file whole (and the temporary file, which the next command removes)
+        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, METRICS_HEADER)
+                w.writeheader()
+                w.writerows(rows)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self.f = open(path, "a", newline="")
+            self.w = csv.DictWriter(self.f, METRICS_HEADER)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise (as_user_error(e, path) or e) from e
 
     def write(self, rows: list[dict]) -> None:
-        self.w.writerows(rows)
-        self.f.flush()
+        try:
+            self.w.writerows([{**r, "run": self.run_id} for r in rows])
+            self.f.flush()
+        except OSError as e:
+            raise (as_user_error(e, self.path) or e) from e
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError:  # reported by the write that failed
+            pass
 
 
 def _fmt(v) -> str:
@@ -392,7 +440,7 @@ def _save_state(run: _Run, folder: str, save_file) -> None:
     if run.dropped:
         os.makedirs(os.path.join(folder, "dropped"))
         for b, sd in run.dropped.items():
-            save_file({k: np.ascontiguousarray(v) for k, v in sd.items()},
+            save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in sd.items()},
                       os.path.join(folder, "dropped", f"model_{b}.safetensors"))
 
 
@@ -412,22 +460,124 @@ def _unjson(v):
     return float(v) if v in ("inf", "-inf", "nan") else v
 
 
-def latest_checkpoint(array_dir: str) -> str | None:
-    found = sorted(glob.glob(os.path.join(array_dir, CHECKPOINTS, "step_*")))
-    return found[-1] if found else None
+def _checkpoints(array_dir: str) -> list[str]:
+    """The checkpoint folders, oldest first (step numbers are zero-padded)."""
+    return sorted(glob.glob(os.path.join(array_dir, CHECKPOINTS, "step_*")))
 
 
-def _restore(run: _Run, path: str, sampler: BatchSampler) -> float:
-    from safetensors.numpy import load_file
+def _damaged(path: str, what: str) -> InputFileError:
+    return InputFileError(f"checkpoint '{path}' is incomplete or corrupt ({what}); remove that folder to resume "
+                          "from the checkpoint before it, or start a new run without --resume")
 
-    with open(os.path.join(path, "state.json")) as f:
-        st = json.load(f)
+
+def _read_state(path: str) -> dict:
+    state = os.path.join(path, "state.json")
+    try:
+        with open(state) as f:
+            st = json.load(f)
+        for key in ("step", "models", "active", "trainer_steps", "status", "sampler", "elapsed_s", "config"):
+            st[key]
+    except FileNotFoundError:
+        raise _damaged(path, "it has no state.json") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _damaged(path, f"state.json: {type(e).__name__} {e}") from e
+    return st
+
+
+def _resume_point(array_dir: str) -> tuple[str, dict]:
+    """The newest checkpoint of the folder's current run, and its state: a resumed run continues that run only."""
+    current = array_folder.read_run(array_dir)
+    found = _checkpoints(array_dir)
+    if current is None:
+        if found:
+            raise InputFileError(f"--resume: the checkpoints in '{os.path.join(array_dir, CHECKPOINTS)}' do not say "
+                                 "which run wrote them (an onnxfuse from before runs were recorded); start a new "
+                                 "run without --resume")
+        raise InputFileError(f"--resume: '{array_dir}' has no checkpoint; train with --checkpoint-every first")
+    for path in reversed(found):
+        st = _read_state(path)
+        if (st.get("run") or {}).get("id") == current["id"]:
+            return path, st
+    raise InputFileError(f"--resume: the current run of '{array_dir}', {current['id']} (started "
+                         f"{current.get('started', '?')}), has no checkpoint (it ran without --checkpoint-every, or "
+                         "stopped before its first); start a new run without --resume")
+
+
+def _saved_settings(st: dict) -> dict:
+    return {k: _unjson(v) for k, v in st["config"].items() if not k.startswith("_")}
+
+
+def _canon(v):
+    """A setting's value in one form, so that equal settings hash equally however they were given (a value for
+    every model or a list of one, 1 or 1.0, a tuple or a list, inf or "inf")."""
+    if isinstance(v, dict):
+        return {str(k): _canon(x) for k, x in sorted(v.items())}
+    if isinstance(v, (list, tuple, np.ndarray)):
+        items = [_canon(x) for x in v]
+        return items[0] if len(items) == 1 else items
+    if v is None or isinstance(v, (bool, np.bool_, str)):
+        return bool(v) if isinstance(v, np.bool_) else v
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return float(v) if math.isfinite(float(v)) else str(float(v))
+    return str(v)
+
+
+def _trajectory(settings: dict) -> dict:
+    """The settings that decide what a step computes (all but ``RESUMABLE``), canonical."""
+    return {k: _canon(v) for k, v in settings.items() if k not in RESUMABLE and not k.startswith("_")}
+
+
+def settings_hash(config: TrainConfig) -> str:
+    """A run's settings hash: what its steps compute, not how long it runs or what it logs (``RESUMABLE``)."""
+    return hashlib.sha256(json.dumps(_trajectory(asdict(config)), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _data_hash(*datasets: Dataset | None) -> str:
+    """The training and evaluation data as the run reads them (after the held-out split and sharding)."""
+    h = hashlib.blake2b(digest_size=16)
+    for ds in datasets:
+        if ds is None:
+            h.update(b"none;")
+            continue
+        for name in sorted(ds.arrays):
+            a = np.ascontiguousarray(ds.arrays[name])
+            h.update(f"{name}:{a.dtype.str}:{a.shape}:{name in ds.per_model};".encode())
+            h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, data) -> dict:
+    """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
+    record = st.get("run") or {}
+    if record.get("settings_hash") != identity["settings_hash"]:
+        before, now = _trajectory(_saved_settings(st)), _trajectory(asdict(config))
+        key = next((k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)), None)
+        what = f"setting '{key}' is {now.get(key)!r} but run {record.get('id')} trained with {before.get(key)!r}" \
+            if key else f"the settings differ from run {record.get('id')}'s"
+        raise ConfigError(f"--resume: {what} (checkpoint '{ckpt}'); a resumed run may change only "
+                          f"{', '.join(RESUMABLE)}: resume with the run's settings, or start a new run without "
+                          "--resume")
+    if record.get("data_hash") != identity["data_hash"]:
+        shown = os.fspath(data) if isinstance(data, (str, os.PathLike)) else "the data given"
+        raise DataError(f"--resume: {shown} is not the data run {record.get('id')} trained on (checkpoint "
+                        f"'{ckpt}'); resume with that run's data, or start a new run without --resume")
+    return record
+
+
+def _restore(run: _Run, path: str, st: dict, sampler: BatchSampler) -> float:
+    from onnxfuse._io import load_safetensors
+
+    fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
     dropped = {}
     for p in glob.glob(os.path.join(path, "dropped", "model_*.safetensors")):
-        dropped[int(os.path.basename(p)[6:-12])] = load_file(p)
-    weights = load_file(os.path.join(path, "weights.safetensors"))
+        dropped[int(os.path.basename(p)[6:-12])] = load_safetensors(p, fix)
+    weights = load_safetensors(os.path.join(path, "weights.safetensors"), fix)
     opt_file = os.path.join(path, "optimizer_state.safetensors")
-    opt_state = load_file(opt_file) if os.path.exists(opt_file) else {}
+    opt_state = load_safetensors(opt_file, fix) if os.path.exists(opt_file) else {}
+    missing = [n for n in list(run.trainer.art.trainable) + list(run.trainer.art.buffers) if n not in weights] \
+        if st["models"] == run.models else []
+    if missing:
+        raise _damaged(path, f"weights.safetensors has no '{missing[0]}'")
     models = st["models"]
     if models != run.models:  # the array had shrunk: rebuild it for the survivors
         ckpt_spec = ArraySpec.load(os.path.join(path, "array.json"))
@@ -563,56 +713,78 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
     per model what was compared (``report.ok``, ``report.table()``, ``report.error()``)."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
-    p = _prepare(spec, config, data, eval_data)
-    if p.config.verify_steps < 1:
-        raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
-    return _verify(array_dir, fused, spec, None, p.train, p.sampler, p.config, p.total,
-                   min(p.config.verify_steps, p.total))
+    with array_folder.open_array(array_dir, "check"):
+        p = _prepare(spec, config, data, eval_data)
+        if p.config.verify_steps < 1:
+            raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
+        return _verify(array_dir, fused, spec, None, p.train, p.sampler, p.config, p.total,
+                       min(p.config.verify_steps, p.total))
 
 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
                 eval_data=None, resume: bool = False, overrides: dict | None = None) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
-    there. Everything is validated before anything is written; a fresh run then checks its first
-    ``config.verify_steps`` steps against every model trained alone (``verify.py``) and raises
-    ``VerificationError``, having written nothing, on a mismatch. ``resume``: continue from the newest checkpoint,
-    with its saved settings unless ``config`` is given (``overrides`` changes single settings, e.g. more steps)."""
-    from tqdm import tqdm
+    there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
+    Everything is validated before anything is written, the data included (no NaN or inf unless
+    ``config.allow_nonfinite_data``); a fresh run then checks its first ``config.verify_steps`` steps against every
+    model trained alone (``verify.py``) and raises ``VerificationError``, having written nothing, on a mismatch.
+    When its first step has trained, a fresh run becomes the folder's current run (``run.json``): the previous
+    run's outputs move to ``runs/<its id>/``. ``resume``: continue the current run from its newest checkpoint,
+    with its saved settings unless ``config`` is given (``overrides`` changes single settings, e.g. more steps);
+    settings other than ``RESUMABLE`` and the data must be the run's own."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
-    ckpt = latest_checkpoint(array_dir) if resume else None
-    if resume and ckpt is None:
-        raise InputFileError(f"--resume: '{array_dir}' has no checkpoint; train with --checkpoint-every first")
+    with array_folder.open_array(array_dir, "train"):
+        return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides)
+
+
+def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config: TrainConfig | None,
+           progress: bool, eval_data, resume: bool, overrides: dict | None) -> TrainResult:
+    from tqdm import tqdm
+
+    ckpt, saved = _resume_point(array_dir) if resume else (None, None)
     if ckpt is not None:
-        with open(os.path.join(ckpt, "state.json")) as f:
-            saved = json.load(f)["config"]
-        data = data if data is not None else saved.get("_data")
-        eval_data = eval_data if eval_data is not None else saved.get("_eval_data")
+        data = data if data is not None else saved["config"].get("_data")
+        eval_data = eval_data if eval_data is not None else saved["config"].get("_eval_data")
         if config is None:  # the run's own settings (inf was written as a string)
-            settings = {k: _unjson(v) for k, v in saved.items() if not k.startswith("_")}
+            settings = _saved_settings(saved)
             if overrides and "epochs" in overrides:
                 settings["steps"] = None
             config = TrainConfig.from_dict({**settings, **(overrides or {})})
     p = _prepare(spec, config, data, eval_data)
     config, loss, train_ds, eval_ds, sampler, total = p.config, p.loss, p.train, p.eval, p.sampler, p.total
+    identity = {"settings_hash": settings_hash(config), "data_hash": _data_hash(train_ds, eval_ds)}
+    if ckpt is not None:
+        record = _check_resumable(ckpt, saved, config, identity, data)
+    else:
+        record = {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
+    run_id = record["id"]
+    metrics_path = os.path.join(array_dir, array_folder.METRICS)
 
-    trained = os.path.join(array_dir, TRAINED_DIR)
+    trained = os.path.join(array_dir, array_folder.TRAINED)
     with atomic_dir(trained, overwrite=True) as tmp:  # removed again if anything below fails
         run = _Run(array_dir, config, fused, spec, loss, total, os.path.join(tmp, "artifacts"))
-        elapsed0 = _restore(run, ckpt, sampler) if ckpt is not None else 0.0
-        if ckpt is None and config.verify_steps:  # before metrics.csv is touched
+        run.run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
+        elapsed0 = _restore(run, ckpt, saved, sampler) if ckpt is not None else 0.0
+        if run.step > total:
+            raise ConfigError(f"--resume: run {run_id}'s newest checkpoint is at step {run.step}, past the {total} "
+                              "steps asked for; resume with more --steps (or --epochs)")
+        if ckpt is None and config.verify_steps:  # before anything is written
             report = _verify(array_dir, fused, spec, run.trainer, train_ds, sampler, config, total,
                              min(config.verify_steps, total))
             log.info("%s", report.summary())
             if not report.ok:
                 raise report.error()
-        metrics = _Metrics(os.path.join(array_dir, "metrics.csv"), run.step if ckpt is not None else None)
+        # a fresh run's outputs begin once its first step has trained (see below): until then a failure leaves
+        # the folder as it was
+        metrics = _Metrics(metrics_path, run_id, run.step) if ckpt is not None else None
         data_record = {"_data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else None,
                        "_eval_data": os.fspath(eval_data) if isinstance(eval_data, (str, os.PathLike)) else None}
         run.config_record = {**asdict(config), **data_record}  # what a checkpoint needs to resume by itself
         bar = tqdm(total=total, initial=run.step, unit="step", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True, desc=f"training {spec.B} models")
+                   dynamic_ncols=True, desc=f"training {spec.B} model{'s' if spec.B != 1 else ''}")
         t0 = time.perf_counter() - elapsed0
         samples, stopped = 0, None
         try:
@@ -620,6 +792,12 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
                 run.step += 1
                 values = run.schedules.values(run.active)
                 losses = run.trainer.step(_batch(train_ds, sampler.next(), run), values)
+                if metrics is None:  # this run is now the folder's run; the previous one's outputs move aside
+                    moved = array_folder.move_previous_run(array_dir)
+                    if moved:
+                        log.info("the previous run's outputs are now in %s", moved)
+                    array_folder.write_run(array_dir, record)
+                    metrics = _Metrics(metrics_path, run_id, None)
                 run.schedules.advance()
                 samples += len(run.models) * config.batch_size
                 run.last_loss = losses
@@ -651,11 +829,18 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
                 bar.update(1)
             if eval_ds is not None and run.last_eval_step != run.step:
                 _evaluate(run, eval_ds, metrics, time.perf_counter() - t0)
+        except Exception as e:
+            user = _as_run_error(e, array_dir, run_id, metrics is not None)
+            if user is None:
+                raise
+            raise user from e
         finally:
             bar.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
         elapsed = time.perf_counter() - t0
         _write_trained(run, tmp, elapsed, stopped)
+        shutil.rmtree(os.path.join(tmp, "artifacts"), ignore_errors=True)  # ONNX Runtime's, rebuilt by each run
     if stopped:
         raise TrainingStopped(f"stopped: {stopped}; state saved in {trained}")
     final = np.full(spec.B, np.nan)
@@ -663,8 +848,23 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
         final[b] = run.last_loss[i]
     return TrainResult(steps=run.step, final_loss=final.tolist(), elapsed_s=elapsed,
                        samples_per_s=samples / max(elapsed - elapsed0, 1e-9),
-                       metrics_path=os.path.join(array_dir, "metrics.csv"), trained_dir=trained,
-                       status=dict(run.status), eval=run.last_eval, survivors=list(run.models))
+                       metrics_path=metrics_path, trained_dir=trained,
+                       status=dict(run.status), eval=run.last_eval, survivors=list(run.models), run_id=run_id)
+
+
+def _as_run_error(e: Exception, array_dir: str, run_id: str, started: bool) -> OnnxFuseError | None:
+    """A failure during a run as the user error it is (a full disk, out of memory...), saying how to continue
+    when the run has a checkpoint; None for anything else (re-raised as it is)."""
+    user = as_user_error(e)
+    if user is None:
+        return None
+    if started and isinstance(user, (OutputError, OutOfMemoryError)):
+        own = _checkpoints(array_dir)
+        hint = (f"`onnxfuse train {array_dir} --resume` then continues run {run_id} from step "
+                f"{int(os.path.basename(own[-1])[5:])}" if own else
+                f"run {run_id} has no checkpoint to resume from (--checkpoint-every): train again")
+        return type(user)(f"{user}; {hint}")
+    return None if user is e else user
 
 
 def _statuses(run: _Run, ok: np.ndarray, losses: np.ndarray) -> dict[int, str]:
@@ -681,7 +881,8 @@ def _statuses(run: _Run, ok: np.ndarray, losses: np.ndarray) -> dict[int, str]:
 
 
 def _checkpoint(run: _Run, sampler: BatchSampler, elapsed: float) -> None:
-    """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints."""
+    """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints
+    (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first)."""
     from safetensors.numpy import save_file
 
     root = os.path.join(run.array_dir, CHECKPOINTS)
@@ -690,9 +891,13 @@ def _checkpoint(run: _Run, sampler: BatchSampler, elapsed: float) -> None:
         _save_state(run, tmp, save_file)
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump({**run.state(), "sampler": sampler.state_dict(), "elapsed_s": elapsed,
-                       "config": _jsonable(run.config_record)}, f)
-    for old in sorted(glob.glob(os.path.join(root, "step_*")))[:-run.config.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
+                       "config": _jsonable(run.config_record), "run": run.run_record}, f)
+    for old in _checkpoints(run.array_dir)[:-run.config.keep_checkpoints]:
+        # renamed first: a kill during the removal leaves a temporary name (removed by the next command), never a
+        # half-deleted checkpoint
+        doomed = os.path.join(root, f".{os.path.basename(old)}.old-{os.getpid()}")
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     log.info("checkpoint at step %d: %s", run.step, path)
 
 
@@ -706,4 +911,5 @@ def _write_trained(run: _Run, folder: str, elapsed: float, stopped: str | None) 
         json.dump(_jsonable({"steps": run.trainer.steps, "step": run.step, "models": run.models,
                              "status": {str(k): v for k, v in run.status.items()},
                              "final_loss": {str(k): v for k, v in final.items()}, "elapsed_s": elapsed,
-                             "stopped": stopped, "config": run.config_record}), f, indent=1)
+                             "stopped": stopped, "config": run.config_record, "run": run.run_record}), f,
+                  indent=1)

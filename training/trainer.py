@@ -73,7 +73,7 @@ class FusedTrainer:
         self.art = build_artifacts(fused, spec, self.loss, optimizer, self.workdir)
         self.state = CheckpointState.load_checkpoint(self.art.checkpoint)
         so = onnxruntime.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # a failing kernel raises (out of memory, ...): no second report in ORT's log
         # Denormal floats (e.g. weights of a model that stalled) make x86 arithmetic many times slower; flushing
         # them to zero changes values only below 1e-38.
         so.add_session_config_entry("session.set_denormal_as_zero", "1")

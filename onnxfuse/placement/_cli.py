@@ -144,11 +144,26 @@ def _say(args, msg: str) -> None:
 
 
 def cmd_place(args) -> int:
-    """onnxfuse place: check the flags, build and cost the graph, plan, optionally run, write PLACE_DIR."""
+    """onnxfuse place: check the flags, build and cost the graph, plan, optionally run, write PLACE_DIR. An
+    array folder given as MODEL (or its fused.onnx) is held locked throughout."""
+    import contextlib
+
+    from .. import _folder as array_folder
     from .._io import check_output_dir
+
+    model_dir = os.path.dirname(os.path.abspath(args.model))
+    array = args.model if array_folder.is_array(args.model) else \
+        model_dir if os.path.isfile(args.model) and array_folder.is_array(model_dir) else None
+    inputs = [p for p in (array or args.model, args.device_spec, args.inputs) if p]
+    array_folder.check_output_location(args.output, inputs)
+    check_output_dir(args.output, args.overwrite)
+    with array_folder.open_array(array, "place") if array else contextlib.nullcontext():
+        return _place(args)
+
+
+def _place(args) -> int:
     from .plan import measure_plan, plan_placements, recommend, rescale_to_measured, results_table
 
-    check_output_dir(args.output, args.overwrite)
     devices, orders, placers = _check_flags(args)
     path, model, label, feeds, dims = _inputs(args, placers)
     graph, feeds, shard, profiled = _graph(args, path, model, label, feeds, dims, devices, placers)
