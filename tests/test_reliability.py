@@ -332,11 +332,15 @@ def test_split_refuses_an_untrained_array_unless_initial(work, capsys):
 
 # ------------------------------------------------------------------------------------------------ 5. --overwrite
 @pytest.mark.parametrize("case", ["split_onto_array", "split_into_trained", "split_onto_parent", "fuse_onto_jobs",
-                                  "fuse_onto_folder_of_files", "place_onto_array", "export_onto_factory"])
+                                  "fuse_onto_folder_of_files", "place_onto_array", "export_onto_factory",
+                                  "demo_onto_folder"])
 def test_overwrite_never_replaces_an_input(case, work, capsys):
+    """`split arr -o arr --overwrite` deleted fused.onnx, the trained weights and the checkpoints (case 5): an
+    output that is, is inside, or contains an input is refused before anything is written or deleted. The demo,
+    which replaces its own subfolders, refuses a folder holding anything else."""
     arr, jobs = work / "array", work / "jobs"
-    assert cli(capsys, "train", arr, "--data", work / "data.npz", "--batch-size", 16, "--steps", 2, "-q")[0] == 0 \
-        if case == "split_into_trained" else True
+    if case == "split_into_trained":
+        assert cli(capsys, "train", arr, "--data", work / "data.npz", "--batch-size", 16, "--steps", 2, "-q")[0] == 0
     (work / "factory.py").write_text("from onnxfuse.exporters.zoo import MLP\n\ndef make():\n    return MLP()\n")
     args, what = {
         "split_onto_array": (["split", arr, "-o", arr], "is the input"),
@@ -348,11 +352,12 @@ def test_overwrite_never_replaces_an_input(case, work, capsys):
         "place_onto_array": (["place", arr, "-o", arr, "-q"], "is the input"),
         "export_onto_factory": (["export", f"{work / 'factory.py'}:make", "--count", 1, "--input-shape",
                                  "4,64", "-o", work], "contains the input"),
+        "demo_onto_folder": (["demo", "-o", work, "-q"], "which `onnxfuse demo` did not write"),
     }[case]
     before = snapshot(work)
-    code, _, err = cli(capsys, *args, "--overwrite")
+    code, _, err = cli(capsys, *args, *([] if case == "demo_onto_folder" else ["--overwrite"]))
     line = one_error_line(err)
-    assert code == 2 and what in line and "give -o a folder outside the inputs" in line
+    assert code == 2 and what in line and "give -o a " in line
     assert snapshot(work) == before
 
 

@@ -13,6 +13,7 @@ import numpy as np
 __all__ = ["digits_data", "run_demo", "DEMO_LRS"]
 
 DEMO_LRS = [0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.5, 1.0]
+DEMO_FILES = ("digits_train.npz", "jobs", "array", "models")  # what the demo writes (and replaces) in its folder
 
 
 def digits_data(seed: int = 0, test_fraction: float = 0.2):
@@ -44,6 +45,12 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
 
     from .run import TrainConfig, train_array
 
+    from onnxfuse.errors import ConfigError
+
+    other = sorted(set(os.listdir(out_dir)) - set(DEMO_FILES)) if os.path.isdir(out_dir) else []
+    if other or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+        raise ConfigError(f"'{out_dir}' holds {repr(other[0]) if other else 'a file'}, which `onnxfuse demo` did not "
+                          f"write; the demo replaces {', '.join(DEMO_FILES)} there: give -o a new folder")
     t0 = time.perf_counter()
     (xtr, ytr), (xte, yte) = digits_data()
     os.makedirs(out_dir, exist_ok=True)
