@@ -27,8 +27,8 @@ from .errors import InputFileError
 
 __all__ = ["FUSED", "SPEC", "SOURCES", "METRICS", "CHECKPOINTS", "TRAINED", "RUNS", "RUN", "REPORT_PNG",
            "REPORT_JSON", "TRAIN_STATE", "open_array", "is_array", "remove_temporaries", "check_output_location",
-           "read_run", "write_run", "move_previous_run", "trained_run", "metrics_runs", "complete_lines", "check_one_run",
-           "describe_unfinished"]
+           "read_run", "write_run", "move_previous_run", "trained_run", "metrics_runs", "complete_lines",
+           "check_one_run", "describe_unfinished"]
 
 FUSED, SPEC, SOURCES = "fused.onnx", "array.json", "sources"
 METRICS, CHECKPOINTS, TRAINED, RUNS, RUN = "metrics.csv", "checkpoints", "trained", "runs", "run.json"

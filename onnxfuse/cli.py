@@ -86,8 +86,9 @@ def _fuse(args) -> int:
     save_array(fa, args.output, overwrite=args.overwrite)
     s = fa.spec.summary
     print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {args.output}/fused.onnx: {s['nodes']} nodes per "
-          f"model -> {s['fused_nodes']} fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, {s['shared']} shared, "
-          f"{s['layout_changes']} layout changes); fused fraction {100 * s['fused_fraction']:.1f}%; "
+          f"model -> {s['fused_nodes']} fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, "
+          f"{s['shared']} shared, {s['layout_changes']} layout changes); fused fraction "
+          f"{100 * s['fused_fraction']:.1f}%; "
           f"{len(fa.spec.weights)} fused weights")
     return 0
 
@@ -196,7 +197,8 @@ def cmd_split(args) -> int:
 
     paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial)
     what = "initial weights" if args.initial else "trained weights"
-    print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for inference, model_b.safetensors state_dicts)")
+    print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for "
+          "inference, model_b.safetensors state_dicts)")
     return 0
 
 
