@@ -164,13 +164,13 @@ def test_calibration_predicts_held_out_placements_better(tmp_path):
     and better than default devices given the same re-fitted kernel scale and contention (so the overheads
     ``calibrate`` fits carry the improvement, not only what ``rescale_to_measured`` re-fits alongside). The
     machine's speed swings 2x within seconds: every placement is measured in interleaved rounds alongside the
-    one-device step, and the verdict is on medians over three calibrate-and-measure repetitions of the median
-    error over the placements."""
+    one-device step, and the verdict is on medians over five calibrate-and-measure repetitions of the median
+    error over the placements (with three, a loaded machine once made the median lose)."""
     path = export_zoo("lenet", zoo_modules("lenet", 1), tmp_path)[0]
     g = profile_graph(build_graph(path, batch_size=32))
     feeds = example_feeds(g.model)
     assert sum(g.measured_s) > 0
-    fitted, default, anchored = (statistics.median(e) for e in zip(*(_held_out_errors(g, feeds) for _ in range(3))))
+    fitted, default, anchored = (statistics.median(e) for e in zip(*(_held_out_errors(g, feeds) for _ in range(5))))
     assert fitted < default and fitted < anchored, (fitted, default, anchored)
 
 
