@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 import onnx
@@ -20,7 +21,10 @@ from .layout import SHARED, Layout, stacked
 from .source import SourceModel
 from .weights import FusedWeight, WeightSlot, pack_weights, relayout
 
-__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned", "check_layouts"]
+if TYPE_CHECKING:
+    from .rules import Rule
+
+__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned", "check_layouts", "op_names"]
 
 
 class RuleFailed(Exception):
@@ -421,14 +425,20 @@ class NodeGroup:
         return [j for j, o in enumerate(self.node.output) if o and j not in self._outputs_set]
 
 
-def fuse_aligned(aligned: AlignedModels, strict: bool = False, per_model_inputs: set[str] = frozenset()) -> FusionResult:
-    """Run every node group through its rule; return the fused model (graph outputs in stacked(0)).
+def op_names(rules: Mapping[tuple[str, str], object]) -> list[str]:
+    """The op types of a rule table, sorted (``domain::op`` outside the default domain)."""
+    return sorted(op if not d else f"{d}::{op}" for d, op in rules)
+
+
+def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"], strict: bool = False,
+                 per_model_inputs: set[str] = frozenset()) -> FusionResult:
+    """Run every node group through its rule in ``rules`` ((domain, op type) -> rule: the catalogue
+    ``onnxfuse.rules.RULES``, or a test's own table); return the fused model (graph outputs in stacked(0)).
 
     A node whose op has no rule, or whose rule cannot fuse it, runs once per model (``NodeGroup.per_model``) unless
-    ``strict``, which raises instead. The summary lists those nodes and the fused fraction.
+    ``strict``, which raises instead. The summary lists those nodes and the fused fraction. The engine knows no op:
+    it only looks rules up in the table it is given.
     """
-    from .rules import RULES, supported_ops
-
     st = FusionState(aligned, per_model_inputs)
     label = aligned.models[0].label
     counts = {"fused": 0, "shared": 0, "per_model": 0}
@@ -436,7 +446,7 @@ def fuse_aligned(aligned: AlignedModels, strict: bool = False, per_model_inputs:
     for nodes in aligned.aligned:
         g = NodeGroup(st, nodes)
         node = g.node
-        rule = RULES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        rule = rules.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
         all_shared = all(g.is_shared(i) for i in range(len(node.input)))
         if all_shared and (rule is None or rule.shared_passthrough):
             g.passthrough()
@@ -456,7 +466,7 @@ def fuse_aligned(aligned: AlignedModels, strict: bool = False, per_model_inputs:
         if reason is not None:
             if strict:
                 if rule is None:
-                    raise UnsupportedOpError(g.name, node.op_type, label, supported_ops())
+                    raise UnsupportedOpError(g.name, node.op_type, label, op_names(rules))
                 raise NotFusibleError(f"{label}: node '{g.name}' ({node.op_type}) cannot be fused: {reason}")
             try:
                 g.per_model()

@@ -21,6 +21,7 @@ from ._io import atomic_dir
 from .engine import fuse_aligned
 from .errors import ConfigError, NotFusibleError
 from .identity import check_identical
+from .rules import RULES
 from .source import SourceModel, load_source, resolve_static_pass
 from .weights import ArraySpec
 
@@ -107,7 +108,7 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         raise ConfigError(f"--per-model-inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
                           f"(its inputs: {', '.join(sorted(names))})")
     aligned = check_identical(sources)
-    result = fuse_aligned(aligned, strict=strict, per_model_inputs=set(per_model_inputs))
+    result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs))
     if result.summary["unfused"]:
         listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
         more = len(result.summary["unfused"]) - 10

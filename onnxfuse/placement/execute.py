@@ -24,37 +24,10 @@ import onnx
 from ..errors import PlacementError
 from .devices import Device
 from .partition import Partition
+from .session import make_session
 
 __all__ = ["make_session", "PipelineRunner", "RunResult", "run_whole", "time_whole", "max_rel_error",
            "run_partition"]
-
-
-def make_session(model: onnx.ModelProto, device: Device | None = None, profile_prefix: str | None = None):
-    """An onnxruntime InferenceSession for ``model`` on ``device`` (default: one CPU thread), optimizations off."""
-    import onnxruntime as ort
-
-    device = device or Device()
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.intra_op_num_threads = device.threads
-    so.inter_op_num_threads = 1
-    if profile_prefix:
-        so.enable_profiling = True
-        so.profile_file_prefix = profile_prefix
-    if device.kind == "cuda":
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise PlacementError(f"device '{device.name}' is a CUDA device but this onnxruntime has no "
-                                 "CUDAExecutionProvider; install onnxfuse[gpu] (see README 'GPU') or use cpu devices")
-        providers = [("CUDAExecutionProvider", {"device_id": device.device_id}), "CPUExecutionProvider"]
-    else:
-        providers = ["CPUExecutionProvider"]
-    try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
-    except Exception as e:
-        raise PlacementError(f"onnxruntime cannot load the sub-model '{model.graph.name}' for device "
-                             f"'{device.name}': {' '.join(str(e).split())[:300]}") from e
 
 
 class _Worker:

@@ -245,7 +245,7 @@ def _runtime_types(model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[
     import json
     import tempfile
 
-    from .execute import make_session
+    from .session import make_session
 
     wanted = set(names)
     by_node = {n.name: [t for t in n.output if t] for n in model.graph.node}

@@ -36,7 +36,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from .devices import Device
-from .execute import PipelineRunner, make_session
+from .execute import PipelineRunner
+from .session import make_session
 from .graph import PlacementGraph, build_graph, example_feeds
 from .partition import Partition, Stage, partition_graph
 

@@ -1,8 +1,11 @@
-"""The rule catalog: op type -> rule. Rules register themselves with :func:`rule`; the engine only looks them up."""
+"""The rule catalog: op type -> rule. Rules register themselves with :func:`rule`; ``passes.fuse_models`` hands the
+table to the engine, which only looks rules up in it (the engine imports no rule)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
+
+from ..engine import op_names
 
 if TYPE_CHECKING:
     from ..engine import NodeGroup
@@ -38,4 +41,4 @@ def rule(*op_types: str, domain: str = "", shared_passthrough: bool = True):
 
 
 def supported_ops() -> list[str]:
-    return sorted(op if not d else f"{d}::{op}" for d, op in RULES)
+    return op_names(RULES)
