@@ -16,7 +16,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["Dim", "Shape", "SymDim", "GraphFacts", "FOLD_LIMIT", "live_nodes", "reads"]
+from ._graph import reads
+
+__all__ = ["Dim", "Shape", "SymDim", "GraphFacts", "FOLD_LIMIT"]
 
 # A dim is an int when static, a str (the dim_param) when symbolic, None when unknown.
 Dim = Union[int, str, None]
@@ -52,9 +54,11 @@ class GraphFacts:
         self.opset = opset
         self.variable = frozenset(variable)
         g = model.graph
+        self.inference_error: str | None = None
         try:
             inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
-        except Exception:  # an invalid or unusual model: fall back to what the graph declares
+        except Exception as e:  # an invalid or unusual model: fall back to what the graph declares
+            self.inference_error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             inferred = g
         self.shapes: dict[str, Shape | None] = {}
         self.dtypes: dict[str, int] = {}
@@ -286,34 +290,6 @@ def _exact_integers(v: np.ndarray) -> bool:
         return True
     return v.dtype.kind == "f" and bool(np.all(np.isfinite(v)) and np.all(v == np.round(v))
                                         and np.all(np.abs(v) < 2 ** 24))
-
-
-def live_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The nodes of ``graph`` that some graph output depends on, in graph order (dead code dropped)."""
-    needed = {o.name for o in graph.output}
-    keep = []
-    for n in reversed(list(graph.node)):
-        if any(o in needed for o in n.output if o):
-            keep.append(n)
-            needed.update(t for t in reads(n) if t)
-    return keep[::-1]
-
-
-def reads(node: onnx.NodeProto) -> list[str]:
-    """Every name ``node`` reads: its inputs and what its subgraphs (If/Loop/Scan bodies) read from outside."""
-    return list(node.input) + _subgraph_inputs(node)
-
-
-def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
-    """Names read by the subgraphs (If/Loop/Scan bodies) of ``node``, so that they count as used."""
-    names: list[str] = []
-    for a in node.attribute:
-        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        for sub in graphs:
-            for n in sub.node:
-                names.extend(n.input)
-                names.extend(_subgraph_inputs(n))
-    return names
 
 
 def _shape_range(node: onnx.NodeProto, rank: int) -> tuple[int, int]:

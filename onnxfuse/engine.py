@@ -7,7 +7,6 @@ access to their fused inputs) and either emits fused nodes and sets the layout o
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
@@ -15,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ._graph import Names
 from .errors import NotFusibleError, UnsupportedOpError
 from .identity import AlignedModels
 from .layout import SHARED, Layout, stacked
@@ -61,14 +61,13 @@ class FusionState:
         for n in self.src.nodes:
             for t in set(n.input):
                 self.consumers[t] = self.consumers.get(t, 0) + 1
-        self.used_names: set[str] = set()
-        self._counter = itertools.count()
+        self.names = Names()
         self.layout_changes = 0
         for vi in self.src.inputs:  # a per-model input carries one slice per model: [B, ...] = stacked(0)
             self.tensors[vi.name] = (vi.name, stacked(0) if vi.name in self.per_model_inputs else SHARED)
-            self.used_names.add(vi.name)
+            self.names.taken.add(vi.name)
         for name in self.src.initializers:
-            self.used_names.add(name)
+            self.names.taken.add(name)
             if name not in self.src.weight_names:
                 self.inits[name] = self.src.array(name)
                 self.consts[name] = self.inits[name]
@@ -86,12 +85,7 @@ class FusionState:
 
     # ---- names
     def fresh(self, hint: str) -> str:
-        base = hint.replace(" ", "_") or "t"
-        name = base
-        while name in self.used_names:
-            name = f"{base}__{next(self._counter)}"
-        self.used_names.add(name)
-        return name
+        return self.names.fresh(hint)
 
     def fused_name_for(self, orig: str) -> str:
         # Graph outputs get their original name back at the very end, in stacked(0) layout.

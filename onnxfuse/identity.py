@@ -14,12 +14,12 @@ The B canonical node lists are then compared position by position; the first dif
 from __future__ import annotations
 
 import hashlib
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
+from ._graph import CycleError, topological_order
 from .errors import NotFusibleError
 from .source import SourceModel
 
@@ -102,26 +102,11 @@ class _Structure:
         return ("undefined", name)
 
     def _topo(self, key) -> list[int]:
-        indeg = {i: len(d) for i, d in self.deps.items()}
-        users: dict[int, list[int]] = {i: [] for i in self.deps}
-        for i, d in self.deps.items():
-            for p in d:
-                users[p].append(i)
-        ready = [(key(i), i) for i, d in indeg.items() if d == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            _, i = heapq.heappop(ready)
-            order.append(i)
-            for u in users[i]:
-                indeg[u] -= 1
-                if indeg[u] == 0:
-                    heapq.heappush(ready, (key(u), u))
-        if len(order) != len(self.nodes):
-            stuck = sorted(set(range(len(self.nodes))) - set(order))
-            n = self.nodes[stuck[0]]
-            raise ValueError(f"{self.src.label}: graph has a cycle through node '{n.name}' ({n.op_type})")
-        return order
+        try:
+            return topological_order([self.deps[i] for i in range(len(self.nodes))], key,
+                                     [n.name or f"{n.op_type} #{i}" for i, n in enumerate(self.nodes)])
+        except CycleError as e:
+            raise CycleError(f"{self.src.label}: {e}") from None
 
     def _up_keys(self) -> dict[int, str]:
         keys: dict[int, str] = {}

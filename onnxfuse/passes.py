@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-import heapq
 import os
 import warnings
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import onnx
 from onnx import numpy_helper
 
 from . import _folder as array_folder
-from ._facts import live_nodes, reads
+from ._graph import cleanup_pass, toposort_pass
 from ._io import atomic_dir
 from .engine import fuse_aligned
 from .errors import ConfigError, NotFusibleError
@@ -38,48 +37,6 @@ class FusedArray:
     @property
     def B(self) -> int:
         return self.spec.B
-
-
-def cleanup_pass(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Drop nodes none of whose outputs is used (e.g. a layout change a rule made but did not need)."""
-    g = model.graph
-    keep = live_nodes(g)
-    used = {t for n in keep for t in reads(n)} | {o.name for o in g.output}
-    inits = [t for t in g.initializer if t.name in used]
-    del g.node[:]
-    g.node.extend(keep)
-    del g.initializer[:]
-    g.initializer.extend(inits)
-    return model
-
-
-def toposort_pass(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Order nodes topologically; ties keep the original node order. A cycle raises ValueError."""
-    g = model.graph
-    nodes = list(g.node)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    deps = [{producer[t] for t in n.input if t in producer} for n in nodes]
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, d in enumerate(deps):
-        for p in d:
-            users[p].append(i)
-    indeg = [len(d) for d in deps]
-    ready = [i for i, d in enumerate(indeg) if d == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != len(nodes):
-        stuck = next(i for i in range(len(nodes)) if i not in set(order))
-        raise ValueError(f"the fused graph has a cycle through node '{nodes[stuck].name}' ({nodes[stuck].op_type})")
-    del g.node[:]
-    g.node.extend(nodes[i] for i in order)
-    return model
 
 
 def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ._facts import FOLD_LIMIT, GraphFacts, live_nodes
+from ._facts import FOLD_LIMIT, GraphFacts
+from ._graph import live_nodes
 from .errors import InputFileError
 from .windows import explicit_windows_pass
 

@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ._graph import Names
+
 __all__ = ["same_pads", "output_length", "floor_mode_end_pad", "average_divisors", "explicit_windows_pass"]
 
 
@@ -89,13 +91,13 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
               for vi in list(inferred.input) + list(inferred.value_info) if vi.type.tensor_type.HasField("shape")}
     shapes.update({t.name: list(t.dims) for t in g.initializer})
-    taken = {o for n in g.node for o in n.output} | {i.name for i in g.input} | {t.name for t in g.initializer}
+    names = Names.of(g)
     nodes: list[onnx.NodeProto] = []
     changed: set[str] = set()  # outputs whose declared shape was the runtime's, not the specification's
     for node in g.node:
         nodes.append(node)
         if node.domain in ("", "ai.onnx") and node.op_type == "ConvTranspose":
-            extra = _output_padding_as_pads(node, shapes, taken, g)
+            extra = _output_padding_as_pads(node, shapes, names, g)
             if extra is not None:
                 nodes.extend(extra)
                 changed.add(node.output[0])
@@ -146,11 +148,10 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
         changed.add(node.output[0])
         if divisor_ratio is not None:  # y = AveragePool(x) * ratio, under the node's original output name
             y = node.output[0]
-            node.output[0] = _fresh(f"{y}/valid_mean", taken)
-            ratio = _fresh(f"{node.name or y}/divisor_ratio", taken)
+            node.output[0] = names.fresh(f"{y}/valid_mean")
+            ratio = names.fresh(f"{node.name or y}/divisor_ratio")
             g.initializer.append(numpy_helper.from_array(divisor_ratio.reshape(1, 1, *divisor_ratio.shape), ratio))
-            nodes.append(helper.make_node("Mul", [node.output[0], ratio], [y], name=_fresh(f"{node.name}/divisor",
-                                                                                             taken)))
+            nodes.append(helper.make_node("Mul", [node.output[0], ratio], [y], name=names.fresh(f"{node.name}/divisor")))
     if not changed:
         return model
     del g.node[:]
@@ -174,7 +175,7 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _output_padding_as_pads(node: onnx.NodeProto, shapes: dict, taken: set[str], g: onnx.GraphProto
+def _output_padding_as_pads(node: onnx.NodeProto, shapes: dict, names: Names, g: onnx.GraphProto
                             ) -> list[onnx.NodeProto] | None:
     """ConvTranspose with output_padding op >= stride s on some axis (torch allows op < max(s, dilation); ONNX
     Runtime then reads memory it never wrote: outputs of 1e22) -> output_padding 0, the same output:
@@ -202,20 +203,20 @@ def _output_padding_as_pads(node: onnx.NodeProto, shapes: dict, taken: set[str],
         return []
     y = node.output[0]
     bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-    node.output[0] = _fresh(f"{y}/unpadded", taken)
+    node.output[0] = names.fresh(f"{y}/unpadded")
     if bias:
         del node.input[2:]
     out = []
-    pad_value = _fresh(f"{node.name or y}/output_padding", taken)
+    pad_value = names.fresh(f"{node.name or y}/output_padding")
     g.initializer.append(numpy_helper.from_array(np.array([0] * (2 + S) + [0, 0] + q, np.int64), pad_value))
-    padded = _fresh(f"{y}/padded", taken) if bias else y
-    out.append(helper.make_node("Pad", [node.output[0], pad_value], [padded], name=_fresh(f"{node.name}/pad", taken)))
+    padded = names.fresh(f"{y}/padded") if bias else y
+    out.append(helper.make_node("Pad", [node.output[0], pad_value], [padded], name=names.fresh(f"{node.name}/pad")))
     if bias:
-        shape = _fresh(f"{node.name or y}/bias_shape", taken)
+        shape = names.fresh(f"{node.name or y}/bias_shape")
         g.initializer.append(numpy_helper.from_array(np.array([-1] + [1] * S, np.int64), shape))
-        column = _fresh(f"{bias}/column", taken)
-        out.append(helper.make_node("Reshape", [bias, shape], [column], name=_fresh(f"{node.name}/bias", taken)))
-        out.append(helper.make_node("Add", [padded, column], [y], name=_fresh(f"{node.name}/add_bias", taken)))
+        column = names.fresh(f"{bias}/column")
+        out.append(helper.make_node("Reshape", [bias, shape], [column], name=names.fresh(f"{node.name}/bias")))
+        out.append(helper.make_node("Add", [padded, column], [y], name=names.fresh(f"{node.name}/add_bias")))
     return out
 
 
@@ -224,12 +225,3 @@ def _outer(per_axis: list[np.ndarray]) -> np.ndarray:
     for v in per_axis[1:]:
         out = np.multiply.outer(out, v)
     return out
-
-
-def _fresh(hint: str, taken: set[str]) -> str:
-    name, k = hint, 0
-    while name in taken:
-        k += 1
-        name = f"{hint}_{k}"
-    taken.add(name)
-    return name

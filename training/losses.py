@@ -202,7 +202,7 @@ def _classification(b: GraphBuilder, loss: LossSpec, output: str, orig_shape: li
         # SoftmaxCrossEntropyLoss gives 0 (and gradient 0) at ignored labels; rows of model b are b*R .. (b+1)*R-1
         flat = b.one("Reshape", [scores, b.const([-1, C], np.int64)])
         flat_labels = b.one("Reshape", [labels, b.const([-1], np.int64)])
-        ce, _log_prob = b.node("SoftmaxCrossEntropyLoss", [flat, flat_labels], 2, reduction="none",
+        ce, _log_prob = b.emit("SoftmaxCrossEntropyLoss", [flat, flat_labels], 2, reduction="none",
                                ignore_index=loss.ignore_index)
         elem = b.one("Reshape", [ce, b.const([B, -1], np.int64)])
     else:

@@ -215,7 +215,7 @@ class OptimizerConfig:
                                domain="com.microsoft"))
         Pn = gb.one("Where", [ok, Pn, P])
         sizes = [int(np.prod(shape)) // B for _, _, shape in params]
-        pieces = [Pn] if len(params) == 1 else gb.node("Split", [Pn, gb.const(sizes, np.int64, "sizes")],
+        pieces = [Pn] if len(params) == 1 else gb.emit("Split", [Pn, gb.const(sizes, np.int64, "sizes")],
                                                        len(params), axis=1)
         for (p, _, shape), piece in zip(params, pieces):
             value = gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")])

@@ -9,16 +9,17 @@ the whole graph in topological order and every downstream shape valid.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..errors import OnnxFuseError, UntrainableOpError
 from .._facts import Dim, GraphFacts, Shape, SymDim
+from .._graph import Emitter as GraphEmitter
+from .._graph import Names
 
 __all__ = ["FINAL", "REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
 
@@ -57,14 +58,7 @@ class Context:
         # the initializers that are trained (None: every initializer may be one); the others are constants
         self.parameters = parameters
         self.facts = GraphFacts(model, self.opset)
-        g = model.graph
-        self._taken: set[str] = set(self.facts.initializers)
-        for vi in list(g.input) + list(g.output) + list(g.value_info):
-            self._taken.add(vi.name)
-        for n in g.node:
-            self._taken.update(n.input)
-            self._taken.update(n.output)
-            self._taken.add(n.name)
+        self.names = Names.of(model.graph)
         self.new_initializers: list[onnx.TensorProto] = []
 
     # -- facts ------------------------------------------------------------------------------------------------------
@@ -127,18 +121,7 @@ class Context:
 
     # -- names and constants ----------------------------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
-        base = re.sub(r"[^A-Za-z0-9_./:-]", "_", hint) or "t"
-        name, k = base, 0
-        while name in self._taken:
-            k += 1
-            name = f"{base}_{k}"
-        self._taken.add(name)
-        return name
-
-    def initializer(self, value: np.ndarray, hint: str) -> str:
-        name = self.fresh(hint)
-        self.new_initializers.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
+        return self.names.fresh(hint)
 
 
 class _Copy:
@@ -167,52 +150,25 @@ class Dims:
 ShapePart = Union[int, _Copy, Dims]
 
 
-class Emitter:
+class Emitter(GraphEmitter):
     """Builds one node's replacement: ``op`` appends a node and returns its output name(s); names derive from the
-    node's, constants become initializers. Version-dependent forms (axes as attribute or input) are chosen here."""
+    node's, constants become initializers of the pass (the graph layer's :class:`~onnxfuse._graph.Emitter` chooses
+    the opset-dependent forms)."""
 
     def __init__(self, node: onnx.NodeProto, ctx: Context):
-        self.node, self.ctx, self.opset = node, ctx, ctx.opset
-        self.prefix = node_label(node)
-        self.nodes: list[onnx.NodeProto] = []
+        super().__init__(ctx.names, ctx.opset, f"{node_label(node)}/", ctx.new_initializers)
+        self.node, self.ctx = node, ctx
 
     def op(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str] | int = 1, **attrs) -> str | list[str]:
-        outs = ([self.ctx.fresh(f"{self.prefix}/{op_type}_output") for _ in range(outputs)]
-                if isinstance(outputs, int) else list(outputs))
-        attrs = {k: v for k, v in attrs.items() if v is not None}
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.ctx.fresh(f"{self.prefix}/{op_type}"),
-                                           **attrs))
+        outs = self.emit(op_type, inputs, outputs, **attrs)
         return outs[0] if len(outs) == 1 else outs
 
     def const(self, value, dtype=np.int64, hint: str = "const") -> str:
-        return self.ctx.initializer(np.asarray(value, dtype=dtype), f"{self.prefix}/{hint}")
+        return super().const(value, dtype, hint)
 
     def like(self, value, name: str, hint: str = "const") -> str:
         """A constant with the dtype of tensor ``name`` (scalars broadcast)."""
         return self.const(value, self.ctx.np_dtype(name), hint)
-
-    # -- version-dependent forms ------------------------------------------------------------------------------------
-    def unsqueeze(self, x: str, axes: Sequence[int], output: str | None = None) -> str:
-        outs = [output] if output else 1
-        if self.opset >= 13:
-            return self.op("Unsqueeze", [x, self.const(list(axes), hint="axes")], outs)
-        return self.op("Unsqueeze", [x], outs, axes=list(axes))
-
-    def squeeze(self, x: str, axes: Sequence[int], output: str | None = None) -> str:
-        outs = [output] if output else 1
-        if self.opset >= 13:
-            return self.op("Squeeze", [x, self.const(list(axes), hint="axes")], outs)
-        return self.op("Squeeze", [x], outs, axes=list(axes))
-
-    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: int,
-               output: str | None = None) -> str:
-        """Reduce* over ``axes`` (None: all): an input from opset 18 (ReduceSum: 13), an attribute before."""
-        outs = [output] if output else 1
-        if axes is None:
-            return self.op(op_type, [x], outs, keepdims=keepdims)
-        if self.opset >= (13 if op_type == "ReduceSum" else 18):
-            return self.op(op_type, [x, self.const(list(axes), hint="axes")], outs, keepdims=keepdims)
-        return self.op(op_type, [x], outs, axes=list(axes), keepdims=keepdims)
 
     def transpose(self, x: str, perm: Sequence[int], output: str | None = None) -> str:
         if list(perm) == list(range(len(perm))) and output is None:

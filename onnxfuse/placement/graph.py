@@ -28,6 +28,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from .._facts import GraphFacts
+from .._graph import name_nodes
+from .._graph import reads as graph_reads
 from ..errors import ConfigError, InputFileError
 from .orders import Dag, check_acyclic
 
@@ -138,21 +141,6 @@ def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
         raise InputFileError(f"'{path}' is not a readable ONNX model ({type(e).__name__}); re-export it") from e
 
 
-def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every node a unique, non-empty name ('{op}_{index}' where missing or repeated), in place.
-    Profiles, placements and sub-models all refer to nodes by name."""
-    seen: set[str] = set()
-    for i, node in enumerate(model.graph.node):
-        name = node.name
-        if not name or name in seen:
-            name = f"{node.op_type}_{i}"
-            while name in seen:
-                name += "_"
-            node.name = name
-        seen.add(name)
-    return model
-
-
 def bind_dims(model: onnx.ModelProto, batch_size: int | None = None,
               dims: Mapping[str, int] | None = None) -> onnx.ModelProto:
     """Fix every symbolic dimension of the graph inputs, in place: a named one from ``dims``, else the first free
@@ -195,19 +183,16 @@ def _static_shape(type_proto: onnx.TypeProto) -> tuple[int, ...] | None:
 
 
 def _inferred_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...] | None]]:
-    """{tensor: (elem_type, static shape or None)} from ONNX shape inference (partial results kept)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception as e:  # a custom-domain op can stop inference; the runtime fills the rest
-        warnings.warn(f"ONNX shape inference failed ({str(e).splitlines()[0][:200]}); sizes come from a run")
-        inferred = model
-    g = inferred.graph
+    """{tensor: (elem_type, static shape or None)} from the graph's facts (ONNX shape inference, partial results
+    kept)."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    facts = GraphFacts(model, opset)
+    if facts.inference_error:  # a custom-domain op can stop inference; the runtime fills the rest
+        warnings.warn(f"ONNX shape inference failed ({facts.inference_error}); sizes come from a run")
     out: dict[str, tuple[int, tuple[int, ...] | None]] = {}
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            out[vi.name] = (vi.type.tensor_type.elem_type, _static_shape(vi.type))
-    for t in g.initializer:
-        out[t.name] = (t.data_type, tuple(int(d) for d in t.dims))
+    for name, elem in facts.dtypes.items():
+        shape = facts.shapes.get(name)
+        out[name] = (elem, tuple(shape) if shape is not None and all(isinstance(d, int) for d in shape) else None)
     return out
 
 
@@ -321,21 +306,6 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return out
 
 
-def _implicit_inputs(node: onnx.NodeProto) -> list[str]:
-    """Outer-scope tensors a node's subgraphs (If, Loop, Scan) read: dependencies not listed in node.input."""
-    found: list[str] = []
-    for a in node.attribute:
-        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        for g in graphs:
-            local = {i.name for i in g.input} | {t.name for t in g.initializer}
-            for n in g.node:
-                for t in list(n.input) + _implicit_inputs(n):
-                    if t and t not in local and t not in found:
-                        found.append(t)
-                local.update(n.output)
-    return found
-
-
 def _is_training_graph(model: onnx.ModelProto) -> bool:
     return any(n.op_type.endswith("Grad") or n.op_type.startswith("InPlaceAccumulator") for n in model.graph.node)
 
@@ -380,7 +350,7 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
         names.append(node.name)
         ops.append(node.op_type)
         reads: list[str] = []
-        for t in list(node.input) + _implicit_inputs(node):
+        for t in graph_reads(node):
             if t and t not in reads:
                 reads.append(t)
         ins.append(reads)

@@ -25,10 +25,11 @@ The paper sorts BFS sources by name; here they go by index like every other tie,
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from .._graph import CycleError as GraphCycleError
+from .._graph import topological_order
 from ..errors import PlacementError
 
 __all__ = ["Dag", "CycleError", "ORDERS", "ORDER_NAMES", "traversal_order", "check_acyclic",
@@ -36,7 +37,7 @@ __all__ = ["Dag", "CycleError", "ORDERS", "ORDER_NAMES", "traversal_order", "che
            "reversed_postorder", "bfs", "by_name"]
 
 
-class CycleError(PlacementError, ValueError):
+class CycleError(PlacementError, GraphCycleError):
     """The graph has a cycle, so no traversal order (and no placement) exists."""
 
 
@@ -71,38 +72,13 @@ class Dag:
 
 
 def _kahn(dag: Dag, key: Callable[[int], object]) -> list[int]:
-    """Kahn's algorithm, the ready node with the smallest key first; raises CycleError if nodes remain."""
-    indeg = [len(p) for p in dag.preds]
-    ready = [(key(i), i) for i in range(len(dag)) if indeg[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, i = heapq.heappop(ready)
-        order.append(i)
-        for s in dag.succs[i]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(ready, (key(s), s))
-    if len(order) != len(dag):
-        raise CycleError(_describe_cycle(dag, set(range(len(dag))) - set(order)))
-    return order
-
-
-def _describe_cycle(dag: Dag, stuck: set[int]) -> str:
-    """Walk predecessors inside the nodes Kahn could not order until a node repeats: that loop is a cycle."""
-    i = min(stuck)
-    seen: dict[int, int] = {}
-    path: list[int] = []
-    while i not in seen:
-        seen[i] = len(path)
-        path.append(i)
-        i = next(p for p in dag.preds[i] if p in stuck)  # every stuck node has a stuck predecessor
-    cycle = list(reversed(path[seen[i]:]))
-    k = cycle.index(min(cycle))  # start the loop at its lowest node index
-    cycle = cycle[k:] + cycle[:k]
-    text = " -> ".join(f"'{dag.names[k]}'" for k in cycle + cycle[:1])
-    return (f"the graph has a cycle: {text}; a computation graph must be acyclic "
-            "(check the model with onnx.checker and re-export it)")
+    """Kahn's algorithm (the graph layer's one topological order), the ready node with the smallest key first;
+    raises CycleError naming the nodes on a cycle."""
+    try:
+        return topological_order(dag.preds, key, dag.names)
+    except GraphCycleError as e:
+        raise CycleError(f"{e}; a computation graph must be acyclic (check the model with onnx.checker and "
+                         "re-export it)") from None
 
 
 def check_acyclic(dag: Dag) -> None:
