@@ -15,10 +15,11 @@ One implementation of each, on ``onnx`` protos as they are (no conversion to ano
     Emitter                      appends nodes and constant initializers under fresh names, with the opset-dependent
                                  forms (axes as an attribute or an input) chosen in one place
 
-Why not onnx-ir or onnx-graphsurgeon (compared in docs/architecture.md): their topological sorts order differently
-(onnx-ir pops the latest node from the sinks up, graphsurgeon sorts depth-first) and take no key, and their dead-code
-removal also drops unused optional outputs (onnx-ir: the Mean and InvStdDev outputs the legalization adds to a
-LayerNormalization on purpose; graphsurgeon: unused graph inputs), so neither gives these passes' results exactly.
+Why not onnx-ir or onnx-graphsurgeon (compared in docs/architecture.md): neither sort takes a key, and both order
+differently (onnx-ir's ``Graph.sort`` pops the latest ready node from the sinks up; graphsurgeon's ``toposort`` sorts
+by depth from the inputs, recursively, so a long chain reaches Python's recursion limit); onnx-ir's
+``RemoveUnusedNodesPass`` also drops unused optional outputs (the Mean and InvStdDev outputs the legalization adds
+to a LayerNormalization on purpose, Dropout's mask), and both need a round trip through their own IR.
 """
 from __future__ import annotations
 
