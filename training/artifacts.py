@@ -236,14 +236,10 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     true = gb.const([True], np.bool_, "overwrite")
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
     # a non-finite new running statistic rejects the model's step like a non-finite parameter would
-    done, ok = opt.append_update(gb, [(p, f"{p}_grad", shapes[p]) for p in trainable], HYPER_INPUT,
-                                 "per_model_loss", buffers=[value for _, value in writes])
-    # running statistics are model-major too ([B*C] = [B, C]): a model whose step is rejected keeps its own
-    view = gb.const([opt.B, -1], np.int64, "model_view")
-    for stat, value in writes:
-        kept = gb.one("Where", [ok, gb.one("Reshape", [value, view]), gb.one("Reshape", [stat, view])])
-        kept = gb.one("Reshape", [kept, gb.one("Shape", [stat])])
-        done.append(gb.one("InPlaceAccumulatorV2", [stat, kept, true], domain="com.microsoft"))
+    updates, ok = opt.append_update(gb, [(p, f"{p}_grad", shapes[p]) for p in trainable], HYPER_INPUT,
+                                    "per_model_loss", buffers=writes)
+    done = [gb.one("InPlaceAccumulatorV2", [target, value, true], domain="com.microsoft")
+            for target, value in updates]
     flags = gb.one("Concat", done, axis=0)
     gb.one("ReduceMin", [gb.one("Cast", [flags], to=onnx.TensorProto.INT32)], output=UPDATED, keepdims=0)
     gb.one("Cast", [gb.one("Reshape", [ok, gb.const([-1], np.int64)])], output=OK, to=onnx.TensorProto.INT32)

@@ -138,11 +138,12 @@ class OptimizerConfig:
         return rows.astype(np.float32)[:, :, None]
 
     def append_update(self, gb: GraphBuilder, params: Sequence[tuple[str, str, Sequence[int]]], hyper: str,
-                      per_model_loss: str, buffers: Sequence[str] = ()) -> tuple[list[str], str]:
-        """Append the update of every (param, grad, fused shape). Returns the InPlaceAccumulatorV2 outputs and the
-        ``ok`` tensor [B, 1] (bool): the models whose step was applied. ``buffers``: the step's new values of
-        model-major buffers (BatchNorm running statistics, written by the caller with ``Where(ok, new, old)``);
-        a model whose new buffer is not finite is not ok either.
+                      per_model_loss: str, buffers: Sequence[tuple[str, str]] = ()) -> tuple[list[tuple[str, str]], str]:
+        """Append the update of every (param, grad, fused shape). Returns the writes ``[(tensor, its new value)]``
+        (parameters, optimizer state and buffers; a runtime applies them after the step: ONNX Runtime with
+        in-place accumulators, the torch runtime by copying) and the ``ok`` tensor [B, 1] (bool): the models whose
+        step was applied. ``buffers``: (model-major buffer, the step's new value), e.g. BatchNorm running
+        statistics; a rejected model keeps its old value, and a model whose new buffer is not finite is not ok.
 
         All parameters are updated as one flat ``[B, P]`` matrix (P = parameters per model): the views
         ``[B, -1]`` of every parameter and gradient are concatenated, the maths runs once, and Split hands each
@@ -154,8 +155,7 @@ class OptimizerConfig:
         view = gb.const([B, -1], np.int64, "model_view")
         row = {name: gb.one("Gather", [hyper, gb.const(k, np.int64, "row")], axis=0)
                for k, name in enumerate(self.rows())}
-        true = gb.const([True], np.bool_, "overwrite")
-        done: list[str] = []
+        writes: list[tuple[str, str]] = []
 
         def flat(names: list[str]) -> str:
             views = [gb.one("Reshape", [n, view]) for n in names]
@@ -206,21 +206,23 @@ class OptimizerConfig:
             # variance is not flagged), and non-finite exactly where some element is
             zero = gb.const(0.0)
             flags = [gb.reduce("ReduceSum", gb.one("Mul", [gb.one("Reshape", [v, view]), zero]), [1], keepdims=1)
-                     for v in buffers]
+                     for _, v in buffers]
             check = gb.one("Add", [check, flags[0] if len(flags) == 1 else gb.one("Sum", flags)])
         finite = gb.one("Not", [gb.one("Or", [gb.one("IsNaN", [check]), gb.one("IsInf", [check])])])
         ok = gb.one("And", [finite, gb.one("Greater", [row["active"], gb.const(0.5)])])
         for buf, new in news:
-            done.append(gb.one("InPlaceAccumulatorV2", [buf, gb.one("Where", [ok, new, buf]), true],
-                               domain="com.microsoft"))
+            writes.append((buf, gb.one("Where", [ok, new, buf])))
         Pn = gb.one("Where", [ok, Pn, P])
         sizes = [int(np.prod(shape)) // B for _, _, shape in params]
         pieces = [Pn] if len(params) == 1 else gb.emit("Split", [Pn, gb.const(sizes, np.int64, "sizes")],
                                                        len(params), axis=1)
         for (p, _, shape), piece in zip(params, pieces):
-            value = gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")])
-            done.append(gb.one("InPlaceAccumulatorV2", [p, value, true], domain="com.microsoft"))
-        return done, ok
+            writes.append((p, gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")])))
+        # running statistics are model-major too ([B*C] = [B, C]): a model whose step is rejected keeps its own
+        for stat, value in buffers:
+            kept = gb.one("Where", [ok, gb.one("Reshape", [value, view]), gb.one("Reshape", [stat, view])])
+            writes.append((stat, gb.one("Reshape", [kept, gb.one("Shape", [stat])])))
+        return writes, ok
 
 
 def make_optimizer(kind: str, B: int, lr=None, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=None,

@@ -11,13 +11,14 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from onnxfuse.errors import ConfigError, DataError, InputFileError
+from onnxfuse.errors import ConfigError, InputFileError
 from onnxfuse.weights import ArraySpec
 
 from .artifacts import build_artifacts
 from .data import Dataset
 from .losses import LABELS, LossSpec, get_loss
 from .optim import OptimizerConfig, StepValues
+from .runtime import check_feeds, evaluate
 
 __all__ = ["FusedTrainer", "load_array", "check_device"]
 
@@ -99,10 +100,7 @@ class FusedTrainer:
         return x if isinstance(x, np.ndarray) else x.numpy()
 
     def _feeds(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        missing = [n for n in self.inputs if n not in feeds]
-        if missing:
-            raise DataError(f"the batch has no array '{missing[0]}'; a step needs {', '.join(self.inputs)}")
-        return [feeds[n] for n in self.inputs]
+        return check_feeds(self.inputs, feeds)
 
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray:
         """One training step of every model; returns the per-model losses [B]. ``values``: this step's per-model
@@ -114,41 +112,19 @@ class FusedTrainer:
         self.last_ok = self._np(ok).astype(bool)
         return self._np(per_model)
 
-    def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
-        """Per-model mean loss over ``data`` with the eval graph (BatchNorm on running statistics, Dropout off),
-        and for cross-entropy / nll the accuracy: the fraction of labels (every labelled element for [N, C, d...]
-        or class-axis -1 outputs) whose argmax class is right, ignored labels left out, as the loss does."""
-        B, loss = self.spec.B, self.loss
+    def eval_batch(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-model losses [B] and the fused output of one batch with the eval graph (BatchNorm on running
+        statistics, Dropout off)."""
         self.module.eval()
-        n = len(data)
-        loss_sum, weight = np.zeros(B), np.zeros(B)
-        correct, counted = np.zeros(B), np.zeros(B)
-        axis = loss.resolved_class_axis(self.spec.outputs[0]["shape"]) + 1 if loss.classification else None
         try:
-            for start in range(0, n, batch_size):
-                stop = min(n, start + batch_size)
-                batch = data.batch(slice(start, stop))
-                outs = self.module(*self._args(self._feeds(batch)))
-                per_model, scores = self._np(outs[0]), self._np(outs[1])
-                if loss.classification:
-                    # the loss of a batch is a mean over its kept labels: weight it by their count
-                    labels = np.broadcast_to(batch[LABELS], scores.shape[:axis] + scores.shape[axis + 1:])
-                    keep = (labels != loss.ignore_index).reshape(B, -1)
-                    hits = (scores.argmax(axis) == labels).reshape(B, -1) & keep
-                    correct += hits.sum(1)
-                    w = keep.sum(1).astype(np.float64)
-                    counted += w
-                else:
-                    w = np.full(B, float(stop - start))
-                loss_sum += np.where(w > 0, per_model * w, 0.0)
-                weight += w
+            outs = self.module(*self._args(self._feeds(feeds)))
         finally:
             self.module.train()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = {"loss": loss_sum / weight}
-            if loss.classification:
-                out["accuracy"] = correct / counted
-        return out
+        return self._np(outs[0]), self._np(outs[1])
+
+    def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
+        """See :func:`training.runtime.evaluate`."""
+        return evaluate(self, data, batch_size)
 
     def weights(self) -> dict[str, np.ndarray]:
         """Copies of the fused weights (parameters and buffers), by fused name."""
@@ -156,6 +132,28 @@ class FusedTrainer:
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return {n: self.state.parameters[n].data.copy() for n in self.art.optimizer_state}
+
+    def load(self, tensors: dict[str, np.ndarray]) -> None:
+        """Set parameters, buffers or optimizer state by name."""
+        for name, value in tensors.items():
+            self.state.parameters[name].data = np.ascontiguousarray(value)
+
+    @property
+    def trainable(self) -> list[str]:
+        return self.art.trainable
+
+    @property
+    def buffers(self) -> list[str]:
+        return self.art.buffers
+
+    @staticmethod
+    def unavailable(device: str) -> str | None:
+        """Why this runtime cannot train on ``device`` (None: it can)."""
+        try:
+            check_device(device)
+        except ConfigError as e:
+            return str(e)
+        return None
 
     def save_checkpoint(self, path: str) -> None:
         from onnxruntime.training.api import CheckpointState

@@ -8,7 +8,7 @@ is also trained alone, **on the same runtime**, and the two are compared tensor 
 (state_dict) name.
 
 *Alone* is a one-model array built from the array's ``sources/model_0.onnx`` by the same pipeline
-(``fuse_models``), trained by a :class:`FusedTrainer` like any array. The B source graphs are identical up to
+(``fuse_models``), trained by the same runtime as the array. The B source graphs are identical up to
 weights, so ONE such reference is built; for each model b, model b's state is loaded into it (by original name,
 through both arrays' weight mappings, whatever slot layouts their rules chose), the step is run with model b's
 slice of the batch and model b's hyper-parameters at that step, and its result is read back.
@@ -75,7 +75,7 @@ from onnxfuse.weights import ArraySpec, pack_weights, unpack_weight
 
 from .losses import LABELS
 from .optim import STATE_PREFIX, OptimizerConfig, StepValues
-from .trainer import FusedTrainer
+from .runtime import Runtime
 
 __all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "has_random_dropout",
            "without_dropout", "RTOL", "ATOL_FRACTION", "LOSS_RTOL", "LOSS_ATOL"]
@@ -300,22 +300,20 @@ class _ModelState:
     optim: dict[str, dict[str, np.ndarray]]
 
 
-def _read(trainer: FusedTrainer, b: int, weights=None, optim=None) -> _ModelState:
+def _read(trainer: Runtime, b: int, weights=None, optim=None) -> _ModelState:
     """Model b's state in ``trainer`` (or in the given copies of its fused weights / optimizer state)."""
     weights = trainer.weights() if weights is None else weights
     optim = trainer.optimizer_state() if optim is None else optim
-    per_param = {s: _pieces(trainer.spec, _unflatten(v, trainer.spec, trainer.art.trainable), b)
+    per_param = {s: _pieces(trainer.spec, _unflatten(v, trainer.spec, trainer.trainable), b)
                  for s, v in optim.items()}
     return _ModelState(_pieces(trainer.spec, weights, b), per_param)
 
 
-def _load(reference: FusedTrainer, state: _ModelState) -> None:
+def _load(reference: Runtime, state: _ModelState) -> None:
     """Write one model's state into the one-model reference, through the reference's own weight mapping."""
-    for name, value in _pack(reference.spec, state.weights).items():
-        reference.state.parameters[name].data = value
-    for s, pieces in state.optim.items():
-        reference.state.parameters[s].data = _flatten(_pack(reference.spec, pieces), reference.spec,
-                                                      reference.art.trainable)
+    reference.load(_pack(reference.spec, state.weights))
+    reference.load({s: _flatten(_pack(reference.spec, pieces), reference.spec, reference.trainable)
+                    for s, pieces in state.optim.items()})
 
 
 # --------------------------------------------------------------------------------------------- the comparison
@@ -396,7 +394,7 @@ class _FusedStep:
     after: tuple[dict, dict]
 
 
-def _fused_step(trainer: FusedTrainer, feeds: dict[str, np.ndarray], values: StepValues,
+def _fused_step(trainer: Runtime, feeds: dict[str, np.ndarray], values: StepValues,
                 before: tuple[dict, dict]) -> _FusedStep:
     number = trainer.steps + 1
     rows = trainer.opt.coefficients(number, values)[:, :, 0].astype(np.float64)
@@ -405,7 +403,7 @@ def _fused_step(trainer: FusedTrainer, feeds: dict[str, np.ndarray], values: Ste
                       (trainer.weights(), trainer.optimizer_state()))
 
 
-def _check_model(step: _FusedStep, b: int, trainer: FusedTrainer, reference: FusedTrainer,
+def _check_model(step: _FusedStep, b: int, trainer: Runtime, reference: Runtime,
                  per_model: set[str]) -> ModelCheck:
     """Model b's part of ``step`` against the same step of model b alone, from the same state."""
     spec, opt = trainer.spec, trainer.opt
@@ -422,8 +420,8 @@ def _check_model(step: _FusedStep, b: int, trainer: FusedTrainer, reference: Fus
         return check  # a step rejected in both changed nothing; rejected in one is a mismatch already
     alone_after = _read(reference, 0)
     rows = dict(zip(opt.rows(), step.rows[:, b]))
-    params = [spec.weights[n].sources[0] for n in trainer.art.trainable]
-    buffers = [spec.weights[n].sources[0] for n in trainer.art.buffers]
+    params = [spec.weights[n].sources[0] for n in trainer.trainable]
+    buffers = [spec.weights[n].sources[0] for n in trainer.buffers]
     names = {fw.sources[0]: fw.sources[b] for fw in spec.weights.values()}
     g_fused, _ = _gradients(opt, rows, before, fused_after, params)
     g_alone, floors = _gradients(opt, rows, before, alone_after, params)
@@ -433,7 +431,7 @@ def _check_model(step: _FusedStep, b: int, trainer: FusedTrainer, reference: Fus
     return check
 
 
-def verify_steps(trainer: FusedTrainer, one_model: tuple[onnx.ModelProto, ArraySpec],
+def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
                  batches: Sequence[dict[str, np.ndarray]], values: Sequence[StepValues]) -> VerifyReport:
     """Check ``len(batches)`` steps of the array in ``trainer`` (from its current state: step t with ``values[t]``
     on ``batches[t]``) against every model trained alone (see the module docstring). ``one_model`` is the
@@ -445,7 +443,7 @@ def verify_steps(trainer: FusedTrainer, one_model: tuple[onnx.ModelProto, ArrayS
     spec = trainer.spec
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")} | (
         {LABELS} if trainer.loss.per_model_labels else set())
-    reference = FusedTrainer(*one_model, trainer.loss, reference_optimizer(trainer.opt), trainer.device)
+    reference = type(trainer)(*one_model, trainer.loss, reference_optimizer(trainer.opt), device=trainer.device)
     saved = (trainer.weights(), trainer.optimizer_state())
     saved_steps = trainer.steps
     checks: list[ModelCheck] = []
@@ -456,7 +454,6 @@ def verify_steps(trainer: FusedTrainer, one_model: tuple[onnx.ModelProto, ArrayS
             checks += [_check_model(step, b, trainer, reference, per_model) for b in range(spec.B)]
             state = step.after
     finally:
-        for name, value in list(saved[0].items()) + list(saved[1].items()):
-            trainer.state.parameters[name].data = value
+        trainer.load({**saved[0], **saved[1]})
         trainer.steps = saved_steps
     return VerifyReport(len(batches), checks, time.perf_counter() - t0)
