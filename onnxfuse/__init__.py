@@ -5,6 +5,7 @@ Core (this package) works on ONNX alone; ``onnxfuse.exporters`` turns torch modu
 """
 from __future__ import annotations
 
+from .array import ArrayDir
 from .errors import (ConfigError, DataError, InputFileError, NotFusibleError, OnnxFuseError,
                      UnsupportedOpError)
 from .layout import SHARED, Layout, packed, stacked
@@ -15,7 +16,7 @@ from .weights import ArraySpec, FusedWeight, WeightSlot, pack_weights, unpack_we
 __version__ = "0.1.0"
 
 __all__ = [
-    "fuse_models", "save_array", "FusedArray", "ArraySpec", "FusedWeight", "WeightSlot", "pack_weights",
+    "fuse_models", "save_array", "FusedArray", "ArrayDir", "ArraySpec", "FusedWeight", "WeightSlot", "pack_weights",
     "unpack_weight", "Layout", "SHARED", "stacked", "packed", "supported_ops",
     "OnnxFuseError", "InputFileError", "NotFusibleError", "UnsupportedOpError", "ConfigError", "DataError",
 ]

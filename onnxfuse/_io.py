@@ -1,7 +1,7 @@
 """Writing folders atomically: build in a temporary sibling, then rename, so a failure leaves nothing behind.
 
 The temporary names start with a dot and end in ``.tmp-<random>`` / ``.old-<random>``: a process killed in between
-leaves them, and the next command on an array folder removes them (``_folder.remove_temporaries``)."""
+leaves them, and the next command on an array folder removes them (``ArrayDir.remove_temporaries``)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,4 @@
-"""One command at a time per array folder: an exclusive ``flock`` on ``ARRAY_DIR/.onnxfuse.lock``.
+"""One command at a time per array folder: an exclusive ``flock`` on a lock file in it (``array.py`` names it).
 
 The kernel releases a ``flock`` when its process ends, however it ends (SIGKILL included), so a lock left behind
 by a killed process is never in the way: the next command takes it over (and logs it). The holder writes its pid,
@@ -26,9 +26,8 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["LOCK_FILE", "array_lock"]
+__all__ = ["array_lock"]
 
-LOCK_FILE = ".onnxfuse.lock"
 log = logging.getLogger("onnxfuse")
 _held: dict[str, tuple[int, int]] = {}  # real path of the folder -> (fd, holds)
 _warned = False
@@ -50,9 +49,9 @@ def _describe(info: dict) -> str:
 
 
 @contextlib.contextmanager
-def array_lock(array_dir: str | os.PathLike, command: str) -> Iterator[None]:
-    """Hold the folder's lock for ``command`` (a word for messages: train, split, ...); raise
-    :class:`ArrayBusyError` naming the holder when another process holds it. The folder must exist."""
+def array_lock(array_dir: str | os.PathLike, command: str, lock_name: str) -> Iterator[None]:
+    """Hold the folder's lock, the file ``lock_name`` in it, for ``command`` (a word for messages: train, split,
+    ...); raise :class:`ArrayBusyError` naming the holder when another process holds it. The folder must exist."""
     global _warned
     key = os.path.realpath(os.fspath(array_dir))
     if fcntl is None:  # pragma: no cover
@@ -70,7 +69,7 @@ def array_lock(array_dir: str | os.PathLike, command: str) -> Iterator[None]:
             fd, holds = _held[key]
             _held[key] = (fd, holds - 1)
         return
-    path = os.path.join(key, LOCK_FILE)
+    path = os.path.join(key, lock_name)
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -11,7 +11,7 @@ import traceback
 import warnings
 
 from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error
-from .training.losses import LOSSES
+from .training.settings import add_flags
 
 __all__ = ["main", "build_parser"]
 
@@ -45,7 +45,7 @@ def _model_files(items: list[str]) -> list[str]:
 
 
 def cmd_export(args) -> int:
-    from ._folder import check_output_location
+    from .array import check_output_location
     from .exporters import export_array, load_factory
 
     shape = _numbers(args.input_shape, "--input-shape", int)
@@ -62,18 +62,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_fuse(args) -> int:
-    from ._folder import check_output_location, is_array, open_array
     from ._io import check_output_dir
+    from .array import ArrayDir, check_output_location
 
     check_output_location(args.output, args.models)
     check_output_dir(args.output, args.overwrite)
-    if args.overwrite and is_array(args.output):  # replacing an array: not while another command uses it
-        with open_array(args.output, "fuse"):
+    if args.overwrite and ArrayDir.is_array(args.output):  # replacing an array: not while another command uses it
+        with ArrayDir(args.output).locked("fuse"):
             return _fuse(args)
     return _fuse(args)
 
 
 def _fuse(args) -> int:
+    from .array import ArrayDir
     from .passes import fuse_models, save_array
 
     files = _model_files(args.models)
@@ -84,8 +85,8 @@ def _fuse(args) -> int:
     for w in caught:
         print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
-    s = fa.spec.summary
-    print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {args.output}/fused.onnx: {s['nodes']} nodes per "
+    s, fused = fa.spec.summary, ArrayDir(args.output).fused_path
+    print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {fused}: {s['nodes']} nodes per "
           f"model -> {s['fused_nodes']} fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, "
           f"{s['shared']} shared, {s['layout_changes']} layout changes); fused fraction "
           f"{100 * s['fused_fraction']:.1f}%; "
@@ -93,43 +94,11 @@ def _fuse(args) -> int:
     return 0
 
 
-def _train_settings(args) -> dict:
-    """The training settings given as flags (only those given: they override the config file)."""
-    nums = lambda flag, attr, cast=float: _numbers(getattr(args, attr), flag, cast)  # noqa: E731
-    given = {
-        "steps": args.steps, "epochs": args.epochs, "batch_size": args.batch_size, "loss": args.loss,
-        "optimizer": args.optimizer, "lr": nums("--lr", "lr"), "momentum": nums("--momentum", "momentum"),
-        "dampening": nums("--dampening", "dampening"), "weight_decay": nums("--weight-decay", "weight_decay"),
-        "eps": nums("--eps", "eps"), "clip_grad_norm": nums("--clip-grad-norm", "clip_grad_norm"),
-        "betas": tuple(nums("--betas", "betas")) if args.betas else None,
-        "nesterov": True if args.nesterov else None, "amsgrad": True if args.amsgrad else None,
-        "seed": args.seed, "device": args.device, "log_every": args.log_every, "data_order": args.data_order,
-        "eval_every": args.eval_every, "eval_fraction": args.eval_fraction, "checkpoint_every": args.checkpoint_every,
-        "keep_checkpoints": args.keep_checkpoints, "on_diverge": args.on_diverge,
-        "halving": _numbers(args.halving, "--halving", int), "halving_keep": args.halving_keep,
-        "shuffle": False if args.no_shuffle else None, "per_model_labels": True if args.per_model_labels else None,
-        "verify_steps": args.verify_steps,
-        "allow_nonfinite_data": True if args.allow_nonfinite_data else None,
-    }
-    loss_options = {k: v for k, v in (("label_smoothing", args.label_smoothing), ("ignore_index", args.ignore_index),
-                                      ("class_axis", args.class_axis)) if v is not None}
-    if loss_options:
-        given["loss_options"] = loss_options
-    if args.schedule:
-        sched = {"name": args.schedule}
-        for key in ("warmup_steps", "step_size", "gamma", "max_lr", "end_factor"):
-            if getattr(args, key) is not None:
-                sched[key] = getattr(args, key)
-        if args.milestones:
-            sched["milestones"] = _numbers(args.milestones, "--milestones", int)
-        given["schedule"] = sched
-    return {k: v for k, v in given.items() if v is not None}
-
-
 def _run_config(args, resume: bool = False):
     """(TrainConfig or None, overrides or None, data, eval data) from --config and the flags; with ``resume`` and
     no config file: no TrainConfig, and the flags override the checkpoint's own settings."""
     from .training import TrainConfig
+    from .training.settings import flags_to_settings
 
     settings, data, eval_data = {}, args.data, args.eval_data
     if args.config:
@@ -138,7 +107,7 @@ def _run_config(args, resume: bool = False):
         cfg_file = load_config(args.config)
         settings, file_data, file_eval = config_to_train_settings(cfg_file, args.array)
         data, eval_data = data or file_data, eval_data or file_eval
-    flags = _train_settings(args)
+    flags = flags_to_settings(args)
     if resume and not args.config:
         return None, flags, data, eval_data
     settings.update(flags)
@@ -223,57 +192,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
                    "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
     p.add_argument("--eval-data", help="held-out data, the same forms as --data")
-    p.add_argument("--eval-fraction", type=float, help="hold out this fraction of --data for evaluation")
-    p.add_argument("--eval-every", type=int, help="evaluate every K steps (0: at the end only)")
-    p.add_argument("--loss", choices=list(LOSSES),
-                   help="cross-entropy / nll: labels are class indices; mse, l1, bce-with-logits: targets shaped "
-                   "like the output; model: the output is the loss (no labels)")
-    p.add_argument("--label-smoothing", type=float, help="cross-entropy label smoothing in [0, 1] (default 0)")
-    p.add_argument("--ignore-index", type=int,
-                   help="cross-entropy / nll: labels with this value count for nothing (default -100)")
-    p.add_argument("--class-axis", type=int,
-                   help="class axis of the output: 1 for [N, C, ...] (default), -1 for [N, T, V] language models")
-    p.add_argument("--per-model-labels", action="store_true",
-                   help="'labels' in the data file is [B, n, ...]: one set of labels per model")
-    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="default sgd")
-    p.add_argument("--lr", help="learning rate: one value, or one per model (comma-separated); default 1e-3")
-    p.add_argument("--momentum", help="SGD momentum, one or one per model (default 0)")
-    p.add_argument("--dampening", help="SGD dampening, one or one per model (default 0)")
-    p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum (per model: --config)")
-    p.add_argument("--weight-decay", help="one or one per model (default: AdamW 0.01, otherwise 0, as torch.optim)")
-    p.add_argument("--betas", help="Adam/AdamW beta1,beta2 (default 0.9,0.999; per model: --config)")
-    p.add_argument("--eps", help="Adam/AdamW eps, one or one per model (default 1e-8)")
-    p.add_argument("--amsgrad", action="store_true", help="Adam/AdamW amsgrad (per model: --config)")
-    p.add_argument("--clip-grad-norm", help="clip each model's gradient norm to this (one or one per model)")
-    p.add_argument("--schedule", choices=["constant", "step", "multistep", "exponential", "cosine", "linear",
-                                          "onecycle"], help="learning-rate schedule (torch.optim.lr_scheduler)")
-    p.add_argument("--warmup-steps", type=int, help="cosine/linear: linear warm-up steps")
-    p.add_argument("--step-size", type=int, help="step: decay every K steps")
-    p.add_argument("--gamma", type=float, help="step/multistep/exponential decay factor")
-    p.add_argument("--milestones", help="multistep: comma-separated steps")
-    p.add_argument("--max-lr", type=float, help="onecycle: peak learning rate")
-    p.add_argument("--end-factor", type=float, help="linear: final lr factor (default 0)")
-    p.add_argument("--steps", type=int, help="optimizer steps (or --epochs)")
-    p.add_argument("--epochs", type=int, help="passes over the data (or --steps)")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--no-shuffle", action="store_true", help="take batches in file order")
-    p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
-    p.add_argument("--data-order", choices=["shared", "per-model", "shards"],
-                   help="shared batches (default), an own shuffle per model, or shard b for model b")
-    p.add_argument("--on-diverge", choices=["freeze", "stop"],
-                   help="a model whose loss or update is not finite: freeze it (default) or stop the run")
-    p.add_argument("--halving", help="steps at which successive halving keeps the best half by eval loss")
-    p.add_argument("--halving-keep", type=float, help="fraction kept at each halving (default 0.5)")
-    p.add_argument("--checkpoint-every", type=int, help="write a checkpoint every K steps (0: never)")
-    p.add_argument("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
-    p.add_argument("--device", help="cpu (default) or cuda[:id]")
-    p.add_argument("--log-every", type=int, help="write training metrics every K steps (default 1)")
-    p.add_argument("--verify-steps", type=int,
-                   help="before training, check the first K steps of every model against the model trained "
-                   "alone on the same runtime (default 1; 0: skip; a resumed run skips it)")
-    p.add_argument("--allow-nonfinite-data", action="store_true",
-                   help="train on data with NaN or inf in its inputs or float labels (by default that is an error "
-                   "naming the first such value)")
+    add_flags(p)  # every training setting, from training/settings.py (the registries included)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -14,9 +13,8 @@ from typing import Sequence
 import onnx
 from onnx import numpy_helper
 
-from . import _folder as array_folder
 from ._graph import cleanup_pass, toposort_pass
-from ._io import atomic_dir
+from .array import ArrayDir
 from .engine import fuse_aligned
 from .errors import ConfigError, NotFusibleError
 from .identity import check_identical
@@ -112,17 +110,11 @@ def _strip_weights(src: SourceModel) -> onnx.ModelProto:
 
 
 def save_array(fa: FusedArray, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
-    """Write ``fused.onnx``, ``array.json`` and the weightless source graphs to ``out_dir`` atomically. With
-    ``overwrite``, an array folder there is replaced as a whole (its runs too), holding its lock."""
+    """Write the array folder (:class:`onnxfuse.array.ArrayDir`): the fused graph, its spec and the weightless
+    source graphs, atomically. With ``overwrite``, an array folder there is replaced as a whole (its runs too),
+    holding its lock."""
     out_dir = os.fspath(out_dir)
-    replacing = overwrite and array_folder.is_array(out_dir)
-    with array_folder.open_array(out_dir, "fuse") if replacing else contextlib.nullcontext():
-        with atomic_dir(out_dir, overwrite) as tmp:
-            onnx.save(fa.model, os.path.join(tmp, array_folder.FUSED))
-            fa.spec.save(os.path.join(tmp, array_folder.SPEC))
-            os.makedirs(os.path.join(tmp, array_folder.SOURCES))
-            for b, src in enumerate(fa.sources):
-                onnx.save(_strip_weights(src), os.path.join(tmp, array_folder.SOURCES, f"model_{b}.onnx"))
+    ArrayDir.create(out_dir, fa.model, fa.spec, [_strip_weights(src) for src in fa.sources], overwrite)
     return out_dir
 
 

@@ -2,11 +2,11 @@
 its trained weights) and ``model_{b}.safetensors`` (the original state_dict keys, loadable with
 ``load_state_dict(strict=True)``).
 
-The weights are the array's trained ones (``trained/``), of the folder's current run; an array without them
-(never trained, or its run did not finish) is refused unless the initial weights are asked for (``initial``)."""
+The weights are the array's trained ones, of the folder's current run (``ArrayDir.trained``); an array without
+them (never trained, or its run did not finish) is refused unless the initial weights are asked for
+(``initial``)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Sequence
 
@@ -14,15 +14,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from . import _folder as array_folder
-from ._io import atomic_dir, load_safetensors
+from ._io import atomic_dir
+from .array import ArrayDir, check_output_location
 from .errors import InputFileError
 from .weights import ArraySpec, unpack_weight
 
-__all__ = ["to_inference", "load_fused_weights", "split_weights", "model_steps", "final_states", "split_array",
-           "TRAINED_DIR"]
-
-TRAINED_DIR = array_folder.TRAINED
+__all__ = ["to_inference", "split_weights", "model_steps", "final_states", "split_array"]
 
 
 def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -36,37 +33,6 @@ def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
         elif node.op_type == "Dropout" and len(node.input) > 2:
             node.input[2] = ""
     return model
-
-
-def load_fused_weights(array_dir: str, initial: bool = False) -> tuple[dict[str, np.ndarray], dict]:
-    """The trained fused weights and the train state; with ``initial``, the initial weights from fused.onnx.
-    An array without trained weights is an InputFileError saying why (never trained, or its run unfinished)."""
-    trained = os.path.join(array_dir, TRAINED_DIR)
-    wfile, sfile = os.path.join(trained, "weights.safetensors"), os.path.join(trained, array_folder.TRAIN_STATE)
-    if not initial:
-        if not os.path.isdir(trained):
-            unfinished = array_folder.describe_unfinished(array_dir)
-            if unfinished:
-                raise InputFileError(f"'{array_dir}' has no trained weights: {unfinished}; continue it with "
-                                     f"`onnxfuse train {array_dir} --resume` (or train again), or pass --initial to "
-                                     "split the initial weights")
-            raise InputFileError(f"'{array_dir}' has not been trained (no {TRAINED_DIR}/): train it with `onnxfuse "
-                                 "train` first, or pass --initial to split the initial weights")
-        fix = "train the array again (or resume its run), or pass --initial to split the initial weights"
-        try:
-            with open(sfile) as f:
-                state = json.load(f)
-        except (OSError, ValueError) as e:
-            raise InputFileError(f"'{sfile}' is missing or not readable ({type(e).__name__}); {fix}") from e
-        return load_safetensors(wfile, fix), state
-    fused = os.path.join(array_dir, "fused.onnx")
-    if not os.path.exists(fused):
-        raise InputFileError(f"'{array_dir}' has no fused.onnx; create the array with `onnxfuse fuse`")
-    try:
-        model = onnx.load(fused)
-    except Exception as e:
-        raise InputFileError(f"'{fused}' is not a readable ONNX model; re-run `onnxfuse fuse`") from e
-    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, {"steps": 0}
 
 
 def model_steps(status: dict | None, steps: int) -> int:
@@ -110,30 +76,28 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
     return out
 
 
-def final_states(array_dir: str, spec: ArraySpec, initial: bool = False) -> list[dict[str, np.ndarray]]:
-    """Every original model's state_dict after training (``initial``: as fused). A run that shrank the
-    array (successive halving) stored the surviving array (``trained/array.json``) and each dropped model's state
-    at the step it was dropped (``trained/dropped/model_<b>.safetensors``). A diverged model's
-    ``num_batches_tracked`` stopped with it."""
-    fused, train_state = load_fused_weights(array_dir, initial)
-    trained = os.path.join(array_dir, TRAINED_DIR)
-    current = spec
-    if not initial and os.path.exists(os.path.join(trained, "array.json")):
-        current = ArraySpec.load(os.path.join(trained, "array.json"))
-    missing = [n for n in current.weights if n not in fused]
+def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = False
+                 ) -> list[dict[str, np.ndarray]]:
+    """Every original model's state_dict after the current run (``initial``: as fused), from what
+    :meth:`ArrayDir.trained` gives. A run that shrank the array (successive halving) stored the surviving array
+    and each dropped model's state at the step it was dropped. A diverged model's ``num_batches_tracked`` stopped
+    with it."""
+    array = ArrayDir(array_dir)
+    trained = array.trained(initial)
+    current = trained.spec or spec
+    missing = [n for n in current.weights if n not in trained.weights]
     if missing:
-        raise InputFileError(f"'{array_dir}': fused weight '{missing[0]}' is missing from the stored weights; "
+        raise InputFileError(f"'{array.path}': fused weight '{missing[0]}' is missing from the stored weights; "
                              "re-run `onnxfuse fuse` or `onnxfuse train`")
-    models = train_state.get("models", list(range(current.B)))
-    steps, status = int(train_state.get("steps", 0)), train_state.get("status", {})
+    models = trained.models if trained.models is not None else list(range(current.B))
     states: list = [None] * spec.B
-    for b, state in zip(models, split_weights(current, fused, [model_steps(status.get(str(b)), steps)
-                                                                for b in models])):
+    for b, state in zip(models, split_weights(current, trained.weights,
+                                              [model_steps(trained.status.get(str(b)), trained.steps)
+                                               for b in models])):
         states[b] = state
     for b in range(spec.B):
         if states[b] is None:
-            path = os.path.join(trained, "dropped", f"model_{b}.safetensors")
-            states[b] = load_safetensors(path, f"model {b} was dropped and its state is lost: train the array "
+            states[b] = array.dropped_state(b, f"model {b} was dropped and its state is lost: train the array "
                                                "again, or pass --initial to split the initial weights")
     return states
 
@@ -145,27 +109,22 @@ def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
     The weights are the current run's trained ones (an array without them is refused); ``initial``: the
     weights the array was fused with. ``out_dir`` may not be, be inside, or contain the array folder. Holds the
     array folder's lock."""
-    array_dir, out_dir = os.fspath(array_dir), os.fspath(out_dir)
-    if not os.path.isdir(array_dir):
-        raise InputFileError(f"array folder '{array_dir}' does not exist; create it with `onnxfuse fuse`")
-    array_folder.check_output_location(out_dir, [array_dir])
-    with array_folder.open_array(array_dir, "split"):
-        return _split_locked(array_dir, out_dir, overwrite, initial)
+    array, out_dir = ArrayDir(array_dir), os.fspath(out_dir)
+    if not os.path.isdir(array.path):
+        raise InputFileError(f"array folder '{array.path}' does not exist; create it with `onnxfuse fuse`")
+    check_output_location(out_dir, [array.path])
+    with array.locked("split"):
+        return _split_locked(array, out_dir, overwrite, initial)
 
 
-def _split_locked(array_dir: str, out_dir: str, overwrite: bool, initial: bool) -> list[str]:
+def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool) -> list[str]:
     from safetensors.numpy import save_file
 
-    spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
+    spec = array.load_spec()
     if not initial:
-        array_folder.check_one_run(array_dir)
-    per_model = final_states(array_dir, spec, initial)
-    sources = []
-    for b in range(spec.B):
-        path = os.path.join(array_dir, "sources", f"model_{b}.onnx")
-        if not os.path.exists(path):
-            raise InputFileError(f"'{path}' is missing; re-run `onnxfuse fuse`")
-        sources.append(onnx.load(path))
+        array.check_one_run()
+    per_model = final_states(array.path, spec, initial)
+    sources = [array.load_source(b) for b in range(spec.B)]
     paths = []
     with atomic_dir(out_dir, overwrite) as tmp:
         for b, (src, state) in enumerate(zip(sources, per_model)):

@@ -34,26 +34,42 @@ import numpy as np
 from onnxfuse.errors import ConfigError
 
 from ._builder import GraphBuilder
+from .settings import BOOL, OPTIMIZERS as _REGISTRY, RUN_SETTINGS, OptimizerSpec, Param, check_optimizer, \
+    check_value, pair, real, register_optimizer
 
 __all__ = ["OptimizerConfig", "make_optimizer", "OPTIMIZERS", "HYPER_INPUT", "STATE_PREFIX", "StepValues"]
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
 HYPER_INPUT = "optim.hyper"
 STATE_PREFIX = "optim."
 
+# ---- the optimizers and their hyper-parameters (torch.optim's defaults), registered once; the CLI flags, config
+# keys, TrainConfig fields and placement's choices are made from these. A parameter shared by several optimizers
+# is one Param. The maths of each is OptimizerConfig's code for its name below.
+LR = Param("lr", real(ge=0.0), 1e-3, "learning rate", per_model=True)
+WEIGHT_DECAY = Param("weight_decay", real(ge=0.0), 0.0, "weight decay (Adam: L2 added to the gradient; AdamW: "
+                     "decoupled)", per_model=True)
+MOMENTUM = Param("momentum", real(ge=0.0, lt=1.0), 0.0, "momentum", per_model=True)
+DAMPENING = Param("dampening", real(ge=0.0, le=1.0), 0.0, "dampening", per_model=True)
+NESTEROV = Param("nesterov", BOOL, False, "Nesterov momentum (needs momentum > 0 and dampening 0)", per_model=True)
+BETAS = Param("betas", pair(real(ge=0.0, lt=1.0), "a pair [beta1, beta2], each in [0, 1)"), (0.9, 0.999),
+              "beta1,beta2 (one pair, or one per model in --config)", per_model=True)
+EPS = Param("eps", real(gt=0.0), 1e-8, "eps", per_model=True)
+AMSGRAD = Param("amsgrad", BOOL, False, "AMSGrad", per_model=True)
 
-def _per_model(name: str, value, B: int, cast=float) -> list:
-    """A scalar applies to every model; a list must have exactly B values."""
-    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value]
-    if len(values) == 1:
-        values = values * B
-    if len(values) != B:
-        raise ConfigError(f"{name} has {len(values)} values but the array has B={B} models; "
-                          "give one value, or one per model")
-    try:
-        return [cast(v) for v in values]
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{name}: {e}") from e
+
+def _nesterov_rule(v: dict) -> str | None:
+    if v["nesterov"] and (v["momentum"] <= 0 or v["dampening"] != 0):
+        return (f"nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD), got momentum {v['momentum']} "
+                f"and dampening {v['dampening']}")
+    return None
+
+
+register_optimizer(OptimizerSpec("sgd", (LR, MOMENTUM, DAMPENING, NESTEROV, WEIGHT_DECAY), "torch.optim.SGD",
+                                 state_slots=1, check=_nesterov_rule))
+register_optimizer(OptimizerSpec("adam", (LR, WEIGHT_DECAY, BETAS, EPS, AMSGRAD), "torch.optim.Adam", state_slots=2))
+register_optimizer(OptimizerSpec("adamw", (LR, WEIGHT_DECAY.with_default(1e-2), BETAS, EPS, AMSGRAD),
+                                 "torch.optim.AdamW", state_slots=2))
+OPTIMIZERS = tuple(_REGISTRY)  # the built-in names (the registry, settings.OPTIMIZERS, is what grows)
 
 
 @dataclass
@@ -225,45 +241,26 @@ class OptimizerConfig:
         return writes, ok
 
 
-def make_optimizer(kind: str, B: int, lr=None, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=None,
-                   betas=(0.9, 0.999), eps=1e-8, amsgrad=False, max_norm=None) -> OptimizerConfig:
-    """Validate hyper-parameters (a scalar for all models or one per model) with torch.optim's defaults:
-    SGD lr 1e-3, momentum 0, dampening 0, weight_decay 0; Adam / AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8,
-    weight_decay 0 (Adam) / 1e-2 (AdamW), amsgrad off. ``max_norm``: clip_grad_norm_ per model (None: off)."""
-    if kind not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer '{kind}'; choose one of: {', '.join(OPTIMIZERS)}")
-    lr = _per_model("--lr", 1e-3 if lr is None else lr, B)
-    default_wd = 1e-2 if kind == "adamw" else 0.0
-    wd = _per_model("--weight-decay", default_wd if weight_decay is None else weight_decay, B)
-    for name, vals in (("--lr", lr), ("--weight-decay", wd)):
-        bad = [v for v in vals if not np.isfinite(v) or v < 0]
-        if bad:
-            raise ConfigError(f"{name} must be finite and >= 0, got {bad[0]}")
-    clip = _per_model("--clip-grad-norm", np.inf if max_norm is None else max_norm, B,
-                      cast=lambda v: np.inf if v is None else float(v))
-    if any(not (c > 0) for c in clip):
-        raise ConfigError(f"--clip-grad-norm must be > 0, got {[c for c in clip if not c > 0][0]}")
+def make_optimizer(kind: str, B: int, max_norm=None, **hyper) -> OptimizerConfig:
+    """The optimizer ``kind`` for B models: each hyper-parameter a scalar for all models or one per model (None
+    or absent: torch.optim's default, see the registrations above), checked against the registry.
+    ``max_norm``: clip_grad_norm_ per model (None: off)."""
+    known = {p.name for spec in _REGISTRY.values() for p in spec.params}
+    unknown = sorted(set(hyper) - known)
+    if unknown:
+        raise TypeError(f"make_optimizer() got an unexpected keyword argument '{unknown[0]}'")
+    v = check_optimizer(kind, B, hyper)
+    clip_setting = next(s.param for s in RUN_SETTINGS if s.name == "clip_grad_norm")
+    clip = check_value(clip_setting, max_norm, optional=True)
+    clip = clip if isinstance(clip, list) else [clip]
+    if len(clip) == 1:
+        clip = clip * B
+    if len(clip) != B:
+        raise ConfigError(f"--clip-grad-norm has {len(clip)} values but the array has B={B} models; give one "
+                          f"value, or a list of {B}")
+    clip = [np.inf if c is None else float(c) for c in clip]
     if kind == "sgd":
-        mom = _per_model("--momentum", momentum, B)
-        damp = _per_model("--dampening", dampening, B)
-        nest = _per_model("--nesterov", nesterov, B, cast=bool)
-        if any(not 0 <= m < 1 or not np.isfinite(m) for m in mom):
-            raise ConfigError(f"--momentum must be in [0, 1), got {[m for m in mom if not 0 <= m < 1][0]}")
-        for b in range(B):
-            if nest[b] and (mom[b] <= 0 or damp[b] != 0):
-                raise ConfigError(f"model {b}: Nesterov momentum needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
-        return OptimizerConfig("sgd", lr, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd,
-                               max_norm=clip)
-    if isinstance(betas, (tuple, list)) and len(betas) == 2 and not isinstance(betas[0], (list, tuple)):
-        b1, b2 = _per_model("beta1", betas[0], B), _per_model("beta2", betas[1], B)
-    else:
-        pairs = list(betas)
-        b1, b2 = _per_model("beta1", [p[0] for p in pairs], B), _per_model("beta2", [p[1] for p in pairs], B)
-    for name, vals in (("beta1", b1), ("beta2", b2)):
-        if any(not 0 <= v < 1 for v in vals):
-            raise ConfigError(f"{name} must be in [0, 1)")
-    e = _per_model("--eps", eps, B)
-    if any(not v > 0 for v in e):
-        raise ConfigError("--eps must be > 0")
-    ams = _per_model("--amsgrad", amsgrad, B, cast=bool)
-    return OptimizerConfig(kind, lr, weight_decay=wd, beta1=b1, beta2=b2, eps=e, amsgrad=ams, max_norm=clip)
+        return OptimizerConfig("sgd", v["lr"], momentum=v["momentum"], dampening=v["dampening"],
+                               nesterov=v["nesterov"], weight_decay=v["weight_decay"], max_norm=clip)
+    return OptimizerConfig(kind, v["lr"], weight_decay=v["weight_decay"], beta1=[p[0] for p in v["betas"]],
+                           beta2=[p[1] for p in v["betas"]], eps=v["eps"], amsgrad=v["amsgrad"], max_norm=clip)

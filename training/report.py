@@ -22,12 +22,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnxfuse import _folder as array_folder
+from onnxfuse.array import ArrayDir, complete_lines
 from onnxfuse.errors import ConfigError, InputFileError
 
-__all__ = ["METRICS_FILE", "METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "format_table"]
+__all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "format_table"]
 
-METRICS_FILE = array_folder.METRICS
 METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run")
 REQUIRED_COLUMNS = ("step", "model", "loss")
 SPLITS = ("train", "eval")
@@ -62,7 +61,7 @@ def _open_metrics(array_dir: str) -> str:
     if not os.path.isdir(array_dir):
         raise InputFileError(f"array folder '{array_dir}' does not exist; give the folder `onnxfuse train` "
                              "trained")
-    path = os.path.join(array_dir, METRICS_FILE)
+    path = ArrayDir(array_dir).metrics_path
     if not os.path.isfile(path):
         raise InputFileError(f"'{path}' is missing; train the array first with `onnxfuse train {array_dir} ...`")
     return path
@@ -70,7 +69,7 @@ def _open_metrics(array_dir: str) -> str:
 
 def read_metrics(path: str) -> dict[int, ModelLog]:
     """Parse a metrics.csv (either header) into one :class:`ModelLog` per model id, sorted by id."""
-    reader = csv.DictReader(array_folder.complete_lines(path))  # a last line cut short by a full disk or a kill: unwritten
+    reader = csv.DictReader(complete_lines(path))  # a last line cut short by a full disk or a kill: unwritten
     header = reader.fieldnames or []
     missing = [c for c in REQUIRED_COLUMNS if c not in header]
     if missing:
@@ -259,14 +258,15 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
     ``ARRAY_DIR/report.json``; return the summary (per model: peak and final lr, last train loss, best eval loss
     and its step, best and last eval accuracy, status and its step; per panel: the curves plotted)."""
     array_dir = os.fspath(array_dir)
-    png = os.fspath(out_png) if out_png is not None else os.path.join(array_dir, array_folder.REPORT_PNG)
+    array = ArrayDir(array_dir)
+    png = os.fspath(out_png) if out_png is not None else array.report_png_path
     _check_plot_format(png)
     path = _open_metrics(array_dir)
-    with array_folder.open_array(array_dir, "report"):
-        run_id = array_folder.check_one_run(array_dir)  # the metrics are the run whose weights trained/ holds
+    with array.locked("report"):
+        run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
         logs = read_metrics(path)
         summary = summarize(logs)
-        json_path = os.path.join(array_dir, array_folder.REPORT_JSON)
+        json_path = array.report_json_path
         summary.update({"array_dir": array_dir, "run": run_id, "metrics": path, "png": png, "json": json_path})
         summary["panels"] = _plot(logs, summary, png)
         with open(json_path, "w") as f:

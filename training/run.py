@@ -1,7 +1,7 @@
 """A training run of a fused array, as a sweep needs it: per-model schedules, evaluation every K steps, fault
 isolation, successive halving, periodic checkpoints and exact resume.
 
-Files in the array folder (``onnxfuse/_folder.py`` names them; a run holds the folder's lock throughout):
+Files in the array folder (``onnxfuse.array.ArrayDir`` owns them; a run holds the folder's lock throughout):
 
     run.json                         the current run: id, settings hash, data hash, start time
     metrics.csv                      step,model,split,loss,accuracy,lr,elapsed_s,status,run   (model = original index)
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import glob
 import hashlib
 import json
 import logging
@@ -33,16 +32,14 @@ import secrets
 import shutil
 import sys
 import time
-import warnings
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from onnxfuse import _folder as array_folder
 from onnxfuse._io import atomic_dir
+from onnxfuse.array import ArrayDir, complete_lines
 from onnxfuse.errors import ConfigError, DataError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError, \
     TrainingStoppedError, as_user_error
 from onnxfuse.passes import fuse_models
@@ -50,9 +47,10 @@ from onnxfuse.split import model_steps, split_weights
 from onnxfuse.weights import ArraySpec
 
 from .data import BatchSampler, Dataset, check_finite, load_npz, make_dataset
-from .losses import LABELS, LOSS_OPTIONS, LossSpec, get_loss
+from .losses import LABELS, LossSpec, get_loss
 from .optim import OptimizerConfig, StepValues, make_optimizer
 from .schedules import PerModelSchedules, check_schedules
+from .settings import OPTIMIZERS, RESUMABLE, TrainSettings, check_halving, train_config_model
 from .trainer import FusedTrainer, check_device, load_array
 from .verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
@@ -61,72 +59,27 @@ __all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "Trainin
 
 log = logging.getLogger("onnxfuse.train")
 METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run"]
-CHECKPOINTS = array_folder.CHECKPOINTS
-# settings a resumed run may change: how long it runs, what it logs and checks, where it runs; every other setting
-# decides what a step computes, and a run resumed with another value would not be the run its checkpoint began
-RESUMABLE = ("steps", "epochs", "log_every", "eval_every", "eval_batch_size", "checkpoint_every",
-             "keep_checkpoints", "device", "verify_steps", "allow_nonfinite_data")
 
 
 TrainingStopped = TrainingStoppedError  # the run stopped early on purpose (on_diverge="stop"); its state is saved
 
 
-@dataclass
-class TrainConfig:
-    """Everything a run takes; per-model values are a scalar or a list of B (see ``onnxfuse train --help``)."""
-
-    batch_size: int
-    steps: int | None = None
-    epochs: int | None = None
-    loss: str = "cross-entropy"
-    loss_options: dict = field(default_factory=dict)  # label_smoothing, ignore_index, class_axis (see get_loss)
-    per_model_labels: bool = False  # labels [B, n, ...], one set per model
-    optimizer: str = "sgd"
-    lr: float | list[float] | None = None
-    momentum: float | list[float] = 0.0
-    dampening: float | list[float] = 0.0
-    nesterov: bool | list[bool] = False
-    weight_decay: float | list[float] | None = None
-    betas: tuple | list = (0.9, 0.999)
-    eps: float | list[float] = 1e-8
-    amsgrad: bool | list[bool] = False
-    clip_grad_norm: float | list[float] | None = None
-    schedule: object = None  # None, a name, a dict, or a list of B (see training.schedules)
-    shuffle: bool = True
-    seed: int = 0
-    data_order: str = "shared"  # shared | per-model (each model its own shuffle) | shards (model b: shard b)
-    eval_every: int = 0  # 0: evaluate only at the end (when there is eval data)
-    eval_batch_size: int = 256
-    eval_fraction: float = 0.0  # carve a held-out split off the training data when no eval data is given
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    on_diverge: str = "freeze"  # freeze | stop
-    halving: list[int] | None = None  # steps at which the best `halving_keep` of the models (by eval loss) stay
-    halving_keep: float = 0.5
-    device: str = "cpu"
-    log_every: int = 1
-    verify_steps: int = 1  # check the first K steps of every model against it trained alone (0: skip)
-    allow_nonfinite_data: bool = False  # skip the check that inputs and float labels hold no NaN or inf
+class _TrainConfigMethods(TrainSettings):
+    """What a run does with its settings (the fields come from ``settings.py``)."""
 
     def optimizer_config(self, B: int) -> OptimizerConfig:
-        return make_optimizer(self.optimizer, B, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
-                              nesterov=self.nesterov, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
-                              amsgrad=self.amsgrad, max_norm=self.clip_grad_norm)
+        hyper = {p.name: getattr(self, p.name, None) for p in OPTIMIZERS[self.optimizer].params}
+        return make_optimizer(self.optimizer, B, max_norm=self.clip_grad_norm, **hyper)
 
     def loss_spec(self) -> LossSpec:
-        unknown = sorted(set(self.loss_options) - set(LOSS_OPTIONS))
-        if unknown:
-            raise ConfigError(f"unknown loss option '{unknown[0]}'; the options are {', '.join(LOSS_OPTIONS)}")
         return get_loss(self.loss, per_model_labels=self.per_model_labels or self.data_order != "shared",
                         **self.loss_options)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"unknown training setting '{unknown[0]}'")
-        return cls(**d)
+
+# Everything a run takes (see ``onnxfuse train --help``): every setting of settings.RUN_SETTINGS and every
+# hyper-parameter of the registered optimizers, a scalar or (per model) a list of B; the schedule; the loss options.
+# Checked when made: a bad value is one ConfigError line.
+TrainConfig = train_config_model(_TrainConfigMethods)
 
 
 @dataclass
@@ -145,39 +98,14 @@ class TrainResult:
 
 # ---------------------------------------------------------------------------------------------------- validation
 def _validate(config: TrainConfig, spec: ArraySpec) -> None:
-    """Every setting, before anything is read or written: one clear line per problem."""
-    def positive_int(name, value, allow_zero=False):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < (0 if allow_zero else 1):
-            raise ConfigError(f"{name} must be an integer >= {0 if allow_zero else 1}, got {value!r}")
-
-    if (config.steps is None) == (config.epochs is None):
-        raise ConfigError("give exactly one of --steps and --epochs")
-    positive_int("--steps" if config.steps is not None else "--epochs",
-                 config.steps if config.steps is not None else config.epochs)
-    positive_int("--batch-size", config.batch_size)
-    positive_int("--log-every", config.log_every)
-    positive_int("--eval-every", config.eval_every, allow_zero=True)
-    positive_int("--checkpoint-every", config.checkpoint_every, allow_zero=True)
-    positive_int("--keep-checkpoints", config.keep_checkpoints)
-    positive_int("--eval-batch-size", config.eval_batch_size)
-    positive_int("--verify-steps", config.verify_steps, allow_zero=True)
-    if config.on_diverge not in ("freeze", "stop"):
-        raise ConfigError(f"--on-diverge must be freeze or stop, got '{config.on_diverge}'")
-    if config.data_order not in ("shared", "per-model", "shards"):
-        raise ConfigError(f"--data-order must be shared, per-model or shards, got '{config.data_order}'")
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise ConfigError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
-    if not 0.0 < config.halving_keep < 1.0:
-        raise ConfigError(f"halving_keep must be in (0, 1), got {config.halving_keep}")
+    """The settings against the array, before anything is read or written: one clear line per problem. Every
+    value alone was checked when ``config`` was made; made again here, in case a field was set since."""
+    config = type(config).from_dict(config.as_dict())
     if config.data_order != "shared":
         shared = [i["name"] for i in spec.inputs if not i.get("per_model")]
         if shared:
             raise ConfigError(f"--data-order {config.data_order} gives every model other samples, but graph input "
                               f"'{shared[0]}' is shared: fuse with --per-model-inputs {','.join(shared)}")
-    if config.halving:
-        h = list(config.halving)
-        if any(not isinstance(s, (int, np.integer)) or s < 1 for s in h) or h != sorted(set(h)):
-            raise ConfigError(f"--halving must be increasing step numbers >= 1, got {h}")
     check_device(config.device)
     config.loss_spec()
     config.optimizer_config(spec.B)
@@ -293,6 +221,7 @@ class _Run:
     def __init__(self, array_dir: str, config: TrainConfig, fused: onnx.ModelProto, spec: ArraySpec,
                  loss: LossSpec, total_steps: int, workdir: str):
         self.array_dir, self.config, self.loss, self.total = array_dir, config, loss, total_steps
+        self.array = ArrayDir(array_dir)
         self.workdir = workdir
         self.spec0 = spec  # the original array (all B models)
         self.models = list(range(spec.B))  # original index of each model of the current array
@@ -307,7 +236,7 @@ class _Run:
         self.last_loss = np.full(spec.B, np.nan)
         self.last_eval: dict = {}
         self.last_eval_step = -1
-        self.config_record: dict = asdict(config)
+        self.config_record: dict = config.as_dict()
         self.run_record: dict = {}  # the run's id, settings hash and data hash (written with every state)
 
     def _trainer(self) -> FusedTrainer:
@@ -343,7 +272,7 @@ class _Run:
                 self.status[b] = {"status": reason, "step": self.step,
                                   **({"diverged": before["step"]} if before.get("status") == "diverged" else {})}
         survivors = [self.models[i] for i in positions]
-        self.fused, self.spec = _refuse(self.array_dir, survivors, [states[i] for i in positions], self.spec0)
+        self.fused, self.spec = self.array.refuse(survivors, [states[i] for i in positions], fuse_models)
         self.opt = self.opt.select(positions)
         self.schedules = self.schedules.select(positions)
         steps = self.trainer.steps
@@ -364,25 +293,6 @@ def _optimizer_and_schedules(config: TrainConfig, B: int, total_steps: int
     return opt, schedules
 
 
-def _refuse(array_dir: str, models: list[int], states: list[dict], spec0: ArraySpec):
-    """The fused array of ``models`` (original indices) with the given per-model states."""
-    protos = []
-    for b, state in zip(models, states):
-        path = os.path.join(array_dir, "sources", f"model_{b}.onnx")
-        if not os.path.exists(path):
-            raise InputFileError(f"'{path}' is missing; re-run `onnxfuse fuse`")
-        proto = onnx.load(path)
-        names = {t for n in proto.graph.node for t in n.input}
-        have = {t.name for t in proto.graph.initializer}
-        proto.graph.initializer.extend(numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in state.items()
-                                       if k in names and k not in have)
-        protos.append(proto)
-    per_model = [i["name"] for i in spec0.inputs if i.get("per_model")]
-    fa = fuse_models(protos, labels=[spec0.sources[b] for b in models], per_model_inputs=per_model)
-    fa.spec.extra_state = [spec0.extra_state[b] for b in models]
-    return fa.model, fa.spec
-
-
 # ----------------------------------------------------------------------------------------------------- metrics
 class _Metrics:
     """metrics.csv of one run: every row carries the run's id. A resumed run keeps its rows up to the checkpoint's
@@ -392,7 +302,7 @@ class _Metrics:
         self.path, self.run_id = path, run_id
         rows = []
         if resume_step is not None and os.path.exists(path):
-            rows = [r for r in csv.DictReader(array_folder.complete_lines(path))
+            rows = [r for r in csv.DictReader(complete_lines(path))
                     if r.get("run") == run_id and int(r["step"]) <= resume_step]
         # the kept rows go to a temporary file renamed into place: a kill while they are written leaves the old
         # file whole (and the temporary file, which the next command removes)
@@ -431,17 +341,8 @@ def _fmt(v) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
-def _save_state(run: _Run, folder: str, save_file) -> None:
-    save_file(run.trainer.weights(), os.path.join(folder, "weights.safetensors"))
-    state = run.trainer.optimizer_state()
-    if state:
-        save_file(state, os.path.join(folder, "optimizer_state.safetensors"))
-    run.spec.save(os.path.join(folder, "array.json"))
-    if run.dropped:
-        os.makedirs(os.path.join(folder, "dropped"))
-        for b, sd in run.dropped.items():
-            save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in sd.items()},
-                      os.path.join(folder, "dropped", f"model_{b}.safetensors"))
+def _save_state(run: _Run, folder: str) -> None:
+    ArrayDir.write_state(folder, run.trainer.weights(), run.trainer.optimizer_state(), run.spec, run.dropped)
 
 
 def _jsonable(d):
@@ -461,8 +362,8 @@ def _unjson(v):
 
 
 def _checkpoints(array_dir: str) -> list[str]:
-    """The checkpoint folders, oldest first (step numbers are zero-padded)."""
-    return sorted(glob.glob(os.path.join(array_dir, CHECKPOINTS, "step_*")))
+    """The checkpoint folders, oldest first."""
+    return ArrayDir(array_dir).checkpoints()
 
 
 def _damaged(path: str, what: str) -> InputFileError:
@@ -471,26 +372,26 @@ def _damaged(path: str, what: str) -> InputFileError:
 
 
 def _read_state(path: str) -> dict:
-    state = os.path.join(path, "state.json")
+    record = os.path.basename(ArrayDir.checkpoint_record_path(path))
     try:
-        with open(state) as f:
-            st = json.load(f)
+        st = ArrayDir.read_checkpoint_record(path)
         for key in ("step", "models", "active", "trainer_steps", "status", "sampler", "elapsed_s", "config"):
             st[key]
     except FileNotFoundError:
-        raise _damaged(path, "it has no state.json") from None
+        raise _damaged(path, f"it has no {record}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _damaged(path, f"state.json: {type(e).__name__} {e}") from e
+        raise _damaged(path, f"{record}: {type(e).__name__} {e}") from e
     return st
 
 
 def _resume_point(array_dir: str) -> tuple[str, dict]:
     """The newest checkpoint of the folder's current run, and its state: a resumed run continues that run only."""
-    current = array_folder.read_run(array_dir)
-    found = _checkpoints(array_dir)
+    array = ArrayDir(array_dir)
+    current = array.read_run()
+    found = array.checkpoints()
     if current is None:
         if found:
-            raise InputFileError(f"--resume: the checkpoints in '{os.path.join(array_dir, CHECKPOINTS)}' do not say "
+            raise InputFileError(f"--resume: the checkpoints in '{array.checkpoints_path}' do not say "
                                  "which run wrote them (an onnxfuse from before runs were recorded); start a new "
                                  "run without --resume")
         raise InputFileError(f"--resume: '{array_dir}' has no checkpoint; train with --checkpoint-every first")
@@ -529,7 +430,7 @@ def _trajectory(settings: dict) -> dict:
 
 def settings_hash(config: TrainConfig) -> str:
     """A run's settings hash: what its steps compute, not how long it runs or what it logs (``RESUMABLE``)."""
-    return hashlib.sha256(json.dumps(_trajectory(asdict(config)), sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_trajectory(config.as_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _data_hash(*datasets: Dataset | None) -> str:
@@ -550,7 +451,7 @@ def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, d
     """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
     record = st.get("run") or {}
     if record.get("settings_hash") != identity["settings_hash"]:
-        before, now = _trajectory(_saved_settings(st)), _trajectory(asdict(config))
+        before, now = _trajectory(_saved_settings(st)), _trajectory(config.as_dict())
         key = next((k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)), None)
         what = f"setting '{key}' is {now.get(key)!r} but run {record.get('id')} trained with {before.get(key)!r}" \
             if key else f"the settings differ from run {record.get('id')}'s"
@@ -565,24 +466,16 @@ def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, d
 
 
 def _restore(run: _Run, path: str, st: dict, sampler: BatchSampler) -> float:
-    from onnxfuse._io import load_safetensors
-
     fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
-    dropped = {}
-    for p in glob.glob(os.path.join(path, "dropped", "model_*.safetensors")):
-        dropped[int(os.path.basename(p)[6:-12])] = load_safetensors(p, fix)
-    weights = load_safetensors(os.path.join(path, "weights.safetensors"), fix)
-    opt_file = os.path.join(path, "optimizer_state.safetensors")
-    opt_state = load_safetensors(opt_file, fix) if os.path.exists(opt_file) else {}
+    weights, opt_state, dropped = ArrayDir.read_state(path, fix)
     missing = [n for n in list(run.trainer.art.trainable) + list(run.trainer.art.buffers) if n not in weights] \
         if st["models"] == run.models else []
     if missing:
-        raise _damaged(path, f"weights.safetensors has no '{missing[0]}'")
+        raise _damaged(path, f"its weights have no '{missing[0]}'")
     models = st["models"]
     if models != run.models:  # the array had shrunk: rebuild it for the survivors
-        ckpt_spec = ArraySpec.load(os.path.join(path, "array.json"))
-        states = split_weights(ckpt_spec, weights, steps=st["trainer_steps"])
-        run.fused, run.spec = _refuse(run.array_dir, models, states, run.spec0)
+        states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
+        run.fused, run.spec = run.array.refuse(models, states, fuse_models)
         positions = [run.models.index(b) for b in models]
         run.opt = run.opt0.select(positions)
         run.schedules = run.schedules.select(positions)
@@ -664,9 +557,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Fu
         opt, _ = _optimizer_and_schedules(config, spec.B, total)
         trainer = FusedTrainer(without_dropout(fused) if dropout_off else fused, spec, config.loss_spec(), opt,
                                config.device)
-    with warnings.catch_warnings():  # nodes fused per model were reported when the array was fused
-        warnings.simplefilter("ignore")
-        model, one_spec = _refuse(array_dir, [0], split_weights(spec, trainer.weights())[:1], spec)
+    model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(ds, sampler, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
     # the time includes the reference's fusion and, with Dropout, the check's own trainer
@@ -700,8 +591,7 @@ def _prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data) -> _P
     sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
                            per_model=spec.B if config.data_order == "per-model" else None)
     total = config.steps if config.steps is not None else config.epochs * sampler.batches_per_epoch
-    if config.halving and config.halving[-1] >= total:
-        raise ConfigError(f"--halving step {config.halving[-1]} is not before the last step {total}")
+    check_halving(config.halving, total)
     return _Prepared(config, loss, train_ds, eval_ds, sampler, total)
 
 
@@ -713,7 +603,7 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
     per model what was compared (``report.ok``, ``report.table()``, ``report.error()``)."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
-    with array_folder.open_array(array_dir, "check"):
+    with ArrayDir(array_dir).locked("check"):
         p = _prepare(spec, config, data, eval_data)
         if p.config.verify_steps < 1:
             raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
@@ -735,7 +625,7 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     settings other than ``RESUMABLE`` and the data must be the run's own."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
-    with array_folder.open_array(array_dir, "train"):
+    with ArrayDir(array_dir).locked("train"):
         return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides)
 
 
@@ -761,11 +651,12 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         record = {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
                   "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
     run_id = record["id"]
-    metrics_path = os.path.join(array_dir, array_folder.METRICS)
+    array = ArrayDir(array_dir)
+    metrics_path = array.metrics_path
 
-    trained = os.path.join(array_dir, array_folder.TRAINED)
+    trained = array.trained_path
     with atomic_dir(trained, overwrite=True) as tmp:  # removed again if anything below fails
-        run = _Run(array_dir, config, fused, spec, loss, total, os.path.join(tmp, "artifacts"))
+        run = _Run(array_dir, config, fused, spec, loss, total, ArrayDir.scratch_path(tmp))
         run.run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
         elapsed0 = _restore(run, ckpt, saved, sampler) if ckpt is not None else 0.0
         if run.step > total:
@@ -782,7 +673,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         metrics = _Metrics(metrics_path, run_id, run.step) if ckpt is not None else None
         data_record = {"_data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else None,
                        "_eval_data": os.fspath(eval_data) if isinstance(eval_data, (str, os.PathLike)) else None}
-        run.config_record = {**asdict(config), **data_record}  # what a checkpoint needs to resume by itself
+        run.config_record = {**config.as_dict(), **data_record}  # what a checkpoint needs to resume by itself
         bar = tqdm(total=total, initial=run.step, unit="step", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True, desc=f"training {spec.B} model{'s' if spec.B != 1 else ''}")
         t0 = time.perf_counter() - elapsed0
@@ -793,10 +684,10 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                 values = run.schedules.values(run.active)
                 losses = run.trainer.step(_batch(train_ds, sampler.next(), run), values)
                 if metrics is None:  # this run is now the folder's run; the previous one's outputs move aside
-                    moved = array_folder.move_previous_run(array_dir)
+                    moved = array.move_previous_run()
                     if moved:
                         log.info("the previous run's outputs are now in %s", moved)
-                    array_folder.write_run(array_dir, record)
+                    array.write_run(record)
                     metrics = _Metrics(metrics_path, run_id, None)
                 run.schedules.advance()
                 samples += len(run.models) * config.batch_size
@@ -840,7 +731,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                 metrics.close()
         elapsed = time.perf_counter() - t0
         _write_trained(run, tmp, elapsed, stopped)
-        shutil.rmtree(os.path.join(tmp, "artifacts"), ignore_errors=True)  # ONNX Runtime's, rebuilt by each run
+        shutil.rmtree(ArrayDir.scratch_path(tmp), ignore_errors=True)  # ONNX Runtime's, rebuilt by each run
     if stopped:
         raise TrainingStopped(f"stopped: {stopped}; state saved in {trained}")
     final = np.full(spec.B, np.nan)
@@ -861,7 +752,7 @@ def _as_run_error(e: Exception, array_dir: str, run_id: str, started: bool) -> O
     if started and isinstance(user, (OutputError, OutOfMemoryError)):
         own = _checkpoints(array_dir)
         hint = (f"`onnxfuse train {array_dir} --resume` then continues run {run_id} from step "
-                f"{int(os.path.basename(own[-1])[5:])}" if own else
+                f"{ArrayDir.checkpoint_step(own[-1])}" if own else
                 f"run {run_id} has no checkpoint to resume from (--checkpoint-every): train again")
         return type(user)(f"{user}; {hint}")
     return None if user is e else user
@@ -883,33 +774,20 @@ def _statuses(run: _Run, ok: np.ndarray, losses: np.ndarray) -> dict[int, str]:
 def _checkpoint(run: _Run, sampler: BatchSampler, elapsed: float) -> None:
     """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints
     (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first)."""
-    from safetensors.numpy import save_file
-
-    root = os.path.join(run.array_dir, CHECKPOINTS)
-    path = os.path.join(root, f"step_{run.step:08d}")
+    path = run.array.checkpoint_path(run.step)
     with atomic_dir(path, overwrite=True) as tmp:
-        _save_state(run, tmp, save_file)
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({**run.state(), "sampler": sampler.state_dict(), "elapsed_s": elapsed,
-                       "config": _jsonable(run.config_record), "run": run.run_record}, f)
-    for old in _checkpoints(run.array_dir)[:-run.config.keep_checkpoints]:
-        # renamed first: a kill during the removal leaves a temporary name (removed by the next command), never a
-        # half-deleted checkpoint
-        doomed = os.path.join(root, f".{os.path.basename(old)}.old-{os.getpid()}")
-        os.rename(old, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _save_state(run, tmp)
+        ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": sampler.state_dict(), "elapsed_s": elapsed,
+                                               "config": _jsonable(run.config_record), "run": run.run_record})
+    run.array.prune_checkpoints(run.config.keep_checkpoints)
     log.info("checkpoint at step %d: %s", run.step, path)
 
 
 def _write_trained(run: _Run, folder: str, elapsed: float, stopped: str | None) -> None:
-    from safetensors.numpy import save_file
-
-    _save_state(run, folder, save_file)
-    run.trainer.save_checkpoint(os.path.join(folder, "ort_checkpoint"))
+    _save_state(run, folder)
+    run.trainer.save_checkpoint(ArrayDir.ort_checkpoint_path(folder))
     final = {b: float(run.last_loss[i]) for i, b in enumerate(run.models)}
-    with open(os.path.join(folder, "train_state.json"), "w") as f:
-        json.dump(_jsonable({"steps": run.trainer.steps, "step": run.step, "models": run.models,
-                             "status": {str(k): v for k, v in run.status.items()},
-                             "final_loss": {str(k): v for k, v in final.items()}, "elapsed_s": elapsed,
-                             "stopped": stopped, "config": run.config_record, "run": run.run_record}), f,
-                  indent=1)
+    ArrayDir.write_train_state(folder, **_jsonable({
+        "steps": run.trainer.steps, "models": run.models, "status": {str(k): v for k, v in run.status.items()},
+        "run": run.run_record, "step": run.step, "final_loss": {str(k): v for k, v in final.items()},
+        "elapsed_s": elapsed, "stopped": stopped, "config": run.config_record}))

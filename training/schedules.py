@@ -21,49 +21,97 @@ Schedules, by name (``steps`` = the run's total optimizer steps):
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from onnxfuse.errors import ConfigError
 
 from .optim import OptimizerConfig, StepValues
+from .settings import BOOL, REQUIRED, SCHEDULES, Param, check_schedule_entry, choice, integer, real, \
+    register_schedule, step_list
 
 __all__ = ["SCHEDULES", "PerModelSchedules", "check_schedules"]
 
-SCHEDULES = {
-    "constant": set(),
-    "step": {"step_size", "gamma"},
-    "multistep": {"milestones", "gamma"},
-    "exponential": {"gamma"},
-    "cosine": {"warmup_steps", "warmup_start_factor", "t_max", "eta_min"},
-    "linear": {"warmup_steps", "warmup_start_factor", "end_factor", "total"},
-    "onecycle": {"max_lr", "pct_start", "anneal_strategy", "div_factor", "final_div_factor", "three_phase",
-                 "cycle_momentum", "base_momentum", "max_momentum"},
-}
-_REQUIRED = {"step": {"step_size"}, "multistep": {"milestones"}, "exponential": {"gamma"}, "onecycle": {"max_lr"}}
+# ---- the schedules, each registered once with its parameters (torch's defaults; a None default is derived: t_max
+# and total from the run's steps, max_lr from the model's lr) and the function that builds torch's scheduler
+GAMMA = Param("gamma", real(gt=0.0), 0.1, "decay factor")
+WARMUP = (Param("warmup_steps", integer(ge=0), 0, "linear warm-up steps"),
+          Param("warmup_start_factor", real(gt=0.0, le=1.0), 1e-3, "lr factor at the start of the warm-up"))
+
+
+@register_schedule("constant", help="the optimizer's lr")
+def _constant(lrs, opt, s: dict, steps: int):
+    return None
+
+
+@register_schedule("step", (Param("step_size", integer(ge=1), REQUIRED, "decay every K steps"), GAMMA), "StepLR")
+def _step(lrs, opt, s: dict, steps: int):
+    return lrs.StepLR(opt, step_size=s["step_size"], gamma=s["gamma"])
+
+
+@register_schedule("multistep", (Param("milestones", step_list(non_empty=True), REQUIRED, "steps at which to decay"),
+                                 GAMMA), "MultiStepLR")
+def _multistep(lrs, opt, s: dict, steps: int):
+    return lrs.MultiStepLR(opt, milestones=list(s["milestones"]), gamma=s["gamma"])
+
+
+@register_schedule("exponential", (GAMMA.with_default(REQUIRED),), "ExponentialLR")
+def _exponential(lrs, opt, s: dict, steps: int):
+    return lrs.ExponentialLR(opt, gamma=s["gamma"])
+
+
+def _warmup_then(lrs, opt, s: dict, steps: int, main: Callable[[int], object]):
+    """[LinearLR from warmup_start_factor over warmup_steps] then ``main(steps left)``."""
+    warmup = s["warmup_steps"]
+    rest = steps - warmup
+    if rest < 1:
+        raise ValueError(f"warmup_steps {warmup} leaves no steps of the {steps}")
+    if not warmup:
+        return main(rest)
+    warm = lrs.LinearLR(opt, start_factor=s["warmup_start_factor"], end_factor=1.0, total_iters=warmup)
+    return lrs.SequentialLR(opt, [warm, main(rest)], milestones=[warmup])
+
+
+@register_schedule("cosine", WARMUP + (Param("eta_min", real(ge=0.0), 0.0, "cosine: the final lr"),
+                                       Param("t_max", integer(ge=1), None, "cosine: steps of the cosine (default: "
+                                             "the steps after the warm-up)")), "[warm-up] then CosineAnnealingLR")
+def _cosine(lrs, opt, s: dict, steps: int):
+    return _warmup_then(lrs, opt, s, steps, lambda rest: lrs.CosineAnnealingLR(
+        opt, T_max=s["t_max"] if s["t_max"] is not None else rest, eta_min=s["eta_min"]))
+
+
+@register_schedule("linear", WARMUP + (Param("end_factor", real(ge=0.0, le=1.0), 0.0, "final lr factor"),
+                                       Param("total", integer(ge=1), None, "steps of the decay (default: the steps "
+                                             "after the warm-up)")), "[warm-up] then LinearLR to end_factor")
+def _linear(lrs, opt, s: dict, steps: int):
+    return _warmup_then(lrs, opt, s, steps, lambda rest: lrs.LinearLR(
+        opt, start_factor=1.0, end_factor=s["end_factor"], total_iters=s["total"] if s["total"] is not None else rest))
+
+
+@register_schedule("onecycle", (
+    Param("max_lr", real(gt=0.0), None, "peak learning rate (default: the model's lr)"),
+    Param("pct_start", real(gt=0.0, lt=1.0), 0.3, "fraction of the steps spent increasing the lr"),
+    Param("div_factor", real(gt=0.0), 25.0, "initial lr = max_lr / div_factor"),
+    Param("final_div_factor", real(gt=0.0), 1e4, "final lr = initial lr / final_div_factor"),
+    Param("anneal_strategy", choice(("cos", "linear")), "cos", "annealing"),
+    Param("three_phase", BOOL, False, "a third phase annihilating the lr"),
+    Param("cycle_momentum", BOOL, True, "move SGD's momentum / Adam's beta1 inversely to the lr"),
+    Param("base_momentum", real(ge=0.0, lt=1.0), 0.85, "lowest momentum"),
+    Param("max_momentum", real(ge=0.0, lt=1.0), 0.95, "highest momentum")), "OneCycleLR")
+def _onecycle(lrs, opt, s: dict, steps: int):
+    kw = {k: v for k, v in s.items() if k not in ("name", "max_lr")}
+    return lrs.OneCycleLR(opt, max_lr=s["max_lr"], total_steps=steps, **kw)
 
 
 def _normalize(spec, B: int) -> list[dict]:
-    """None / a name / one dict for all models / a list of B of those -> B dicts with a 'name'."""
+    """None / a name / one dict for all models / a list of B of those -> B dicts with a 'name', checked."""
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if len(specs) == 1:
         specs = specs * B
     if len(specs) != B:
         raise ConfigError(f"schedule: {len(specs)} schedules for B={B} models; give one, or one per model")
-    out = []
-    for b, s in enumerate(specs):
-        s = {"name": "constant"} if s is None else ({"name": s} if isinstance(s, str) else dict(s))
-        name = s.get("name", "constant")
-        if name not in SCHEDULES:
-            raise ConfigError(f"schedule (model {b}): unknown schedule '{name}'; choose one of: {', '.join(SCHEDULES)}")
-        extra = set(s) - {"name"} - SCHEDULES[name]
-        if extra:
-            raise ConfigError(f"schedule (model {b}): '{name}' takes no '{sorted(extra)[0]}'; it takes: "
-                              f"{', '.join(sorted(SCHEDULES[name])) or 'nothing'}")
-        missing = _REQUIRED.get(name, set()) - set(s)
-        if missing:
-            raise ConfigError(f"schedule (model {b}): '{name}' needs '{sorted(missing)[0]}'")
-        out.append(s)
-    return out
+    listed = isinstance(spec, (list, tuple))
+    return [dict(check_schedule_entry(s, f"schedule[{b}]" if listed else "schedule", fill=True))
+            for b, s in enumerate(specs)]
 
 
 def check_schedules(spec, B: int, steps: int) -> list[dict]:
@@ -75,34 +123,13 @@ def check_schedules(spec, B: int, steps: int) -> list[dict]:
     return specs
 
 
-def _scheduler(torch, opt, s: dict, steps: int):
-    lrs = torch.optim.lr_scheduler
-    name = s["name"]
-    if name == "constant":
-        return None
-    if name == "step":
-        return lrs.StepLR(opt, step_size=int(s["step_size"]), gamma=float(s.get("gamma", 0.1)))
-    if name == "multistep":
-        return lrs.MultiStepLR(opt, milestones=[int(m) for m in s["milestones"]], gamma=float(s.get("gamma", 0.1)))
-    if name == "exponential":
-        return lrs.ExponentialLR(opt, gamma=float(s["gamma"]))
-    if name == "onecycle":
-        kw = {k: s[k] for k in SCHEDULES["onecycle"] if k in s and k != "max_lr"}
-        return lrs.OneCycleLR(opt, max_lr=float(s["max_lr"]), total_steps=steps, **kw)
-    warmup = int(s.get("warmup_steps", 0))
-    rest = steps - warmup
-    if rest < 1:
-        raise ValueError(f"warmup_steps {warmup} leaves no steps of the {steps}")
-    if name == "cosine":
-        main = lrs.CosineAnnealingLR(opt, T_max=int(s.get("t_max", rest)), eta_min=float(s.get("eta_min", 0.0)))
-    else:
-        main = lrs.LinearLR(opt, start_factor=1.0, end_factor=float(s.get("end_factor", 0.0)),
-                            total_iters=int(s.get("total", rest)))
-    if not warmup:
-        return main
-    warm = lrs.LinearLR(opt, start_factor=float(s.get("warmup_start_factor", 1e-3)), end_factor=1.0,
-                        total_iters=warmup)
-    return lrs.SequentialLR(opt, [warm, main], milestones=[warmup])
+def _full(s: dict, lr: float) -> dict:
+    """Every parameter of schedule ``s``: its defaults filled in, onecycle's max_lr the model's lr by default."""
+    out = {p.name: p.default for p in SCHEDULES[s["name"]].params if p.default is not REQUIRED}
+    out.update(s)
+    if "max_lr" in out and out["max_lr"] is None:
+        out["max_lr"] = lr
+    return out
 
 
 class PerModelSchedules:
@@ -124,10 +151,11 @@ class PerModelSchedules:
                                     nesterov=opt.nesterov[b])
             else:
                 o = torch.optim.Adam(p, lr=opt.lr[b], betas=(opt.beta1[b], opt.beta2[b]))
+            spec = _full(check_schedule_entry(s, "schedule", fill=True), opt.lr[b])
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no real steps here
-                    sched = _scheduler(torch, o, s, steps)
+                    sched = SCHEDULES[spec["name"]].build(torch.optim.lr_scheduler, o, spec, steps)
             except (ValueError, TypeError, KeyError) as e:
                 raise ConfigError(f"schedule (model {b}) {s}: {' '.join(str(e).split())}") from e
             self.optimizers.append(o)

@@ -11,7 +11,8 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.array import ArrayDir
+from onnxfuse.errors import ConfigError
 from onnxfuse.weights import ArraySpec
 
 from .artifacts import build_artifacts
@@ -37,17 +38,9 @@ def check_device(device: str) -> str:
     return device
 
 
-def load_array(array_dir: str) -> tuple[onnx.ModelProto, ArraySpec]:
-    if not os.path.isdir(array_dir):
-        raise InputFileError(f"array folder '{array_dir}' does not exist; create it with `onnxfuse fuse`")
-    spec = ArraySpec.load(os.path.join(array_dir, "array.json"))
-    path = os.path.join(array_dir, "fused.onnx")
-    if not os.path.exists(path):
-        raise InputFileError(f"'{path}' is missing; re-run `onnxfuse fuse`")
-    try:
-        return onnx.load(path), spec
-    except Exception as e:
-        raise InputFileError(f"'{path}' is not a readable ONNX model; re-run `onnxfuse fuse`") from e
+def load_array(array_dir: str | os.PathLike) -> tuple[onnx.ModelProto, ArraySpec]:
+    """The fused model and spec of the array in ``array_dir`` (see :meth:`onnxfuse.array.ArrayDir.load`)."""
+    return ArrayDir(array_dir).load()
 
 
 class FusedTrainer:

@@ -4,13 +4,14 @@
     devices.py    device specs from flags or YAML                                 (Device, load_device_spec)
     orders.py     traversal orders (topo, reversed_topo, dfs_*, bfs, by_name...)  (ORDERS, traversal_order)
     costs.py      compute and communication costs                                 (cost_table)
-    placers.py    greedy sequential placer, HEFT, memory accounting               (place, MemoryLedger)
+    placers.py    greedy sequential placer, HEFT, memory accounting, the placer table  (PLACERS, place)
     shard.py      model-axis sharding of fused arrays                             (shard_plan)
     simulate.py   event simulator of one step                                     (simulate)
     partition.py  per-device ONNX sub-models                                      (partition_graph)
     execute.py    run them as a pipeline of onnxruntime sessions                  (run_partition)
     profile.py    profiled costs and calibration of the simulator                 (profile_graph, calibrate)
     plan.py       every placer x order on one graph, compared                     (plan_placements)
+    report.py     all of it from one call, and its output folder                  (place_model, PlacementReport)
     gantt.py      Gantt chart PNG;  study.py  the order x placer study;  _cli.py  `onnxfuse place`
 
 onnxruntime is imported only inside the functions that profile or run.
@@ -22,9 +23,10 @@ from .devices import Device, load_device_spec, make_devices
 from .graph import PlacementGraph, build_graph, example_feeds
 from .orders import ORDER_NAMES, ORDERS, CycleError, Dag, traversal_order
 from .partition import Partition, Stage, assign_stages, partition_graph
-from .placers import (MemoryLedger, Placement, greedy_placement, heft_placement, place, placement_memory,
-                      single_placement)
+from .placers import (PLACER_NAMES, PLACERS, MemoryLedger, Placement, Placer, greedy_placement, heft_placement,
+                      place, placement_memory, single_placement)
 from .plan import Candidate, Plan, measure_plan, plan_placements, recommend, results_table
+from .report import PlacementReport, place_model
 from .shard import ArrayInfo, find_array, shard_groups, shard_plan
 from .simulate import SimResult, simulate
 
@@ -34,5 +36,6 @@ __all__ = [
     "Placement", "MemoryLedger", "greedy_placement", "heft_placement", "single_placement", "place",
     "placement_memory", "ArrayInfo", "find_array", "shard_groups", "shard_plan", "SimResult", "simulate",
     "Partition", "Stage", "assign_stages", "partition_graph", "Candidate", "Plan", "plan_placements",
-    "measure_plan", "results_table", "recommend",
+    "measure_plan", "results_table", "recommend", "Placer", "PLACERS", "PLACER_NAMES", "place_model",
+    "PlacementReport",
 ]

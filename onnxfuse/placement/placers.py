@@ -19,6 +19,9 @@
 
 Model-axis sharding of fused arrays is in :mod:`onnxfuse.placement.shard` (it changes the graph, not only
 where nodes go).
+
+Every placer is registered once, in :data:`PLACERS` at the end of this module: its name, its help text and the
+function that places. ``onnxfuse place``'s ``--placer`` choices and help, the planner and ``place`` read it.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ from .graph import PlacementGraph
 from .orders import topological, traversal_order
 
 __all__ = ["Placement", "MemoryLedger", "DoesNotFit", "greedy_placement", "heft_placement", "single_placement",
-           "upward_ranks", "placement_memory", "check_memory", "smallest_memory", "place"]
+           "upward_ranks", "placement_memory", "check_memory", "smallest_memory", "place", "Placer", "PLACERS",
+           "PLACER_NAMES", "BASELINE"]
 
 
 @dataclass
@@ -267,21 +271,51 @@ def smallest_memory(graph: PlacementGraph, costs: CostTable,
     return hi
 
 
+# ------------------------------------------------------------------------------------------- the placer table
+@dataclass(frozen=True)
+class Placer:
+    """A placer as ``onnxfuse place`` offers it. ``place(graph, costs, order)`` returns a Placement or raises
+    DoesNotFit. ``orders``: run once per traversal order (``--order``). ``needs_array``: it changes the graph and
+    places a fused array's sub-arrays (``plan.py`` builds them; ``place`` is None). ``baseline``: always evaluated,
+    the one-device step every speedup is against; not a ``--placer`` choice."""
+
+    name: str
+    help: str
+    place: Callable[[PlacementGraph, CostTable, str | None], Placement] | None = None
+    orders: bool = False
+    needs_array: bool = False
+    baseline: bool = False
+
+
+PLACERS: dict[str, Placer] = {p.name: p for p in [
+    Placer("greedy", "sequential earliest-finish placer, once per traversal order (--order)",
+           lambda g, c, order: greedy_placement(g, c, order or "topo"), orders=True),
+    Placer("heft", "HEFT: earliest finish, nodes by decreasing upward rank",
+           lambda g, c, order: heft_placement(g, c)),
+    Placer("shard", "model-axis sharding of a fused array: a sub-array per device, no tensor between devices",
+           needs_array=True),
+    Placer("single", "everything on device 0 (the baseline)", lambda g, c, order: single_placement(g, c),
+           baseline=True),
+]}
+PLACER_NAMES = [p.name for p in PLACERS.values() if not p.baseline]  # the --placer choices
+BASELINE = next(p.name for p in PLACERS.values() if p.baseline)
+
+
 def place(graph: PlacementGraph, costs: CostTable, placer: str, order: str | None = None) -> Placement:
     """Run one placer; when the graph does not fit, raise PlacementError with the smallest memory that works."""
-    fns: dict[str, Callable[[PlacementGraph, CostTable], Placement]] = {
-        "greedy": lambda g, c: greedy_placement(g, c, order or "topo"),
-        "heft": heft_placement,
-        "single": single_placement,
-    }
-    if placer not in fns:
-        raise PlacementError(f"unknown placer '{placer}'; choose from greedy, heft, shard, single")
+    entry = PLACERS.get(placer)
+    if entry is None or entry.place is None:
+        raise PlacementError(f"unknown placer '{placer}'; choose from {', '.join(PLACERS)}")
+
+    def run(g: PlacementGraph, c: CostTable) -> Placement:
+        return entry.place(g, c, order)
+
     try:
-        return fns[placer](graph, costs)
+        return run(graph, costs)
     except DoesNotFit as e:
-        m = smallest_memory(graph, costs, fns[placer])
+        m = smallest_memory(graph, costs, run)
         biggest = max(d.memory for d in costs.devices)
-        label = f"{placer}/{order}" if placer == "greedy" else placer
+        label = f"{placer}/{order}" if entry.orders else placer
         raise PlacementError(
             f"{graph.label} does not fit on {len(costs.devices)} device(s) with {format_bytes(biggest)} each "
             f"({label}: {e}); the smallest memory per device that works for this placer is about "

@@ -1,7 +1,8 @@
 """Every placer x traversal order on one graph: place, simulate, optionally run for real, compare, recommend.
 
-This is what ``onnxfuse place`` and the study run. A *candidate* is one (placer, order); ``single`` (everything on
-device 0) is always evaluated as the baseline that speedups are relative to.
+This is what ``onnxfuse place`` and the study run. A *candidate* is one (placer, order) of the placer table
+(``placers.PLACERS``); its baseline, ``single`` (everything on device 0), is always evaluated: speedups are
+relative to it.
 """
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ from .execute import PipelineRunner, RunResult, max_rel_error, run_whole
 from .graph import PlacementGraph
 from .orders import ORDER_NAMES
 from .partition import Partition, partition_graph
-from .placers import Placement, check_memory, place
+from .placers import BASELINE, PLACER_NAMES, PLACERS, Placement, Placer, check_memory, place
 from .shard import ShardPlan, shard_partition
 from .simulate import SimResult, simulate
 
-__all__ = ["Candidate", "Plan", "PLACER_NAMES", "plan_placements", "measure_plan", "rescale_to_measured",
+__all__ = ["Candidate", "Plan", "PLACER_NAMES", "check_placers", "plan_placements", "measure_plan", "rescale_to_measured",
            "results_table", "recommend"]
 
-PLACER_NAMES = ["greedy", "heft", "shard"]
 _PAIR = "(two copies at once)"
 
 
@@ -49,6 +49,11 @@ class Candidate:
     @property
     def label(self) -> str:
         return f"{self.placer}/{self.order}" if self.order else self.placer
+
+    @property
+    def entry(self) -> Placer:
+        """The placer table's entry (a placement a caller built itself counts as an ordinary placer)."""
+        return PLACERS.get(self.placer) or Placer(self.placer, "a placement given by the caller")
 
     @property
     def ok(self) -> bool:
@@ -78,13 +83,13 @@ class Plan:
 
     @property
     def baseline(self) -> Candidate | None:
-        return next((c for c in self.candidates if c.placer == "single" and c.ok), None)
+        return next((c for c in self.candidates if c.placer == BASELINE and c.ok), None)
 
     def ranked(self, measured: bool = False) -> list[Candidate]:
         """Candidates that placed, fastest first (by measured median when asked and available)."""
         def key(c: Candidate) -> tuple:  # ties: less traffic, fewer devices, the baseline, then by name
             t = c.measured.median if measured and c.measured is not None else c.sim.step_time
-            return (t, c.sim.bytes_moved, c.placement.devices_used(), c.placer != "single", c.label)
+            return (t, c.sim.bytes_moved, c.placement.devices_used(), c.placer != BASELINE, c.label)
         return sorted((c for c in self.candidates if c.ok), key=key)
 
     def best(self, measured: bool = False) -> Candidate:
@@ -92,7 +97,7 @@ class Plan:
         return ranked[0] if ranked else self.baseline
 
     def partition_of(self, c: Candidate) -> Partition:
-        if c.placer == "shard":
+        if c.entry.needs_array:
             return shard_partition(self.shard, len(self.devices))
         return partition_graph(c.graph, c.placement, len(self.devices))
 
@@ -102,33 +107,38 @@ def _say(progress: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def check_placers(placers: Sequence[str]) -> None:
+    """A ConfigError naming the first of ``placers`` that the placer table does not have."""
+    unknown = [p for p in placers if p not in PLACERS]
+    if unknown:
+        raise ConfigError(f"--placer: unknown placer '{unknown[0]}'; choose from {', '.join(PLACER_NAMES)} or all")
+
+
 def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: Sequence[str] = PLACER_NAMES,
                     orders: Sequence[str] = ORDER_NAMES, shard: ShardPlan | None = None,
                     granularity: str = "stage", progress: bool = False) -> Plan:
-    """Place and simulate ``graph`` with every requested placer (greedy once per order). ``shard`` is the
-    sub-array plan of a fused array (needed for the 'shard' placer; skipped for other graphs unless asked for
-    alone). A graph that fits with no placer raises the first placer's PlacementError."""
+    """Place and simulate ``graph`` with every requested placer (those with ``orders`` once per order). ``shard``
+    is the sub-array plan of a fused array (needed for the 'shard' placer; skipped for other graphs unless asked
+    for alone). A graph that fits with no placer raises the first placer's PlacementError."""
     devices = list(devices)
-    unknown = [p for p in placers if p not in PLACER_NAMES + ["single"]]
-    if unknown:
-        raise ConfigError(f"--placer: unknown placer '{unknown[0]}'; choose from {', '.join(PLACER_NAMES)} or all")
-    if "shard" in placers and shard is None and list(placers) == ["shard"]:
+    check_placers(placers)
+    if shard is None and placers and all(PLACERS[p].needs_array for p in placers):
         raise PlacementError(f"{graph.label}: model-axis sharding needs a fused array: pass ARRAY_DIR/fused.onnx "
                              "(with array.json and sources/ next to it)")
     costs = cost_table(graph, devices)
     plan = Plan(graph, devices, [])
-    todo: list[tuple[str, str | None]] = [("single", None)]
+    todo: list[tuple[str, str | None]] = [(BASELINE, None)]
     for p in placers:
-        if p == "greedy":
-            todo += [("greedy", o) for o in orders]
-        elif p == "shard" and shard is None:
-            plan.notes.append("shard: not a fused array (give ARRAY_DIR/fused.onnx to shard the model axis)")
-        elif p != "single":
+        if PLACERS[p].orders:
+            todo += [(p, o) for o in orders]
+        elif PLACERS[p].needs_array and shard is None:
+            plan.notes.append(f"{p}: not a fused array (give ARRAY_DIR/fused.onnx to shard the model axis)")
+        elif p != BASELINE:
             todo.append((p, None))
     first_error: PlacementError | None = None
     for k, (p, order) in enumerate(todo):
         _say(progress, f"[{k + 1}/{len(todo)}] {p}{'/' + order if order else ''}")
-        if p == "shard":
+        if PLACERS[p].needs_array:
             c = Candidate(p, None, shard.union, cost_table(shard.union, devices), shard.placement)
             try:
                 check_memory(shard.union, shard.placement.device_of, devices)
@@ -142,13 +152,13 @@ def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: S
                 c.placement = place(graph, costs, p, order)
             except PlacementError as e:
                 c.error = str(e)
-                if p != "single":
+                if p != BASELINE:
                     first_error = first_error or e
                 plan.candidates.append(c)
                 continue
         c.sim = simulate(c.graph, c.costs, c.placement, granularity)
         plan.candidates.append(c)
-    if not any(c.ok and c.placer != "single" for c in plan.candidates) and first_error is not None:
+    if not any(c.ok and c.placer != BASELINE for c in plan.candidates) and first_error is not None:
         raise first_error
     plan.shard = shard
     return plan
@@ -171,7 +181,7 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
     chosen = [c for c in plan.candidates if c.ok and (which is None or which(c))]
     unique: dict[tuple, Candidate] = {}
     for c in chosen:
-        unique.setdefault((c.placer == "shard", tuple(c.placement.device_of)), c)
+        unique.setdefault(_placement_key(c), c)
     runners = {}
     try:
         for k, c in enumerate(unique.values()):
@@ -198,13 +208,18 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
         for runner in runners.values():
             runner.close()
     if probe:
-        base = unique[(False, tuple(plan.baseline.placement.device_of))].label
+        base = unique[_placement_key(plan.baseline)].label
         plan.contention_measured = statistics.median(times[_PAIR]) / statistics.median(times[base]) - 1.0
     for c in chosen:
-        twin = unique[(c.placer == "shard", tuple(c.placement.device_of))]
+        twin = unique[_placement_key(c)]
         c.measured = RunResult(times[twin.label], outputs[twin.label], spans[twin.label])
         c.output_error = max_rel_error(outputs[twin.label], expected)
         c.same_as = None if twin is c else twin.label
+
+
+def _placement_key(c: Candidate) -> tuple:
+    """Candidates with equal keys run the same partitioned graph (a sharded array is another graph)."""
+    return c.entry.needs_array, tuple(c.placement.device_of)
 
 
 def rescale_to_measured(plan: Plan, calibration) -> object:
@@ -284,9 +299,9 @@ def recommend(plan: Plan) -> str:
         t0 = base.measured.median if basis == "measured" and base.measured is not None else base.sim.step_time
         text += f", {t0 / t:.2f}x one device" if t > 0 else ""
     text += f", {best.placement.devices_used()} of {len(plan.devices)} devices used)"
-    if best.placer == "shard":
+    if best.entry.needs_array:
         text += f"; models per device: {best.placement.extra.get('models')}"
-    greedy = [c for c in plan.candidates if c.placer == "greedy" and c.ok]
+    greedy = [c for c in plan.candidates if c.entry.orders and c.ok]
     if greedy:
         fastest = min(c.sim.step_time for c in greedy)
         winners = [c.order for c in greedy if c.sim.step_time <= fastest * 1.0005]

@@ -12,7 +12,7 @@ during the step (each device receives the batch, as every device reads graph inp
 **How a sub-array is built: by re-fusing, not by slicing.** Slicing the fused weights with the ArraySpec is exact
 for the weights (every fused weight is model-major: block b of axis 0) but not enough for the graph, whose
 attributes and constants encode B (``group = B*g`` of a grouped Conv, Reshape targets, Tile repeats, ...).
-Re-fusing the weightless source graphs (``ARRAY_DIR/sources/model_b.onnx``) with each model's weights, split
+Re-fusing the weightless source graphs of the array folder (``ArrayDir.refuse``) with each model's weights, split
 bit-exactly out of the fused model being placed (``onnxfuse.split.split_weights``), yields exactly the graph
 ``onnxfuse fuse`` makes for those models, through the same tested rules.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -28,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..array import ArrayDir
 from ..errors import ConfigError, InputFileError, PlacementError
 from ..weights import ArraySpec
 from .devices import Device
@@ -74,16 +74,15 @@ def find_array(path: str | os.PathLike, model: onnx.ModelProto | None = None) ->
     """The array a path belongs to: ``ARRAY_DIR`` or ``ARRAY_DIR/fused.onnx`` with ``array.json`` beside it;
     None for any other model."""
     path = os.fspath(path)
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    spec_path = os.path.join(folder, "array.json")
-    if not os.path.exists(spec_path):
-        if os.path.isdir(path):
+    if os.path.isdir(path):
+        array = ArrayDir(path)
+        if not os.path.exists(array.spec_path):
             raise InputFileError(f"'{path}' is a folder without array.json; give an ONNX file or an array folder")
-        return None
-    if not os.path.isdir(path) and os.path.basename(path) != "fused.onnx":
-        return None
-    spec = ArraySpec.load(spec_path)
-    return ArrayInfo(folder, spec, model if model is not None else load_model(os.path.join(folder, "fused.onnx")))
+    else:
+        array = ArrayDir.of_fused(path)
+        if array is None:
+            return None
+    return ArrayInfo(array.path, array.load_spec(), model if model is not None else load_model(array.fused_path))
 
 
 def shard_groups(B: int, devices: Sequence[Device]) -> list[tuple[int, int, int]]:
@@ -107,22 +106,10 @@ def sub_array_model(info: ArrayInfo, b0: int, b1: int) -> onnx.ModelProto:
     """The fused model of models b0..b1-1, re-fused from the array's source graphs and their split weights."""
     from ..passes import fuse_models
 
-    sources = []
-    for b in range(b0, b1):
-        path = os.path.join(info.folder, "sources", f"model_{b}.onnx")
-        if not os.path.exists(path):
-            raise InputFileError(f"'{path}' is missing; model-axis sharding re-fuses the array's source graphs: "
-                                 "re-run `onnxfuse fuse`")
-        src = onnx.load(path)
-        used = {t for n in src.graph.node for t in n.input}
-        src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in info.weights_of(b).items()
-                                     if k in used)
-        sources.append(src)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # `onnxfuse fuse` already reported per-model fallbacks
-        fa = fuse_models(sources, labels=[info.spec.sources[b] for b in range(b0, b1)],
-                         per_model_inputs=info.per_model_inputs)
-    return fa.model
+    models = list(range(b0, b1))
+    model, _ = ArrayDir(info.folder).refuse(models, [info.weights_of(b) for b in models], fuse_models,
+                                            why="model-axis sharding re-fuses the array's source graphs")
+    return model
 
 
 @dataclass

@@ -1,0 +1,208 @@
+"""The settings schema (training/settings.py): the optimizer and schedule registries are what the CLI, config files,
+TrainConfig and placement accept; a new optimizer or schedule is one registration; a command line and the
+equivalent config file give the same run."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import textwrap
+
+import pytest
+import yaml
+
+from conftest import export_all, make_modules
+from onnxfuse import fuse_models, save_array
+from onnxfuse.cli import build_parser
+from onnxfuse.errors import ConfigError
+from onnxfuse.placement._cli import _optimizer_choices
+from onnxfuse.training import TrainConfig
+from onnxfuse.training.config import config_to_train_settings, load_config, normalize_config
+from onnxfuse.training.optim import LR, WEIGHT_DECAY, make_optimizer
+from onnxfuse.training.schedules import PerModelSchedules, check_schedules
+from onnxfuse.training.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, OptimizerSpec, Param,
+                                        flags_to_settings, integer, real, register_optimizer, register_schedule)
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "run.example.yaml")
+SAMPLE = {"step_size": 2, "milestones": [2, 4], "gamma": 0.5}  # a value for each required schedule parameter
+
+
+def subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def choices(command: str, flag: str) -> list:
+    return list(subparser(command)._option_string_actions[flag].choices)
+
+
+def required(schedule: str) -> dict:
+    return {p.name: SAMPLE[p.name] for p in SCHEDULES[schedule].params if p.default is REQUIRED}
+
+
+def config_error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn(*args, **kwargs)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------------------- (a) one list everywhere
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_cli_choices_are_the_registries(command):
+    assert choices(command, "--optimizer") == list(OPTIMIZERS) == ["sgd", "adam", "adamw"]
+    assert choices(command, "--schedule") == list(SCHEDULES) == ["constant", "step", "multistep", "exponential",
+                                                                  "cosine", "linear", "onecycle"]
+    flags = subparser(command)._option_string_actions
+    for spec in list(OPTIMIZERS.values()) + list(SCHEDULES.values()):
+        for p in spec.params:  # every hyper-parameter has its flag (a switch says the non-default)
+            assert (p.flag if p.default is not True else "--no-" + p.flag[2:]) in flags, (spec.name, p.name)
+    for s in RUN_SETTINGS:
+        assert s.cli in flags or "--no-" + s.cli[2:] in flags, s.name
+
+
+def test_config_schema_accepts_exactly_the_registries():
+    for name, spec in OPTIMIZERS.items():
+        cfg = normalize_config({"steps": 1, "optimizer": name})
+        assert cfg["optimizer"] == {"name": name, **{p.name: p.default if not isinstance(p.default, tuple)
+                                                      else list(p.default) for p in spec.params}}
+        assert all(p.name in TrainConfig.model_fields for p in spec.params)
+    for name in SCHEDULES:
+        assert normalize_config({"steps": 1, "schedule": {"name": name, **required(name)}})["schedule"]["name"] == name
+    msg = config_error(normalize_config, {"steps": 1, "optimizer": "rmsprop"}, source="")
+    assert msg.endswith("must be one of: " + ", ".join(OPTIMIZERS))
+    msg = config_error(normalize_config, {"steps": 1, "schedule": "warmup"}, source="")
+    assert msg.endswith("must be one of: " + ", ".join(SCHEDULES))
+
+
+def test_placement_offers_every_registered_optimizer():
+    assert set(OPTIMIZERS) <= set(_optimizer_choices())
+    for name in OPTIMIZERS:
+        args = build_parser().parse_args(["place", "m.onnx", "-o", "out", "--training", "--optimizer", name])
+        assert args.optimizer == name
+
+
+# ------------------------------------------------------------------------------------- (b) one registration
+@pytest.fixture
+def toy_registrations():
+    """A schedule and an optimizer with a hyper-parameter of its own, registered and removed again."""
+    @register_schedule("halve_once", (Param("at", integer(ge=1), REQUIRED, "the step at which to halve"),
+                                      Param("factor", real(gt=0.0, le=1.0), 0.5, "the lr factor from then on")),
+                       "MultiStepLR with one milestone")
+    def halve_once(lrs, opt, s, steps):
+        return lrs.MultiStepLR(opt, milestones=[s["at"]], gamma=s["factor"])
+
+    register_optimizer(OptimizerSpec("toy", (LR, WEIGHT_DECAY, Param("rho", real(ge=0.0, lt=1.0), 0.9, "toy decay",
+                                                                       per_model=True)), "a toy", state_slots=1))
+    yield
+    del SCHEDULES["halve_once"], OPTIMIZERS["toy"]
+
+
+def test_a_registered_schedule_and_optimizer_need_no_other_edit(toy_registrations):
+    assert "halve_once" in choices("train", "--schedule") and "toy" in choices("train", "--optimizer")
+    args = build_parser().parse_args(["train", "arr", "--optimizer", "toy", "--rho", "0.5,0.6", "--schedule",
+                                      "halve_once", "--at", "3", "--steps", "6", "--batch-size", "4"])
+    flags = flags_to_settings(args)
+    assert flags["schedule"] == {"name": "halve_once", "at": 3} and flags["rho"] == [0.5, 0.6]
+    config = TrainConfig.from_dict(flags)
+    assert config.rho == [0.5, 0.6] and config.as_dict()["rho"] == [0.5, 0.6]
+    assert "'halve_once' needs 'at'" in config_error(TrainConfig, steps=1, schedule="halve_once")
+    assert "--rho must be finite and in [0, 1)" in config_error(TrainConfig, steps=1, optimizer="toy", rho=1.5)
+
+    cfg = normalize_config({"steps": 6, "optimizer": {"name": "toy", "rho": 0.7},
+                            "schedule": {"name": "halve_once", "at": 3}, "grid": {"schedule.factor": [0.5, 0.1]}})
+    assert cfg["optimizer"] == {"name": "toy", "lr": 1e-3, "weight_decay": 0.0, "rho": 0.7}
+    assert cfg["schedule"] == {"name": "halve_once", "at": 3, "factor": 0.5}
+    assert "schedule.at is missing" in config_error(normalize_config, {"steps": 1, "schedule": "halve_once"})
+    assert "optimizer.rho = 2 must be finite and in [0, 1)" in config_error(
+        normalize_config, {"steps": 1, "optimizer": {"name": "toy", "rho": 2}})
+    assert build_parser().parse_args(["place", "m.onnx", "-o", "o", "--optimizer", "toy"]).optimizer == "momentum"
+
+    # and the schedule's maths is the registered function: lr 0.1 until step 3, then 0.1 * factor
+    specs = check_schedules([{"name": "halve_once", "at": 3}, {"name": "halve_once", "at": 2, "factor": 0.1}], 2, 6)
+    sched = PerModelSchedules(specs, make_optimizer("sgd", 2, lr=0.1), 6)
+    lrs = []
+    for _ in range(5):
+        lrs.append(sched.values([True, True]).lr)
+        sched.advance()
+    assert [lr[0] for lr in lrs] == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05])
+    assert [lr[1] for lr in lrs] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.01])
+
+
+def test_the_toy_registrations_are_gone_again():
+    assert "halve_once" not in SCHEDULES and "toy" not in OPTIMIZERS
+    assert "halve_once" not in choices("train", "--schedule")
+
+
+# ------------------------------------------------------------------------------------- (c) round trips
+def test_every_key_in_the_example_is_a_key_of_the_schema():
+    raw = yaml.safe_load(open(EXAMPLE))
+    cfg = load_config(EXAMPLE)
+    for key, value in raw.items():
+        assert key in cfg
+        if isinstance(value, dict) and key not in ("grid",):
+            assert set(value) <= set(cfg[key]), key
+    # the commented-out keys (other values, defaults) load too, each under its section
+    section, tried = None, 0
+    for line in open(EXAMPLE):
+        top = re.match(r"^(\w+):", line)
+        section = top.group(1) if top else section
+        hidden = re.match(r"^\s+# (\w+): (\[[^\]]*\]|[^\s#]+)\s+#", line)  # "# key: value  # comment"
+        if hidden and section in ("data", "optimizer", "loss"):
+            key, value = hidden.groups()
+            changed = {**raw, section: {**raw[section], key: yaml.safe_load(value)}}
+            if key in ("momentum", "dampening", "nesterov"):
+                changed[section]["name"] = "sgd"
+                for k in ("betas", "eps", "amsgrad"):
+                    changed[section].pop(k, None)
+            if key in raw.get("grid", {}) or f"{section}.{key}" in raw.get("grid", {}):
+                changed["grid"] = {k: v for k, v in raw["grid"].items() if k != f"{section}.{key}"}
+            if key == "eval":
+                changed[section] = {k: v for k, v in changed[section].items() if k != "eval_fraction"}
+                changed.pop("halving")
+            normalize_config(changed, base_dir=os.path.dirname(EXAMPLE))
+            tried += 1
+    assert tried >= 6
+
+
+@pytest.fixture(scope="module")
+def array_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("settings")
+    save_array(fuse_models(export_all(make_modules("mlp", 2, seed0=1), (8, 3, 4, 4), d / "jobs")), d / "array")
+    return d / "array"
+
+
+def test_a_command_line_and_its_config_file_are_the_same_run(array_dir, tmp_path):
+    flags = ["--optimizer", "adam", "--lr", "0.1,0.2", "--betas", "0.8,0.99", "--eps", "1e-6", "--amsgrad",
+             "--weight-decay", "0.01", "--clip-grad-norm", "1.0,inf", "--schedule", "cosine", "--warmup-steps", "2",
+             "--steps", "7", "--batch-size", "16", "--seed", "3", "--no-shuffle", "--data-order", "per-model",
+             "--eval-fraction", "0.2", "--eval-every", "2", "--halving", "3", "--halving-keep", "0.5",
+             "--loss", "cross-entropy", "--label-smoothing", "0.1", "--checkpoint-every", "2", "--keep-checkpoints",
+             "3", "--on-diverge", "stop", "--log-every", "2", "--verify-steps", "0", "--allow-nonfinite-data"]
+    from_flags = TrainConfig.from_dict(flags_to_settings(build_parser().parse_args(["train", "a", *flags])))
+    path = tmp_path / "run.yaml"
+    path.write_text(textwrap.dedent("""
+        optimizer: {name: adam, lr: [0.1, 0.2], betas: [0.8, 0.99], eps: 1.0e-6, amsgrad: true, weight_decay: 0.01}
+        clip_grad_norm: [1.0, null]
+        schedule: {name: cosine, warmup_steps: 2}
+        steps: 7
+        batch_size: 16
+        data: {seed: 3, shuffle: false, order: per-model, eval_fraction: 0.2}
+        eval_every: 2
+        halving: [3]
+        halving_keep: 0.5
+        loss: {name: cross-entropy, label_smoothing: 0.1}
+        checkpoint_every: 2
+        keep_checkpoints: 3
+        on_diverge: stop
+        log_every: 2
+        verify_steps: 0
+        allow_nonfinite_data: true
+    """))
+    settings, _, _ = config_to_train_settings(load_config(path), array_dir)
+    from_file = TrainConfig.from_dict(settings)
+    assert from_flags.optimizer_config(2) == from_file.optimizer_config(2)
+    assert check_schedules(from_flags.schedule, 2, 7) == check_schedules(from_file.schedule, 2, 7)
+    assert from_flags.loss_spec() == from_file.loss_spec()
+    for name in [s.name for s in RUN_SETTINGS if s.name != "clip_grad_norm"]:
+        assert getattr(from_flags, name) == getattr(from_file, name), name
