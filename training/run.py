@@ -51,7 +51,8 @@ from .losses import LABELS, LossSpec, get_loss
 from .optim import OptimizerConfig, StepValues, make_optimizer
 from .schedules import PerModelSchedules, check_schedules
 from .settings import OPTIMIZERS, RESUMABLE, TrainSettings, check_halving, train_config_model
-from .trainer import FusedTrainer, check_device, load_array
+from .runtime import Runtime, make_trainer, resolve_runtime
+from .trainer import FusedTrainer, load_array
 from .verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
 __all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER",
@@ -106,7 +107,7 @@ def _validate(config: TrainConfig, spec: ArraySpec) -> None:
         if shared:
             raise ConfigError(f"--data-order {config.data_order} gives every model other samples, but graph input "
                               f"'{shared[0]}' is shared: fuse with --per-model-inputs {','.join(shared)}")
-    check_device(config.device)
+    resolve_runtime(config.runtime, config.device)
     config.loss_spec()
     config.optimizer_config(spec.B)
 
@@ -239,10 +240,11 @@ class _Run:
         self.config_record: dict = config.as_dict()
         self.run_record: dict = {}  # the run's id, settings hash and data hash (written with every state)
 
-    def _trainer(self) -> FusedTrainer:
+    def _trainer(self) -> Runtime:
         os.makedirs(self.workdir, exist_ok=True)
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
-        return FusedTrainer(self.fused, self.spec, self.loss, self.opt, self.config.device, workdir=folder)
+        return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
+                            workdir=folder)
 
     # ---- state
     def state(self) -> dict:
@@ -255,8 +257,7 @@ class _Run:
         return split_weights(self.spec, self.trainer.weights(), steps=steps)
 
     def load(self, weights: dict, opt_state: dict) -> None:
-        for name, value in list(weights.items()) + list(opt_state.items()):
-            self.trainer.state.parameters[name].data = np.ascontiguousarray(value)
+        self.trainer.load({**weights, **opt_state})
 
     # ---- shrinking
     def keep(self, positions: Sequence[int], reason: str) -> None:
@@ -468,7 +469,7 @@ def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, d
 def _restore(run: _Run, path: str, st: dict, sampler: BatchSampler) -> float:
     fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
     weights, opt_state, dropped = ArrayDir.read_state(path, fix)
-    missing = [n for n in list(run.trainer.art.trainable) + list(run.trainer.art.buffers) if n not in weights] \
+    missing = [n for n in list(run.trainer.trainable) + list(run.trainer.buffers) if n not in weights] \
         if st["models"] == run.models else []
     if missing:
         raise _damaged(path, f"its weights have no '{missing[0]}'")
@@ -545,7 +546,7 @@ def _first_steps(ds: Dataset, sampler: BatchSampler, config: TrainConfig, B: int
     return batches, values
 
 
-def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: FusedTrainer | None, ds: Dataset,
+def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Runtime | None, ds: Dataset,
             sampler: BatchSampler, config: TrainConfig, total: int, K: int) -> VerifyReport:
     """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
@@ -555,8 +556,8 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Fu
     dropout_off = has_random_dropout(fused)
     if trainer is None or dropout_off:
         opt, _ = _optimizer_and_schedules(config, spec.B, total)
-        trainer = FusedTrainer(without_dropout(fused) if dropout_off else fused, spec, config.loss_spec(), opt,
-                               config.device)
+        trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
+                               config.loss_spec(), opt, config.device)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(ds, sampler, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
@@ -785,7 +786,8 @@ def _checkpoint(run: _Run, sampler: BatchSampler, elapsed: float) -> None:
 
 def _write_trained(run: _Run, folder: str, elapsed: float, stopped: str | None) -> None:
     _save_state(run, folder)
-    run.trainer.save_checkpoint(ArrayDir.ort_checkpoint_path(folder))
+    if isinstance(run.trainer, FusedTrainer):  # onnxruntime's own checkpoint, for users of its training API
+        run.trainer.save_checkpoint(ArrayDir.ort_checkpoint_path(folder))
     final = {b: float(run.last_loss[i]) for i, b in enumerate(run.models)}
     ArrayDir.write_train_state(folder, **_jsonable({
         "steps": run.trainer.steps, "models": run.models, "status": {str(k): v for k, v in run.status.items()},

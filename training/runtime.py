@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import onnx
@@ -27,7 +27,9 @@ from onnxfuse.weights import ArraySpec
 
 from .data import Dataset
 from .losses import LABELS, LossSpec
-from .optim import OptimizerConfig, StepValues
+
+if TYPE_CHECKING:  # optim reads the settings, which read this module's table
+    from .optim import OptimizerConfig, StepValues
 
 __all__ = ["Runtime", "RuntimeInfo", "RUNTIMES", "RUNTIME_CHOICES", "resolve_runtime", "make_trainer", "evaluate",
            "parameter_names", "check_feeds"]

@@ -36,6 +36,7 @@ from onnxfuse.errors import ConfigError
 
 from .datasets import NAMED_DATASETS, is_named
 from .losses import LOSSES
+from .runtime import RUNTIME_CHOICES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
            "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
@@ -375,6 +376,9 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("halving_keep", real(gt=0.0, lt=1.0), 0.5, "fraction kept at each halving"), "halving_keep"),
     Setting(Param("device", text(_is_device, "cpu, cuda or cuda:N"), "cpu", "cpu or cuda[:id]"), "device",
             resumable=True),
+    Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: torch (PyTorch "
+                  "autograd, any device), ort (onnxruntime-training 1.19), auto (torch where it can run, else ort)"),
+            "runtime"),
     Setting(Param("log_every", _POS, 1, "write training metrics every K steps"), "log_every", resumable=True),
     Setting(Param("verify_steps", _NONNEG, 1, "before training, check the first K steps of every model against "
                   "the model trained alone on the same runtime (0: skip; a resumed run skips it)"), "verify_steps",
