@@ -8,20 +8,24 @@ import os
 import re
 import textwrap
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
-from conftest import export_all, make_modules
+from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import build_parser
+from onnxfuse.cli import build_parser, main
 from onnxfuse.errors import ConfigError
-from onnxfuse.placement._cli import _optimizer_choices
+from onnxfuse.placement._cli import _optimizer_choices, _state_slots
+from onnxfuse.split import final_states
 from onnxfuse.training import TrainConfig
 from onnxfuse.training.config import config_to_train_settings, load_config, normalize_config
-from onnxfuse.training.optim import LR, WEIGHT_DECAY, make_optimizer
+from onnxfuse.training.optim import LR, STATE_PREFIX, WEIGHT_DECAY, Optimizer, make_optimizer
 from onnxfuse.training.schedules import PerModelSchedules, check_schedules
-from onnxfuse.training.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, OptimizerSpec, Param,
-                                        flags_to_settings, integer, real, register_optimizer, register_schedule)
+from onnxfuse.training.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, flags_to_settings,
+                                        integer, real, register_optimizer, register_schedule)
+from onnxfuse.weights import ArraySpec
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "run.example.yaml")
 SAMPLE = {"step_size": 2, "milestones": [2, 4], "gamma": 0.5}  # a value for each required schedule parameter
@@ -83,6 +87,30 @@ def test_placement_offers_every_registered_optimizer():
 
 
 # ------------------------------------------------------------------------------------- (b) one registration
+class EmaSGD(Optimizer):
+    """The toy optimizer: SGD on an exponential moving average of the gradient.
+    g = g + wd*p;  m = m + (1-rho)*(g - m);  p = p - lr*m      (one state buffer, m, zero at first)"""
+
+    rows = ("wd", "one_minus_rho", "lr")
+
+    def state_names(self, config):
+        return ["ema"]
+
+    def coefficients(self, step, v):
+        return [v["weight_decay"], 1.0 - v["rho"], v["lr"]]
+
+    def emit(self, gb, P, G, row, config):
+        if config.uses("weight_decay"):
+            G = gb.one("Add", [G, gb.one("Mul", [P, row["wd"]])])
+        M = STATE_PREFIX + "ema"
+        Mn = gb.one("Add", [M, gb.one("Mul", [gb.one("Sub", [G, M]), row["one_minus_rho"]])])
+        return gb.one("Sub", [P, gb.one("Mul", [Mn, row["lr"]])]), [(M, Mn)]
+
+    def received_gradient(self, rows, before, after):
+        """g = m_{t-1} + (m_t - m_{t-1}) / (1 - rho)"""
+        return before["ema"] + (after["ema"] - before["ema"]) / rows["one_minus_rho"], 0.0
+
+
 @pytest.fixture
 def toy_registrations():
     """A schedule and an optimizer with a hyper-parameter of its own, registered and removed again."""
@@ -92,8 +120,8 @@ def toy_registrations():
     def halve_once(lrs, opt, s, steps):
         return lrs.MultiStepLR(opt, milestones=[s["at"]], gamma=s["factor"])
 
-    register_optimizer(OptimizerSpec("toy", (LR, WEIGHT_DECAY, Param("rho", real(ge=0.0, lt=1.0), 0.9, "toy decay",
-                                                                       per_model=True)), "a toy", state_slots=1))
+    register_optimizer(EmaSGD("toy", (LR, WEIGHT_DECAY, Param("rho", real(ge=0.0, lt=1.0), 0.9, "toy decay",
+                                                                per_model=True)), "a toy"))
     yield
     del SCHEDULES["halve_once"], OPTIMIZERS["toy"]
 
@@ -127,6 +155,53 @@ def test_a_registered_schedule_and_optimizer_need_no_other_edit(toy_registration
         sched.advance()
     assert [lr[0] for lr in lrs] == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05])
     assert [lr[1] for lr in lrs] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.01])
+
+
+SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
+
+
+def toy_alone(mod, lr, rho, wd, batches):
+    """The toy's maths on one model alone, in torch: g = grad + wd*p; m += (1-rho)*(g - m); p -= lr*m."""
+    ema = {n: torch.zeros_like(p) for n, p in mod.named_parameters()}
+    for x, y in batches:
+        mod.zero_grad()
+        torch.nn.functional.cross_entropy(mod.train()(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        with torch.no_grad():
+            for n, p in mod.named_parameters():
+                g = p.grad + wd * p
+                ema[n] += (1 - rho) * (g - ema[n])
+                p -= lr * ema[n]
+    return {k: v.detach().numpy() for k, v in mod.state_dict().items()}
+
+
+@pytest.mark.parametrize("recovers_gradient", [True, False])
+def test_a_registered_optimizer_trains_as_its_maths_says(toy_registrations, recovers_gradient, tmp_path):
+    """The registration is all `onnxfuse train --optimizer toy` needs: its first step is verified against each
+    model alone (through the gradient the toy says it received, or, when it says nothing, its new parameters),
+    the run trains, and the weights are what the toy's maths gives for each model alone (in torch)."""
+    if not recovers_gradient:
+        class Plain(EmaSGD):
+            received_gradient = Optimizer.received_gradient
+        OPTIMIZERS["toy"] = Plain("toy", OPTIMIZERS["toy"].params, "a toy")
+    assert _state_slots("toy") == 1  # placement plans its one buffer
+    mods = make_modules("mlp", 2, seed0=40)
+    save_array(fuse_models(export_all(mods, SHAPE, tmp_path / "jobs")), tmp_path / "array")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((48,) + SHAPE[1:]).astype(np.float32)
+    y = rng.integers(0, 10, 48)
+    np.savez(tmp_path / "data.npz", input=x, labels=y)
+    lr, rho, wd = (0.1, 0.05), (0.5, 0.8), (0.0, 0.01)
+    assert main(["train", str(tmp_path / "array"), "--data", str(tmp_path / "data.npz"), "--optimizer", "toy",
+                 "--lr", "0.1,0.05", "--rho", "0.5,0.8", "--weight-decay", "0,0.01", "--steps", "5",
+                 "--batch-size", "16", "--no-shuffle", "--verify-steps", "2", "--quiet"]) == 0
+    trained = final_states(str(tmp_path / "array"), ArraySpec.load(str(tmp_path / "array" / "array.json")))
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)] * 2
+    for b, mod in enumerate(make_modules("mlp", 2, seed0=40)):
+        start = {k: v.clone() for k, v in mod.state_dict().items()}
+        ref = toy_alone(mod, lr[b], rho[b], wd[b], batches[:5])
+        for k, v in ref.items():
+            assert rel_err(trained[b][k], v) < 1e-4, (b, k)
+            assert rel_err(trained[b][k], start[k].numpy()) > 1e-3, (b, k)  # it did train
 
 
 def test_the_toy_registrations_are_gone_again():

@@ -17,7 +17,8 @@ Schedules, by name (``steps`` = the run's total optimizer steps):
 - ``linear``       [the same warm-up] then LinearLR(1 -> end_factor=0 over steps - warmup_steps)
 - ``onecycle``     OneCycleLR(max_lr, total_steps=steps, pct_start=0.3, anneal_strategy='cos', div_factor=25,
                    final_div_factor=1e4, three_phase=False, cycle_momentum=True, base_momentum=0.85,
-                   max_momentum=0.95): moves SGD's momentum or Adam's beta1 too
+                   max_momentum=0.95): moves the hyper-parameter the optimizer lets a schedule move too (its
+                   registration's ``cycles``: SGD's momentum, Adam's beta1)
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from typing import Callable, Sequence
 from onnxfuse.errors import ConfigError
 
 from .optim import OptimizerConfig, StepValues
-from .settings import BOOL, REQUIRED, SCHEDULES, Param, check_schedule_entry, choice, integer, real, \
-    register_schedule, step_list
+from .settings import BOOL, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, check_schedule_entry, choice, integer, \
+    real, register_schedule, step_list
 
 __all__ = ["SCHEDULES", "PerModelSchedules", "check_schedules"]
 
@@ -94,7 +95,7 @@ def _linear(lrs, opt, s: dict, steps: int):
     Param("final_div_factor", real(gt=0.0), 1e4, "final lr = initial lr / final_div_factor"),
     Param("anneal_strategy", choice(("cos", "linear")), "cos", "annealing"),
     Param("three_phase", BOOL, False, "a third phase annihilating the lr"),
-    Param("cycle_momentum", BOOL, True, "move SGD's momentum / Adam's beta1 inversely to the lr"),
+    Param("cycle_momentum", BOOL, True, "move the optimizer's momentum (SGD) / beta1 (Adam) inversely to the lr"),
     Param("base_momentum", real(ge=0.0, lt=1.0), 0.85, "lowest momentum"),
     Param("max_momentum", real(ge=0.0, lt=1.0), 0.95, "highest momentum")), "OneCycleLR")
 def _onecycle(lrs, opt, s: dict, steps: int):
@@ -119,7 +120,8 @@ def check_schedules(spec, B: int, steps: int) -> list[dict]:
     specs = _normalize(spec, B)
     from .optim import make_optimizer
 
-    PerModelSchedules(specs, make_optimizer("sgd", B), steps)  # torch raises on bad values; rewrap below
+    default = next(s.param.default for s in RUN_SETTINGS if s.name == "optimizer")
+    PerModelSchedules(specs, make_optimizer(default, B), steps)  # torch raises on bad values; rewrap below
     return specs
 
 
@@ -133,24 +135,29 @@ def _full(s: dict, lr: float) -> dict:
 
 
 class PerModelSchedules:
-    """B torch schedulers; ``values(active)`` is this step's per-model lr and momentum/beta1, ``advance()`` moves
-    every schedule one step. The position is just the number of steps taken, so a run resumes by ``advance``-ing
-    a fresh instance that many times."""
+    """B torch schedulers; ``values(active)`` is this step's per-model lr and cycled value (the hyper-parameter
+    the optimizer's registration lets a schedule move, ``cycles``: SGD's momentum, Adam's beta1), ``advance()``
+    moves every schedule one step. The position is just the number of steps taken, so a run resumes by
+    ``advance``-ing a fresh instance that many times.
+
+    Each scheduler drives a stand-in torch optimizer of one parameter that holds only the values a scheduler reads
+    and writes: the model's lr and its cycled hyper-parameter under its torch name (``momentum``, or ``betas`` for
+    one element of a pair), which is how torch's one-cycle finds what to move."""
 
     def __init__(self, specs: Sequence[dict], opt: OptimizerConfig, steps: int):
         import warnings
 
         import torch
 
-        self.specs, self.kind, self.taken = list(specs), opt.kind, 0
+        self.specs, self.cycles, self.taken = list(specs), opt.spec.cycles, 0
         self.optimizers, self.schedulers = [], []
+        name = self.cycles if isinstance(self.cycles, str) or self.cycles is None else self.cycles[0]
         for b, s in enumerate(self.specs):
-            p = [torch.zeros(1, requires_grad=True)]
-            if opt.kind == "sgd":
-                o = torch.optim.SGD(p, lr=opt.lr[b], momentum=opt.momentum[b], dampening=opt.dampening[b],
-                                    nesterov=opt.nesterov[b])
-            else:
-                o = torch.optim.Adam(p, lr=opt.lr[b], betas=(opt.beta1[b], opt.beta2[b]))
+            defaults = {"lr": opt.lr[b]}
+            if name is not None:
+                value = opt.hyper[name][b]
+                defaults[name] = tuple(value) if isinstance(value, (list, tuple)) else value
+            o = torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], defaults)
             spec = _full(check_schedule_entry(s, "schedule", fill=True), opt.lr[b])
             try:
                 with warnings.catch_warnings():
@@ -167,7 +174,13 @@ class PerModelSchedules:
 
     def values(self, active: Sequence[bool]) -> StepValues:
         groups = [o.param_groups[0] for o in self.optimizers]
-        second = [g["momentum"] if self.kind == "sgd" else g["betas"][0] for g in groups]
+        if self.cycles is None:
+            second = [None] * len(groups)
+        elif isinstance(self.cycles, str):
+            second = [g[self.cycles] for g in groups]
+        else:
+            name, index = self.cycles
+            second = [g[name][index] for g in groups]
         return StepValues([g["lr"] for g in groups], second, list(active))
 
     def advance(self, n: int = 1) -> None:
@@ -185,7 +198,7 @@ class PerModelSchedules:
         """The schedules of the models ``keep`` (by position), still at the same step."""
         new = object.__new__(PerModelSchedules)
         new.specs = [self.specs[i] for i in keep]
-        new.kind, new.taken = self.kind, self.taken
+        new.cycles, new.taken = self.cycles, self.taken
         new.optimizers = [self.optimizers[i] for i in keep]
         new.schedulers = [self.schedulers[i] for i in keep]
         return new

@@ -250,14 +250,13 @@ def check_value(p: Param, value: Any, key: str | None = None, style: str = "flag
 # ------------------------------------------------------------------------------------------------ the registries
 @dataclass
 class OptimizerSpec:
-    """An optimizer: its hyper-parameters (with torch.optim's defaults), the state buffers it keeps per weight
-    (what placement plans memory for), and a rule tying hyper-parameters of one model together (returns a
-    problem, or None). Its maths is the ``OptimizerConfig`` code of the same name (``optim.py``)."""
+    """An optimizer's declaration: its hyper-parameters (with torch.optim's defaults) and a rule tying
+    hyper-parameters of one model together (returns a problem, or None). What is registered is a subclass that
+    adds its maths, ``optim.Optimizer`` (``optim.py``); placement plans memory by its state buffers."""
 
     name: str
     params: tuple[Param, ...]
     help: str = ""
-    state_slots: int = 0
     check: Callable[[dict], str | None] | None = None
 
     def param(self, name: str) -> Param | None:
@@ -284,7 +283,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
-    """Add an optimizer: the CLI, config files and placement accept it from then on."""
+    """Add an optimizer (an ``optim.Optimizer``: hyper-parameters and maths): the CLI, config files, the trainer
+    and placement accept it from then on."""
+    if not callable(getattr(spec, "emit", None)):
+        raise TypeError(f"optimizer '{spec.name}': register an onnxfuse.training.optim.Optimizer subclass, which "
+                        "carries the update maths with the hyper-parameters")
     OPTIMIZERS[spec.name] = spec
     return spec
 

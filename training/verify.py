@@ -23,9 +23,11 @@ What is compared, per model and checked step:
 - the step's loss: ``|fused - alone| <= LOSS_RTOL * |alone| + LOSS_ATOL``;
 - whether the step was applied (fault isolation rejects a non-finite loss, gradient or update);
 - per trainable tensor, the gradient the optimizer received at this step (after clipping and L2 weight decay),
-  recovered from the optimizer's own state rather than from the update. Adam's first update is ~lr*sign(g): where
-  a true gradient is ~0 (a conv bias before BatchNorm) rounding noise becomes a full-size step that differs
-  between any two kernels, while the gradient itself differs only by rounding::
+  recovered from the optimizer's own state rather than from the update (each optimizer's registration says how:
+  ``Optimizer.received_gradient`` in ``optim.py``; one that does not say has its new parameters compared instead).
+  Adam's first update is ~lr*sign(g): where a true gradient is ~0 (a conv bias before BatchNorm) rounding noise
+  becomes a full-size step that differs between any two kernels, while the gradient itself differs only by
+  rounding::
 
       Adam, AdamW        g = m_{t-1} + (m_t - m_{t-1}) / (1 - beta1)     exp_avg      (step 1: m_1 / (1 - beta1))
       SGD, momentum      g = (buf_t - mom_c * buf_{t-1}) / damp_c         momentum_buffer       (step 1: buf_1)
@@ -74,7 +76,7 @@ from onnxfuse.errors import VerificationError
 from onnxfuse.weights import ArraySpec, pack_weights, unpack_weight
 
 from .losses import LABELS
-from .optim import STATE_PREFIX, OptimizerConfig, StepValues
+from .optim import STATE_PREFIX, Optimizer, OptimizerConfig, StepValues
 from .runtime import Runtime
 
 __all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "has_random_dropout",
@@ -94,7 +96,7 @@ class TensorCheck:
     """One tensor of one model at one step: ``diff`` = ||fused - alone||, ``norm`` = ||alone||."""
 
     name: str  # the model's original (state_dict) name
-    kind: str  # "gradient" or "buffer"
+    kind: str  # "gradient", "buffer", or "parameter" (an optimizer that cannot say what gradient it received)
     diff: float
     norm: float
     tol: float
@@ -321,14 +323,11 @@ def reference_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     """A one-model configuration whose update graph has every term the array's has (weight decay, momentum
     buffer, Nesterov, amsgrad, clipping), so that one reference serves every model: each model's own values are
     fed as coefficients, and a term a model does not use is an exact no-op for it (``g + 0*p``, ``min(inf, 1)``,
-    ``buf = 0*buf + 1*g``...), as it is in the array."""
-    first = lambda v: v[:1]  # noqa: E731
-    return OptimizerConfig(
-        opt.kind, first(opt.lr), momentum=[max(opt.momentum)] if opt.momentum else [],
-        dampening=first(opt.dampening), nesterov=[any(opt.nesterov)] if opt.nesterov else [],
-        weight_decay=[max(opt.weight_decay)] if opt.weight_decay else [], beta1=first(opt.beta1),
-        beta2=first(opt.beta2), eps=first(opt.eps), amsgrad=[any(opt.amsgrad)] if opt.amsgrad else [],
-        max_norm=[min(opt.max_norm)] if opt.max_norm else [], momentum_varies=opt.momentum_varies)
+    ``buf = 0*buf + 1*g``...), as it is in the array. An optimizer emits a term when some model's value is
+    non-zero / true (``OptimizerConfig.uses``), so per hyper-parameter the reference takes the first such value."""
+    some = lambda v: [next((x for x in v if x), v[0])]  # noqa: E731
+    return OptimizerConfig(opt.kind, {k: some(v) for k, v in opt.hyper.items()},
+                           max_norm=[min(opt.max_norm)] if opt.max_norm else [], momentum_varies=opt.momentum_varies)
 
 
 def _gradients(opt: OptimizerConfig, rows: dict[str, float], before: _ModelState, after: _ModelState,
@@ -337,22 +336,15 @@ def _gradients(opt: OptimizerConfig, rows: dict[str, float], before: _ModelState
     after it (see the module docstring), in float64; and per parameter the rounding floor of that recovery."""
     grads, floors = {}, {}
     for name in params:
-        if opt.kind in ("adam", "adamw"):
-            m0 = before.optim[STATE_PREFIX + "exp_avg"][name].astype(np.float64)
-            m1 = after.optim[STATE_PREFIX + "exp_avg"][name].astype(np.float64)
-            grads[name], floors[name] = m0 + (m1 - m0) / rows["one_minus_b1"], 0.0
-        elif STATE_PREFIX + "momentum_buffer" in before.optim:
-            if rows["damp_c"] == 0:  # dampening 1 after step 1: the gradient leaves no trace
-                continue
-            b0 = before.optim[STATE_PREFIX + "momentum_buffer"][name].astype(np.float64)
-            b1 = after.optim[STATE_PREFIX + "momentum_buffer"][name].astype(np.float64)
-            grads[name], floors[name] = (b1 - rows["mom_c"] * b0) / rows["damp_c"], 0.0
-        else:
-            if rows["lr"] == 0:
-                continue
-            p0 = before.weights[name].astype(np.float64)
-            grads[name] = (p0 - after.weights[name].astype(np.float64)) / rows["lr"]
-            floors[name] = ROUNDING * _norm(p0) / rows["lr"]
+        def values(state: _ModelState) -> dict[str, np.ndarray]:
+            out = {s[len(STATE_PREFIX):]: pieces[name].astype(np.float64) for s, pieces in state.optim.items()}
+            return {**out, "param": state.weights[name].astype(np.float64)}
+
+        got = opt.spec.received_gradient(rows, values(before), values(after))
+        if got is None:  # e.g. lr 0, or dampening 1 after step 1: the gradient leaves no trace
+            continue
+        grads[name], gain = got
+        floors[name] = ROUNDING * _norm(before.weights[name].astype(np.float64)) * gain if gain else 0.0
     return grads, floors
 
 
@@ -423,9 +415,14 @@ def _check_model(step: _FusedStep, b: int, trainer: Runtime, reference: Runtime,
     params = [spec.weights[n].sources[0] for n in trainer.trainable]
     buffers = [spec.weights[n].sources[0] for n in trainer.buffers]
     names = {fw.sources[0]: fw.sources[b] for fw in spec.weights.values()}
-    g_fused, _ = _gradients(opt, rows, before, fused_after, params)
-    g_alone, floors = _gradients(opt, rows, before, alone_after, params)
-    check.tensors = (_compare(g_fused, g_alone, floors, "gradient", names)
+    if type(opt.spec).received_gradient is Optimizer.received_gradient:  # no recovery: the new parameters
+        check.tensors = _compare({k: fused_after.weights[k] for k in params},
+                                 {k: alone_after.weights[k] for k in params}, {}, "parameter", names)
+    else:
+        g_fused, _ = _gradients(opt, rows, before, fused_after, params)
+        g_alone, floors = _gradients(opt, rows, before, alone_after, params)
+        check.tensors = _compare(g_fused, g_alone, floors, "gradient", names)
+    check.tensors = (check.tensors
                      + _compare({k: fused_after.weights[k] for k in buffers},
                                 {k: alone_after.weights[k] for k in buffers}, {}, "buffer", names))
     return check

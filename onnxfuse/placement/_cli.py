@@ -30,16 +30,24 @@ def _optimizer_choices() -> list[str]:
 
 
 def _optimizer(name: str) -> str:
-    """--optimizer's value as placement's graph counts it: a registered optimizer it has no entry for is
-    planned by its number of state buffers per weight (0: sgd, 1: momentum, 2: adamw)."""
-    from ..training.settings import OPTIMIZERS
+    """--optimizer's value as placement names it: a registered optimizer placement has no shorthand for is
+    named by its number of state buffers per weight (0: sgd, 1: momentum, 2: adamw; more: its own name)."""
     from .graph import OPTIMIZER_SLOTS
 
     if name not in _optimizer_choices():
         raise argparse.ArgumentTypeError(f"invalid choice: '{name}' (choose from {', '.join(_optimizer_choices())})")
     if name in OPTIMIZER_SLOTS:
         return name
-    return {0: "sgd", 1: "momentum"}.get(OPTIMIZERS[name].state_slots, "adamw")
+    return {0: "sgd", 1: "momentum", 2: "adamw"}.get(_state_slots(name), name)
+
+
+def _state_slots(name: str) -> int:
+    """The state buffers per weight training keeps for --optimizer ``name``: the registered optimizer's (its maths
+    at the default hyper-parameters, training/optim.py), or placement's shorthand ("momentum")."""
+    from ..training.settings import OPTIMIZERS
+    from .graph import optimizer_state_slots
+
+    return OPTIMIZERS[name].state_slots() if name in OPTIMIZERS else optimizer_state_slots(name)
 
 
 def add_place_parser(subparsers) -> argparse.ArgumentParser:
@@ -161,8 +169,9 @@ def cmd_place(args) -> int:
         warnings.simplefilter("always", PlacementWarning)
         report = place_model(args.model, devices, placers=placers, orders=orders, costs=args.costs,
                              calibrate=calibrate, batch_size=args.batch_size, dims=dims, feeds=feeds,
-                             training=args.training, optimizer=args.optimizer, granularity=args.granularity,
-                             run=args.run, repeats=args.repeats, warmup=args.warmup, progress=not args.quiet)
+                             training=args.training, optimizer=_state_slots(args.optimizer),
+                             granularity=args.granularity, run=args.run, repeats=args.repeats,
+                             warmup=args.warmup, progress=not args.quiet)
     for w in caught:  # placement's own warnings as one line each; any other as Python shows it
         if issubclass(w.category, PlacementWarning):
             print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)

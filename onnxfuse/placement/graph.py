@@ -35,9 +35,22 @@ from ..errors import ConfigError, InputFileError
 from .orders import Dag, check_acyclic
 
 __all__ = ["TensorInfo", "PlacementGraph", "build_graph", "load_model", "bind_dims", "example_feeds",
-           "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS"]
+           "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS", "optimizer_state_slots"]
 
+# Training memory counts the optimizer's state buffers per weight. The training layer's optimizer registry says
+# how many each registered optimizer keeps (``Optimizer.state_slots``), and the CLI passes that number; placement
+# (which does not import the training layer) also takes these shorthands for torch.optim's, as a number would be
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adamw": 2, "adam": 2}
+
+
+def optimizer_state_slots(optimizer: str | int) -> int:
+    """State buffers per weight: a number as it is, or a shorthand of ``OPTIMIZER_SLOTS``."""
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return optimizer
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise ConfigError(f"--optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(OPTIMIZER_SLOTS)}, "
+                          "or give its number of state buffers per weight")
+    return OPTIMIZER_SLOTS[optimizer]
 
 # ops that move or reinterpret data without arithmetic
 _MOVES = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Concat", "Split", "Slice",
@@ -313,17 +326,17 @@ def _is_training_graph(model: onnx.ModelProto) -> bool:
 def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None = None,
                 batch_size: int | None = None, dims: Mapping[str, int] | None = None,
                 feeds: Mapping[str, np.ndarray] | None = None, training: bool = False,
-                optimizer: str = "adamw", run_for_shapes: bool = True) -> PlacementGraph:
+                optimizer: str | int = "adamw", run_for_shapes: bool = True) -> PlacementGraph:
     """The placement graph of an ONNX model (single, fused, or a training graph with its backward pass).
 
-    ``training`` plans memory for training a forward graph (weights x (2 + optimizer slots)). Tensors whose
+    ``training`` plans memory for training a forward graph (weights x (2 + optimizer slots); ``optimizer``: a
+    number of state buffers per weight, or a shorthand of ``OPTIMIZER_SLOTS``). Tensors whose
     shape inference cannot give are measured by one onnxruntime run with ``feeds`` (random ones by default)
     unless ``run_for_shapes`` is False (they then count 0 bytes, with a warning).
     """
     if label is None:
         label = os.path.basename(os.fspath(model)) if not isinstance(model, onnx.ModelProto) else "model"
-    if optimizer not in OPTIMIZER_SLOTS:
-        raise ConfigError(f"--optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(OPTIMIZER_SLOTS)}")
+    slots = optimizer_state_slots(optimizer)
     proto = onnx.ModelProto()
     proto.CopyFrom(load_model(model))
     name_nodes(proto)
@@ -383,7 +396,7 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
     return PlacementGraph(
         model=proto, label=label, names=names, op_types=ops, inputs=ins, outputs=outs, tensors=tensors,
         graph_inputs=graph_inputs, graph_outputs=[o.name for o in g.output], flops=flops, bytes_accessed=traffic,
-        training=training and kind == "forward", optimizer_slots=OPTIMIZER_SLOTS[optimizer], kind=kind,
+        training=training and kind == "forward", optimizer_slots=slots, kind=kind,
     )
 
 

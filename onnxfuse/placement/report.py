@@ -150,7 +150,7 @@ class PlacementReport:
 def place_model(model: str | os.PathLike, devices: Sequence[Device] | int = 2, *,
                 placers: Sequence[str] | str = "all", orders: Sequence[str] | str = "all", costs: str = "auto",
                 calibrate: bool | None = None, batch_size: int = 32, dims: Mapping[str, int] | None = None,
-                feeds: Mapping[str, np.ndarray] | None = None, training: bool = False, optimizer: str = "adamw",
+                feeds: Mapping[str, np.ndarray] | None = None, training: bool = False, optimizer: str | int = "adamw",
                 granularity: str = "stage", run: bool = False, repeats: int = 20, warmup: int = 3,
                 progress: bool = False) -> PlacementReport:
     """Place the ONNX graph ``model`` (a model, a training graph, ``ARRAY_DIR/fused.onnx`` or an array folder)
