@@ -92,7 +92,7 @@ class DigitsCNN(nn.Module):
     def forward(self, x):
         x = torch.relu(self.bn1(self.conv1(x)))
         x = self.pool(torch.relu(self.bn2(self.conv2(x))))
-        x = x.view(x.size(0), -1)
+        x = x.reshape(x.size(0), -1)  # reshape: a channels-last activation (eval on CPU) cannot be viewed
         return self.fc2(torch.relu(self.fc1(x)))
 
 

@@ -11,6 +11,7 @@ import traceback
 import warnings
 
 from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error
+from .training.runtime import RUNTIME_CHOICES
 from .training.settings import add_flags
 
 __all__ = ["main", "build_parser"]
@@ -174,7 +175,7 @@ def cmd_split(args) -> int:
 def cmd_demo(args) -> int:
     from .training.demo import run_demo
 
-    run_demo(args.output, models=args.models, steps=args.steps, progress=not args.quiet)
+    run_demo(args.output, models=args.models, steps=args.steps, progress=not args.quiet, runtime=args.runtime)
     return 0
 
 
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--models", type=int, default=8)
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("-q", "--quiet", action="store_true")
+    d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="fused array vs the same models trained one after another (ORT)")
