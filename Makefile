@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.onnxfuse-installed
 TORCH  ?= torch==2.13.0
 EXTRA  ?= cpu
 
-.PHONY: install demo test test-all fuzz bench clean
+.PHONY: install demo test test-all fuzz bench clean gpu-wheels
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 10) <= v <= (3, 12) else \
@@ -32,14 +32,22 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
 
-# a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3 and compared with torch
-N    ?= 500
-SEED ?= 1000
+# a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3, trained on RUNTIME
+# (ort, torch or both) and compared with torch
+N       ?= 500
+SEED    ?= 1000
+RUNTIME ?= both
 fuzz: $(STAMP)
-	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --out fuzz-out
+	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --runtime $(RUNTIME) --out fuzz-out
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/fused_vs_sequential.py
 
 clean:
 	rm -rf onnxfuse-demo build *.egg-info .pytest_cache fuzz-out
+
+# Wheels benchmarks/gpu_check.sh installs on a GPU machine without internet (Python 3.12 there; PYVER= to change)
+PYVER ?= 3.12
+gpu-wheels:
+	$(BIN)/python -m pip download -q --only-binary=:all: --python-version $(PYVER) --implementation cp \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d benchmarks/wheels "pydantic>=2.6,<3" "pytest>=8"
