@@ -5,14 +5,17 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.onnxfuse-installed
 # torch first, pinned: a plain range resolves to a multi-GB CUDA build on Linux; 2.13.0 here is a CPU build.
 # Elsewhere, e.g.: make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# EXTRA=cpu: both runtimes (Python 3.10-3.12); EXTRA=torch: the torch runtime alone (any Python torch supports,
+# e.g. make demo PYTHON=python3.13 EXTRA=torch TORCH=torch)
 TORCH  ?= torch==2.13.0
 EXTRA  ?= cpu
 
 .PHONY: install demo test test-all fuzz bench clean gpu-wheels
 
 $(BIN)/python:
-	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 10) <= v <= (3, 12) else \
-	  "onnxfuse needs Python 3.10-3.12 (onnxruntime-training 1.19.2 has no wheels for %d.%d); set PYTHON=python3.11" % v)'
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v >= (3, 10) and ("$(EXTRA)" == "torch" or \
+	  v <= (3, 12)) else "the ort runtime (EXTRA=$(EXTRA)) needs Python 3.10-3.12 (onnxruntime-training 1.19.2 has no " \
+	  "wheels for %d.%d): set PYTHON=python3.11, or EXTRA=torch for the torch runtime alone" % v)'
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
