@@ -4,7 +4,8 @@ device (CPU or CUDA), side by side in one process.
 For each model and B: B zoo models with different weights (seeds 0..B-1); one ONNX export, whose initializers are
 replaced by each model's state_dict (the exporter keeps state_dict names), fused; then rounds that alternate
 
-    fused   one TorchTrainer step trains all B models (per-model AdamW learning rates)
+    fused   one step of the fused array on each runtime asked for (``--runtimes torch,ort``; ort on CPU only)
+            trains all B models (per-model AdamW learning rates)
     seq     B torch modules, each with its own torch.optim.AdamW, stepped one after another
 
 on the same device-resident random batch (N samples per model). A round times ``--steps`` steps after the warm-up;
@@ -95,7 +96,7 @@ def _peak(device: torch.device) -> float:
 
 
 def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, device: torch.device,
-            folder: str) -> dict:
+            folder: str, runtimes: list[str]) -> dict:
     mods = modules(name, B)
     lrs = [float(v) for v in np.geomspace(1e-4, 1e-3, B)] if B > 1 else [1e-3]
     task = ZOO[name].task
@@ -103,10 +104,11 @@ def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, dev
     t0 = time.perf_counter()
     fa = fused_array(name, mods, n, folder)
     fuse_s = time.perf_counter() - t0
-    trainer = make_trainer("torch", fa.model, fa.spec, loss_name, make_optimizer("adamw", B, lr=lrs),
-                           device=str(device))
+    trainers = {rt: make_trainer(rt, fa.model, fa.spec, loss_name, make_optimizer("adamw", B, lr=lrs),
+                                 device=str(device)) for rt in runtimes}
     x, y = batch(name, n, device)
     feeds = {"input": x, "labels": y}
+    host = {"input": x.cpu().numpy(), "labels": y.cpu().numpy()}  # the ort runtime takes numpy (CPU)
     seq = [m.to(device).train() for m in mods]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(seq, lrs)]
 
@@ -119,8 +121,9 @@ def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, dev
             loss.backward()
             o.step()
 
-    def fused_step() -> None:
-        trainer.step(feeds)
+    def fused_step(rt: str):
+        trainer = trainers[rt]
+        return lambda: trainer.step(feeds if rt == "torch" else host)
 
     def timed(fn) -> float:
         _sync(device)
@@ -130,29 +133,33 @@ def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, dev
         _sync(device)
         return time.perf_counter() - t
 
-    for fn in (fused_step, seq_step):
+    steppers = {**{rt: fused_step(rt) for rt in runtimes}, "seq": seq_step}
+    for fn in steppers.values():
         for _ in range(warmup):
             fn()
-    times = {"fused": [], "seq": []}
+    times: dict[str, list[float]] = {k: [] for k in steppers}
     for r in range(rounds):
-        order = ("fused", "seq") if r % 2 == 0 else ("seq", "fused")
-        for kind in order:
-            times[kind].append(timed(fused_step if kind == "fused" else seq_step))
-    ratios = [s / f for f, s in zip(times["fused"], times["seq"])]
+        kinds = list(steppers) if r % 2 == 0 else list(reversed(steppers))
+        for kind in kinds:
+            times[kind].append(timed(steppers[kind]))
     samples = B * n * steps
-    return {"model": name, "B": B, "batch": n, "device": str(device), "steps": steps, "rounds": rounds,
-            "fused_samples_s": samples / statistics.median(times["fused"]),
-            "seq_samples_s": samples / statistics.median(times["seq"]),
-            "fused_over_seq": statistics.median(ratios), "round_ratios": ratios,
-            "peak_mib": _peak(device), "fuse_s": fuse_s}
+    row = {"model": name, "B": B, "batch": n, "device": str(device), "steps": steps, "rounds": rounds,
+           "seq_samples_s": samples / statistics.median(times["seq"]), "peak_mib": _peak(device), "fuse_s": fuse_s}
+    for rt in runtimes:  # per-round ratios: both runs of a round see the same machine
+        ratios = [s / f for f, s in zip(times[rt], times["seq"])]
+        row[f"{rt}_samples_s"] = samples / statistics.median(times[rt])
+        row[f"{rt}_over_seq"] = statistics.median(ratios)
+        row[f"{rt}_round_ratios"] = ratios
+    return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| model | B | fused samples/s | one after another samples/s | fused / one after another | peak MiB |",
-             "|---|---:|---:|---:|---:|---:|"]
+def table(rows: list[dict], runtimes: list[str]) -> str:
+    head = " | ".join(f"fused ({rt}) samples/s | {rt} / one after another" for rt in runtimes)
+    lines = [f"| model | B | {head} | one after another (PyTorch) samples/s | peak MiB |",
+             "|---|---:|" + "---:|---:|" * len(runtimes) + "---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['B']} | {r['fused_samples_s']:,.0f} | {r['seq_samples_s']:,.0f} | "
-                     f"{r['fused_over_seq']:.2f}x | {r['peak_mib']:,.0f} |")
+        cells = " | ".join(f"{r[f'{rt}_samples_s']:,.0f} | {r[f'{rt}_over_seq']:.2f}x" for rt in runtimes)
+        lines.append(f"| {r['model']} | {r['B']} | {cells} | {r['seq_samples_s']:,.0f} | {r['peak_mib']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -166,9 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new measurements after this long")
+    ap.add_argument("--runtimes", default="torch", help="fused runtimes to measure: torch, ort (CPU only)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("-o", "--output", default="runtime-bench")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    runtimes = args.runtimes.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             print("runtime_bench: torch sees no CUDA device; skipped")
@@ -178,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     t0 = time.perf_counter()
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}, batch {args.batch} per model, AdamW, {args.steps} steps x {args.rounds} rounds")
+          f"{torch.__version__} ({torch.get_num_threads()} threads), batch {args.batch} per model, AdamW, "
+          f"{args.steps} steps x {args.rounds} rounds")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models.split(","):
             for B in [int(b) for b in args.B.split(",")]:
@@ -186,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"skipped {name} B={B}: over the {args.budget_s:.0f} s budget")
                     continue
                 try:
-                    r = measure(name, B, args.batch, args.steps, args.warmup, args.rounds, device, folder)
+                    r = measure(name, B, args.batch, args.steps, args.warmup, args.rounds, device, folder, runtimes)
                 except torch.OutOfMemoryError as e:
                     print(f"{name} B={B}: out of memory ({str(e).splitlines()[0][:120]})")
                     continue
@@ -195,14 +208,15 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats(device)
                 rows.append(r)
-                print(f"{name:>14} B={B:<3} fused {r['fused_samples_s']:>10,.0f}/s  one after another "
-                      f"{r['seq_samples_s']:>10,.0f}/s  ratio {r['fused_over_seq']:.2f}x  peak "
-                      f"{r['peak_mib']:,.0f} MiB  (fused in {r['fuse_s']:.1f} s)", flush=True)
+                fused = "  ".join(f"{rt} {r[f'{rt}_samples_s']:>9,.0f}/s ({r[f'{rt}_over_seq']:.2f}x)" for rt in runtimes)
+                print(f"{name:>14} B={B:<3} fused: {fused}  one after another {r['seq_samples_s']:>9,.0f}/s  "
+                      f"peak {r['peak_mib']:,.0f} MiB  (fused in {r['fuse_s']:.1f} s)", flush=True)
     with open(os.path.join(args.output, "runtime_bench.json"), "w") as f:
         json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
     with open(os.path.join(args.output, "runtime_bench.md"), "w") as f:
-        f.write(f"`{' '.join(sys.argv)}`\n\n{table(rows)}\n")
-    print(table(rows))
+        f.write(f"`{' '.join(sys.argv)}` (torch {torch.__version__}, {torch.get_num_threads()} threads)\n\n"
+                f"{table(rows, runtimes)}\n")
+    print(table(rows, runtimes))
     return 0
 
 
