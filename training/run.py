@@ -244,7 +244,7 @@ class _Run:
         os.makedirs(self.workdir, exist_ok=True)
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
         return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
-                            workdir=folder)
+                            workdir=folder, threads=self.config.threads or None)
 
     # ---- state
     def state(self) -> dict:
@@ -557,7 +557,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     if trainer is None or dropout_off:
         opt, _ = _optimizer_and_schedules(config, spec.B, total)
         trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
-                               config.loss_spec(), opt, config.device)
+                               config.loss_spec(), opt, config.device, threads=config.threads or None)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(ds, sampler, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)

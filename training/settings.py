@@ -382,6 +382,9 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: torch (PyTorch "
                   "autograd, any device), ort (onnxruntime-training 1.19), auto (torch where it can run, else ort)"),
             "runtime"),
+    Setting(Param("threads", _NONNEG, 0, "CPU threads of the runtime (0: 1 for torch, whose OpenMP threads slow "
+                  "down many-fold when another process holds a core; onnxruntime's default for ort); not resumable: the "
+                  "thread count can change how reductions round"), "threads"),
     Setting(Param("log_every", _POS, 1, "write training metrics every K steps"), "log_every", resumable=True),
     Setting(Param("verify_steps", _NONNEG, 1, "before training, check the first K steps of every model against "
                   "the model trained alone on the same runtime (0: skip; a resumed run skips it)"), "verify_steps",

@@ -106,6 +106,10 @@ def update_graph(opt: OptimizerConfig, params: Sequence[tuple[str, Sequence[int]
     return model, [target for target, _ in writes]
 
 
+def _is_cpu(device: str) -> bool:
+    return device.partition(":")[0] == "cpu"
+
+
 def _device_available(device: str) -> str | None:
     import torch
 
@@ -138,7 +142,13 @@ class TorchTrainer:
         why = _device_available(device)
         if why is not None:
             raise ConfigError(why)
-        if threads:
+        if _is_cpu(device):
+            # One thread unless asked: torch's OpenMP threads wait for each other at every parallel region, and
+            # when another process holds one of the cores a step takes 10-50x as long (measured on a 2-core machine:
+            # a demo step 480 ms with 2 threads, 34 ms with 1). A fixed default also keeps results independent of
+            # the machine's load (the thread count changes how reductions are split). A process-wide setting.
+            torch.set_num_threads(threads or 1)
+        elif threads:
             torch.set_num_threads(threads)
         # Denormal floats (weights or moments of a model that stalled) make x86 arithmetic many times slower (a
         # demo step took 20x as long); flushing them to zero changes values only below 1e-38. The ORT runtime sets
