@@ -1,6 +1,8 @@
-"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out]`` (``make fuzz N=500 SEED=0``).
+"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out] [--runtime ort|torch|both]``
+(``make fuzz N=500 SEED=0 RUNTIME=both``).
 
-Generates N random models (seeds SEED .. SEED+N-1), checks each at B = 1, 2, 3 against torch, shrinks every
+Generates N random models (seeds SEED .. SEED+N-1), checks each at B = 1, 2, 3 against torch on each runtime
+asked for (default both: onnxruntime-training and PyTorch train the fused array in turn), shrinks every
 failure to a minimal model, and prints a summary: tried, passed, sensitive to rounding, refused with a clear error,
 ONNX Runtime alone differs from torch the same way (runtime), invalid (torch could not run the generated model),
 failed by cause, each cause with its minimal model's source.
@@ -18,6 +20,7 @@ from collections import Counter, defaultdict
 
 from .grammar import generate, render
 from .campaign import Worker
+from .harness import RUNTIMES
 from .shrink import shrink
 
 
@@ -27,16 +30,23 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--out", default="fuzz-out", help="folder for report.json and the minimal failing models")
     ap.add_argument("--no-shrink", action="store_true", help="report failures as generated")
+    ap.add_argument("--runtime", choices=RUNTIMES + ("both",), default="both",
+                    help="what trains the fused array: ort, torch, or both (each model checked on each)")
     args = ap.parse_args(argv)
+    runtimes = RUNTIMES if args.runtime == "both" else (args.runtime,)
 
-    import onnxruntime
     from tqdm import tqdm
 
-    onnxruntime.set_default_logger_severity(4)
+    try:  # the torch runtime needs no onnxruntime (the torch extra alone)
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(4)
+    except ImportError:
+        pass
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
     os.makedirs(args.out, exist_ok=True)
-    counts: Counter = Counter()
-    causes: dict[str, list] = defaultdict(list)
+    counts: dict[str, Counter] = {rt: Counter() for rt in runtimes}
+    causes: dict[tuple[str, str], list] = defaultdict(list)  # (runtime, cause) -> [(seed, spec, outcome)]
     fractions: list[float] = []
     kinds_seen: Counter = Counter()
     t0 = time.time()
@@ -45,41 +55,49 @@ def main(argv=None) -> int:
     for seed in bar:
         spec = generate(seed)
         kinds_seen.update(render(spec).kinds)
-        out = worker.check(spec)
-        counts[out.status] += 1
-        if out.status in ("pass", "sensitive", "runtime"):
-            fractions.append(out.fused_fraction)
-        if out.status in ("fail", "refused", "invalid"):
-            causes[out.cause].append((seed, spec, out))
-        bar.set_postfix(passed=counts["pass"], failed=counts["fail"], refused=counts["refused"])
+        for rt in runtimes:
+            out = worker.check(spec, runtime=rt)
+            counts[rt][out.status] += 1
+            if out.status in ("pass", "sensitive", "runtime") and rt == runtimes[0]:
+                fractions.append(out.fused_fraction)
+            if out.status in ("fail", "refused", "invalid"):
+                causes[rt, out.cause].append((seed, spec, out))
+        bar.set_postfix(passed=sum(c["pass"] for c in counts.values()),
+                        failed=sum(c["fail"] for c in counts.values()),
+                        refused=sum(c["refused"] for c in counts.values()))
     bar.close()
 
-    report = {"seeds": [args.seed, args.seed + args.n - 1], "counts": dict(counts), "seconds": round(time.time() - t0),
+    report = {"seeds": [args.seed, args.seed + args.n - 1], "runtimes": list(runtimes),
+              "counts": {rt: dict(c) for rt, c in counts.items()}, "seconds": round(time.time() - t0),
               "layer_kinds": dict(kinds_seen), "causes": []}
-    print(f"\ntried {args.n}: passed {counts['pass']}, sensitive to rounding {counts['sensitive']}, "
-          f"ONNX Runtime alone differs from torch the same way {counts['runtime']}, refused {counts['refused']}, "
-          f"invalid {counts['invalid']}, failed {counts['fail']} ({report['seconds']} s)")
+    print()
+    for rt, c in counts.items():
+        same_as_ort = f"ONNX Runtime alone differs from torch the same way {c['runtime']}, " if rt == "ort" else ""
+        print(f"{rt}: tried {args.n}: passed {c['pass']}, sensitive to rounding {c['sensitive']}, {same_as_ort}"
+              f"refused {c['refused']}, invalid {c['invalid']}, failed {c['fail']}")
+    print(f"({report['seconds']} s)")
     if fractions:
         full = sum(f == 1.0 for f in fractions)
         print(f"fused completely: {full} of {len(fractions)} models that passed; lowest fused fraction "
               f"{min(fractions):.0%}")
-    for k, (cause, items) in enumerate(sorted(causes.items(), key=lambda kv: -len(kv[1]))):
+    for k, ((rt, cause), items) in enumerate(sorted(causes.items(), key=lambda kv: -len(kv[1]))):
         seed, spec, out = items[0]
         if out.status == "fail" and not args.no_shrink:
-            spec, out = shrink(spec, out, worker.check)
+            spec, out = shrink(spec, out, lambda s, Bs, rt=rt: worker.check(s, Bs, runtime=rt))
         src = render(spec).source
         name = os.path.join(args.out, f"cause_{k}.py")
         with open(name, "w") as f:
-            f.write(f"# {out.status} at B={out.B}, {out.stage}: {out.message}\n# seeds: "
+            f.write(f"# {out.status} on runtime {rt} at B={out.B}, {out.stage}: {out.message}\n# seeds: "
                     f"{[s for s, _, _ in items]}\n{src}")
-        report["causes"].append({"status": out.status, "cause": cause, "seeds": [s for s, _, _ in items],
+        report["causes"].append({"runtime": rt, "status": out.status, "cause": cause,
+                                 "seeds": [s for s, _, _ in items],
                                  "minimal": {"B": out.B, "stage": out.stage, "message": out.message, "source": name}})
-        print(f"\n[{out.status}] {len(items)} model(s), seeds {[s for s, _, _ in items][:8]}: {cause}\n"
+        print(f"\n[{out.status}, {rt}] {len(items)} model(s), seeds {[s for s, _, _ in items][:8]}: {cause}\n"
               f"  minimal (B={out.B}): {out.message}\n" + "\n".join("    " + ln for ln in src.splitlines()[6:]))
     worker.close()
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
-    return 1 if counts["fail"] else 0
+    return 1 if any(c["fail"] for c in counts.values()) else 0
 
 
 if __name__ == "__main__":

@@ -12,27 +12,30 @@ from .harness import Outcome, check_model
 __all__ = ["Worker"]
 
 
-def _quiet_check(spec: ModelSpec, Bs: tuple) -> Outcome:
+def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str) -> Outcome:
     import logging
 
-    import onnxruntime
+    try:  # the torch runtime needs no onnxruntime (the torch extra alone)
+        import onnxruntime
 
-    onnxruntime.set_default_logger_severity(4)
+        onnxruntime.set_default_logger_severity(4)
+    except ImportError:
+        pass
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    return check_model(spec, Bs=Bs)
+    return check_model(spec, Bs=Bs, runtime=runtime)
 
 
 class Worker:
-    """``worker.check(spec, Bs)`` runs :func:`check_model` in a child process (restarted after a crash)."""
+    """``worker.check(spec, Bs, runtime)`` runs :func:`check_model` in a child process (restarted after a crash)."""
 
     def __init__(self):
         self._pool: ProcessPoolExecutor | None = None
 
-    def check(self, spec: ModelSpec, Bs: tuple = (1, 2, 3)) -> Outcome:
+    def check(self, spec: ModelSpec, Bs: tuple = (1, 2, 3), runtime: str = "ort") -> Outcome:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return self._pool.submit(_quiet_check, spec, Bs).result()
+            return self._pool.submit(_quiet_check, spec, Bs, runtime).result()
         except BrokenProcessPool:
             self.close()
             return Outcome("fail", "crash", "the process died (a native crash in torch or onnxruntime)",

@@ -1,4 +1,5 @@
-"""Differential check of one generated model: fused by onnxfuse and trained by ONNX Runtime, against torch.
+"""Differential check of one generated model: fused by onnxfuse and trained by one of its runtimes (``ort``:
+onnxruntime-training, ``torch``: PyTorch autograd), against torch.
 
 For each B: B instances of the model with different weights are exported, fused, and compared with torch on each
 model alone: the forward pass (train mode), a few SGD-momentum steps (every split tensor) and a few AdamW steps
@@ -15,6 +16,10 @@ Where a result is beyond a bound and beyond 3x that sensitivity, a second refere
 run) alone by plain ONNX Runtime from its own export, with torch.optim's maths in numpy (``ort_reference.py``, no
 onnxfuse code). ONNX Runtime's kernels are not torch's (its LayerNormalization computes the variance less
 precisely); when the fused result equals ORT alone, the case is ``runtime``, not a bug of the fusion.
+
+On the ``torch`` runtime the forward stage runs the fused graph as the runtime does (``OnnxModule``, train mode)
+instead of ONNX Runtime's inference session; its kernels are torch's, so there is no second reference: a result
+beyond a bound and beyond 3x the sensitivity is a failure.
 
 Outcomes: ``pass``; ``fail`` (onnxfuse computed something else, or crashed with an internal error); ``sensitive``;
 ``runtime``; ``refused`` (onnxfuse stopped with one of its own clear errors, e.g. an op ONNX Runtime cannot train);
@@ -36,8 +41,9 @@ import torch
 from .grammar import BATCH, ModelSpec, Rendered, render
 from .native import native_output_to
 
-__all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err"]
+__all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err", "RUNTIMES"]
 
+RUNTIMES = ("ort", "torch")  # training/runtime.py's RUNTIMES, named here without importing a runtime
 STEPS = 3
 FORWARD_TOL, SGD_TOL, STAT_TOL, ADAMW_TOL = 1e-4, 1e-4, 1e-5, 1e-3
 
@@ -155,14 +161,18 @@ def _torch_optimizer(kind, params, lr):
     return cls(params, lr=lr, **HYPER[kind])
 
 
-def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None) -> Outcome:
-    """Check generated model ``spec`` at each B in ``Bs``; the first outcome that is not a pass, else a pass."""
-    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir)
+def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None,
+                runtime: str = "ort") -> Outcome:
+    """Check generated model ``spec`` at each B in ``Bs`` on ``runtime``; the first outcome that is not a pass,
+    else a pass."""
+    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime)
 
 
 def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=(1, 2, 3),
-                 optimizers=("sgd", "adamw"), workdir: str | None = None) -> Outcome:
+                 optimizers=("sgd", "adamw"), workdir: str | None = None, runtime: str = "ort") -> Outcome:
     """Check the model whose source ``r.source`` defines ``FuzzNet`` (any module, written by hand or rendered)."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
     with tempfile.TemporaryDirectory(dir=workdir, prefix="fuzz-") as tmp:
         try:
             case = _Case(r, seed, per_model_inputs, max(Bs))
@@ -171,7 +181,7 @@ def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=
             return Outcome("invalid", "export", str(e))
         last = Outcome("pass")
         for B in Bs:
-            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"))
+            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime)
             out.B = B
             if out.status in ("fail", "refused"):
                 return out
@@ -218,7 +228,7 @@ def _fail_from(stage: str, e: Exception) -> Outcome:
                    details={"traceback": traceback.format_exc(limit=-6)})
 
 
-def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str) -> Outcome:
+def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, runtime: str) -> Outcome:
     from onnxfuse import fuse_models
 
     os.makedirs(folder, exist_ok=True)
@@ -231,8 +241,8 @@ def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str) -> 
         return _fail_from("fuse", e)
     frac = fa.spec.summary.get("fused_fraction", 1.0)
     sub = _Sub(case, B, paths)
-    stages = [("forward", lambda: _forward(sub, fa))]
-    stages += [(f"train-{k}", (lambda k=k: _train(sub, fa, k, folder))) for k in optimizers]
+    stages = [("forward", lambda: _forward(sub, fa, runtime))]
+    stages += [(f"train-{k}", (lambda k=k: _train(sub, fa, k, folder, runtime))) for k in optimizers]
     note = Outcome("pass", fused_fraction=frac)
     for stage, fn in stages:
         try:
@@ -271,9 +281,19 @@ def _run_onnx(model, x: np.ndarray) -> np.ndarray:
     return sess.run(None, {"input": x})[0]
 
 
-def _forward(sub: _Sub, fa) -> Outcome | None:
+def _run_fused(fa, x: np.ndarray, runtime: str) -> np.ndarray:
+    """The fused graph's train-mode forward as ``runtime`` computes it."""
+    if runtime == "ort":
+        return _run_onnx(fa.model, x)
+    from onnxfuse.training.torch_graph import OnnxModule
+
+    with torch.no_grad():
+        return OnnxModule.from_array(fa.model, fa.spec).train()(input=torch.from_numpy(x))[0].numpy()
+
+
+def _forward(sub: _Sub, fa, runtime: str) -> Outcome | None:
     x = sub.inputs()
-    fused = _run_onnx(fa.model, x.numpy())
+    fused = _run_fused(fa, x.numpy(), runtime)
     worst = (0.0, -1)
     for b, m in enumerate(sub.mods):
         xb = sub.case.model_input(x, b)
@@ -298,7 +318,7 @@ def _forward(sub: _Sub, fa) -> Outcome | None:
     sensitivity = max(_beyond(ref32, ref64, FORWARD_TOL), _beyond(ref32, refn, FORWARD_TOL))
     err = rel_err(fused[b], ref32) if fused[b].shape == ref32.shape else np.inf
     status = "sensitive" if worst[0] <= 3 * max(sensitivity, 1e-9) else "fail"
-    if status == "fail":  # ONNX Runtime's kernels may part from torch's: the model's own export, run by ORT alone
+    if status == "fail" and runtime == "ort":  # ORT's kernels may part from torch's: the model's export, ORT alone
         alone = _ort_alone_forward(sub.paths[b], xb.numpy())
         if alone is not None and _beyond(fused[b], alone, FORWARD_TOL) <= 1:
             return Outcome("runtime", message=f"model {b}: ONNX Runtime alone differs from torch by "
@@ -335,15 +355,16 @@ def _nudged(mod: torch.nn.Module, nudge: float = 1e-7) -> torch.nn.Module:
     return m
 
 
-def _train(sub: _Sub, fa, kind: str, folder: str) -> Outcome | None:
+def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str) -> Outcome | None:
     from onnxfuse.split import split_weights
-    from onnxfuse.training import FusedTrainer, get_loss, make_optimizer
+    from onnxfuse.training import get_loss, make_optimizer
+    from onnxfuse.training.runtime import make_trainer
 
     case, B = sub.case, sub.B
     lrs = LRS[kind][:B]
     opt = make_optimizer(kind, B, lr=lrs, **HYPER[kind])
     loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
-    trainer = FusedTrainer(fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind))
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind))
     batches = [(sub.inputs(), case.targets()) for _ in range(STEPS)]
     fused_losses = []
     for x, y in batches:
@@ -375,8 +396,10 @@ def _train(sub: _Sub, fa, kind: str, folder: str) -> Outcome | None:
         sens = max(_compare_modules(kind, case, b, ref, ref_losses, exact, exact_losses, batches, as_double=True),
                    _compare_modules(kind, case, b, ref, ref_losses, nudged, nudged_losses, batches))
         status = "sensitive" if beyond <= 3 * max(sens, 1e-9) else "fail"
-        if status == "fail" and _equals_ort_alone(case, b, kind, lrs[b], got, [float(v[b]) for v in fused_losses],
-                                                   batches, os.path.join(folder, f"{kind}-alone{b}")):
+        # ONNX Runtime's kernels may part from torch's: the model trained alone by plain onnxruntime-training
+        if status == "fail" and runtime == "ort" and _equals_ort_alone(
+                case, b, kind, lrs[b], got, [float(v[b]) for v in fused_losses], batches,
+                os.path.join(folder, f"{kind}-alone{b}")):
             return Outcome("runtime", message=f"model {b}: {message}; plain onnxruntime-training alone trains it the "
                                               "same way", details={"beyond": beyond, "sensitivity": sens})
         return Outcome(status, message=f"model {b}: {message}", details={"beyond": beyond, "sensitivity": sens})

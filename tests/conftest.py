@@ -65,6 +65,29 @@ def rng():
     return np.random.default_rng(0)
 
 
+# The runtimes every equivalence test runs on (training/runtime.py's RUNTIMES): ONNX Runtime training and PyTorch.
+# A test that takes ``runtime`` keeps each promise on both; one about an ORT-specific defect names "ort" itself.
+# Where onnxruntime-training is not installed (the torch extra alone), the "ort" cases are skipped.
+def _have_ort_training() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("onnxruntime.training") is not None
+    except ImportError:
+        return False
+
+
+RUNTIME_NAMES = ("ort", "torch")
+RUNTIME_PARAMS = [pytest.param("ort", id="ort", marks=pytest.mark.skipif(
+                      not _have_ort_training(), reason="onnxruntime-training is not installed (pip install .[cpu])")),
+                  pytest.param("torch", id="torch")]
+
+
+@pytest.fixture(params=RUNTIME_PARAMS)
+def runtime(request) -> str:
+    return request.param
+
+
 # ---- small hand-built graphs (onnx.helper) for rule tests
 def graph_model(nodes, inputs, outputs, inits, opset=17):
     g = h.make_graph(nodes, "g", inputs, outputs, inits)

@@ -1,5 +1,6 @@
-"""The differential fuzzer's fixed seeds: 48 random models (fuzz/grammar.py), each fused at B = 1, 2, 3 and
-compared with torch (fuzz/harness.py). ``make fuzz N=... SEED=...`` runs a campaign over other seeds.
+"""The differential fuzzer's fixed seeds: 48 random models (fuzz/grammar.py), each fused at B = 1, 2, 3, trained
+on each runtime (onnxruntime-training, PyTorch) and compared with torch (fuzz/harness.py). ``make fuzz N=...
+SEED=...`` runs a campaign over other seeds.
 
 The seeds are 0-36 and the 11 seeds a greedy cover of seeds 0-399 added so that every layer kind, every variant of
 attention, slicing, padding, reshaping, pooling, normalization and residual joins, every input kind (1-D, 2-D,
@@ -21,12 +22,13 @@ def worker():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_fused_model_trains_like_torch(seed, worker):
+def test_fused_model_trains_like_torch(seed, runtime, worker):
     spec = generate(seed)
-    out = worker.check(spec)
+    out = worker.check(spec, runtime=runtime)
     # sensitive: beyond a bound only as far as torch's own rounding goes; runtime: ONNX Runtime alone does the same
-    assert out.status in ("pass", "sensitive", "runtime"), (f"seed {seed} at B={out.B}, {out.stage}: {out.message}\n"
-                                  f"{render(spec).source}\n(python -m fuzz --n 1 --seed {seed} shrinks it)")
+    assert out.status in ("pass", "sensitive", "runtime"), (
+        f"seed {seed} at B={out.B}, {out.stage}: {out.message}\n{render(spec).source}\n"
+        f"(python -m fuzz --n 1 --seed {seed} --runtime {runtime} shrinks it)")
 
 
 def test_the_grammar_covers_every_layer_kind():

@@ -14,7 +14,8 @@ from conftest import rel_err
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.split import split_weights
-from onnxfuse.training import FusedTrainer, get_loss, make_dataset, make_optimizer
+from onnxfuse.training import get_loss, make_dataset, make_optimizer
+from onnxfuse.training.runtime import make_trainer
 
 B, N, STEPS = 3, 8, 4
 LR = [0.05, 0.2, 0.5]
@@ -110,11 +111,11 @@ def _export(factory, sample_shape, folder, per_model_inputs=()):
     return mods, fuse_models(paths, per_model_inputs=per_model_inputs)
 
 
-def train_and_compare(case, tmp_path, per_model_labels=False, per_model_inputs=False, momentum=0.9):
+def train_and_compare(case, tmp_path, runtime, per_model_labels=False, per_model_inputs=False, momentum=0.9):
     factory, sample_shape, loss_name, options, make_labels, torch_loss = CASES[case]
     mods, fa = _export(factory, sample_shape, tmp_path / "jobs", ["input"] if per_model_inputs else [])
     loss = get_loss(loss_name, per_model_labels=per_model_labels, **options)
-    trainer = FusedTrainer(fa.model, fa.spec, loss, make_optimizer("sgd", B, lr=LR, momentum=momentum),
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss, make_optimizer("sgd", B, lr=LR, momentum=momentum),
                            workdir=str(tmp_path / "art"))
     opts = [torch.optim.SGD(m.parameters(), lr=LR[b], momentum=momentum) for b, m in enumerate(mods)]
     rng = np.random.default_rng(3)
@@ -145,18 +146,18 @@ def train_and_compare(case, tmp_path, per_model_labels=False, per_model_inputs=F
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_loss_equals_torch_per_model(case, tmp_path):
-    train_and_compare(case, tmp_path)
+def test_loss_equals_torch_per_model(case, runtime, tmp_path):
+    train_and_compare(case, tmp_path, runtime)
 
 
 @pytest.mark.parametrize("case", ["ce-segmentation-ignore", "mse"])
-def test_per_model_labels(case, tmp_path):
-    train_and_compare(case, tmp_path, per_model_labels=True)
+def test_per_model_labels(case, runtime, tmp_path):
+    train_and_compare(case, tmp_path, runtime, per_model_labels=True)
 
 
-def test_per_model_inputs_and_labels(tmp_path):
+def test_per_model_inputs_and_labels(runtime, tmp_path):
     """Inputs fused with per_model_inputs take [B, N, ...]: model b trains (and is evaluated) on x[b] only."""
-    trainer, mods, fa, _ = train_and_compare("ce", tmp_path, per_model_labels=True, per_model_inputs=True)
+    trainer, mods, fa, _ = train_and_compare("ce", tmp_path, runtime, per_model_labels=True, per_model_inputs=True)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((B, 12, 6)).astype(np.float32)
     y = rng.integers(0, 5, (B, 12))
@@ -169,8 +170,8 @@ def test_per_model_inputs_and_labels(tmp_path):
         assert ev["accuracy"][b] == pytest.approx(float((out.argmax(1).numpy() == y[b]).mean()))
 
 
-def test_model_loss_evaluate(tmp_path):
-    trainer, mods, fa, _ = train_and_compare("model", tmp_path)
+def test_model_loss_evaluate(runtime, tmp_path):
+    trainer, mods, fa, _ = train_and_compare("model", tmp_path, runtime)
     x = np.random.default_rng(2).standard_normal((10, 6)).astype(np.float32)
     ev = trainer.evaluate(make_dataset({"input": x}, fa.spec.inputs, None, None), batch_size=10)
     for b, m in enumerate(mods):
@@ -179,7 +180,7 @@ def test_model_loss_evaluate(tmp_path):
     assert "accuracy" not in ev
 
 
-def test_zoo_transformer_lm_class_axis_minus_one(tmp_path):
+def test_zoo_transformer_lm_class_axis_minus_one(runtime, tmp_path):
     """The zoo's GPT-style LM (token ids [N, T] -> logits [N, T, V]) with class_axis=-1, label smoothing and
     ignored positions, against torch's cross_entropy on the logits moved to [N, V, T]."""
     from onnxfuse.exporters import zoo
@@ -193,7 +194,7 @@ def test_zoo_transformer_lm_class_axis_minus_one(tmp_path):
         export_module(mods[b], paths[b], example_inputs=(torch.zeros(N, T, dtype=torch.long),))
     fa = fuse_models(paths)
     loss = get_loss("cross-entropy", class_axis=-1, label_smoothing=0.1, ignore_index=-1)
-    trainer = FusedTrainer(fa.model, fa.spec, loss, make_optimizer("sgd", B, lr=LR, momentum=0.9))
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss, make_optimizer("sgd", B, lr=LR, momentum=0.9))
     opts = [torch.optim.SGD(m.parameters(), lr=LR[b], momentum=0.9) for b, m in enumerate(mods)]
     rng = np.random.default_rng(6)
     for _ in range(3):
@@ -213,8 +214,8 @@ def test_zoo_transformer_lm_class_axis_minus_one(tmp_path):
             assert rel_err(split[b][key], ref.numpy()) < 1e-4, (b, key)
 
 
-def test_evaluate_segmentation_accuracy_over_kept_labels(tmp_path):
-    trainer, mods, fa, _ = train_and_compare("ce-segmentation-ignore", tmp_path)
+def test_evaluate_segmentation_accuracy_over_kept_labels(runtime, tmp_path):
+    trainer, mods, fa, _ = train_and_compare("ce-segmentation-ignore", tmp_path, runtime)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((20, 3, 5)).astype(np.float32)
     y = _class_labels(rng, (20, 5), 4, 255)

@@ -9,7 +9,8 @@ import torch
 from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
 from onnxfuse.split import split_weights
-from onnxfuse.training import FusedTrainer, make_optimizer
+from onnxfuse.training import make_optimizer
+from onnxfuse.training.runtime import make_trainer
 from onnxfuse.training.schedules import PerModelSchedules, check_schedules
 
 B, STEPS = 3, 12
@@ -69,7 +70,7 @@ def torch_optimizer(kind, params, b):
 @pytest.mark.parametrize("clip", [None, [0.5, float("inf"), 2.0]])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_optimizer_schedule_clipping_match_torch(kind, schedule, clip, tmp_path):
+def test_optimizer_schedule_clipping_match_torch(kind, schedule, clip, runtime, tmp_path):
     import warnings
 
     name = "cnn_bn" if schedule == "mixed" else "mlp"
@@ -80,7 +81,7 @@ def test_optimizer_schedule_clipping_match_torch(kind, schedule, clip, tmp_path)
     specs = check_schedules(SCHEDULES[schedule], B, STEPS)
     schedules = PerModelSchedules(specs, opt, STEPS)
     opt.momentum_varies = schedules.moves_momentum
-    trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", opt)
+    trainer = make_trainer(runtime, fa.model, fa.spec, "cross-entropy", opt)
     topts = [torch_optimizer(kind, m.parameters(), b) for b, m in enumerate(mods)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -18,7 +18,8 @@ from conftest import rel_err, run_onnx
 from onnxfuse import NotFusibleError, fuse_models, save_array
 from onnxfuse.exporters import export_module
 from onnxfuse.split import split_array, split_weights
-from onnxfuse.training import FusedTrainer, TrainConfig, get_loss, make_optimizer, train_array
+from onnxfuse.training import TrainConfig, get_loss, make_optimizer, train_array
+from onnxfuse.training.runtime import make_trainer
 
 B = 3
 N, T = 4, 8  # batch, sequence length
@@ -141,7 +142,7 @@ HF_CASES = {  # factory, the library's own class, its output tensor, fused loss 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("name", list(HF_CASES))
-def test_transformers_model_fuses_trains_and_splits_like_torch(name, kind, tmp_path):
+def test_transformers_model_fuses_trains_and_splits_like_torch(name, kind, runtime, tmp_path):
     factory, plain, plain_output, (loss, loss_options), make_labels, torch_loss = HF_CASES[name]
     mods = [factory(seed) for seed in range(B)]
     initial = [{k: v.detach().clone().numpy() for k, v in m.state_dict().items()} for m in mods]
@@ -155,7 +156,7 @@ def test_transformers_model_fuses_trains_and_splits_like_torch(name, kind, tmp_p
     np.savez(tmp_path / "data.npz", input=x.numpy(), labels=y.numpy())
     train_array(tmp_path / "array", str(tmp_path / "data.npz"),
                 TrainConfig(batch_size=N, steps=STEPS, loss=loss, loss_options=loss_options, optimizer=kind,
-                            shuffle=False, **OPTIMIZERS[kind]), progress=False)
+                            shuffle=False, runtime=runtime, **OPTIMIZERS[kind]), progress=False)
     torch_losses = train_torch(mods, kind, [(x[s * N:(s + 1) * N], y[s * N:(s + 1) * N]) for s in range(STEPS)],
                                torch_loss)
     with open(tmp_path / "array" / "metrics.csv") as f:
@@ -238,7 +239,7 @@ TORCH_CASES = {  # module, input, labels, fused loss, torch loss
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("name", list(TORCH_CASES))
-def test_tied_weights_fuse_and_train_like_torch(name, kind, tmp_path):
+def test_tied_weights_fuse_and_train_like_torch(name, kind, runtime, tmp_path):
     cls, make_x, make_y, loss, torch_loss = TORCH_CASES[name]
     mods = []
     for seed in range(B):
@@ -249,7 +250,7 @@ def test_tied_weights_fuse_and_train_like_torch(name, kind, tmp_path):
     fa = fuse_completely(export_models(mods, make_x(gen, N), tmp_path))
     assert len(fa.spec.weights) == len(list(mods[0].parameters()))  # a tied tensor is one fused weight
     assert_fused_forward(fa, mods, make_x(gen, N + 1))
-    trainer = FusedTrainer(fa.model, fa.spec, loss, make_optimizer(kind, B, **OPTIMIZERS[kind]),
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss, make_optimizer(kind, B, **OPTIMIZERS[kind]),
                            workdir=str(tmp_path / "art"))
     batches = [(make_x(gen, N), make_y(gen, N)) for _ in range(STEPS)]
     fused_losses = np.array([trainer.step({"input": x.numpy(), "labels": y.numpy()}) for x, y in batches])

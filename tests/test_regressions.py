@@ -236,8 +236,15 @@ class FuzzNet(nn.Module):
 }
 
 
+# (runtime, case) whose result may be beyond a bound only as far as torch's own rounding goes ('sensitive'):
+# the LayerNorm over two nearly equal values amplifies last-bit differences. On the torch runtime (B = 1, SGD) its
+# l.bias is 1.9e-4 from torch (1.6x the bound) where torch itself from weights nudged by 1e-7, or in float64,
+# is 1.7x the bound away: the fused graph's LayerNorm (no affine, then the per-model Mul/Add) rounds differently
+SENSITIVE = {("torch", "layernorm_of_two_near_equal_values")}
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_regression_trains_like_torch(name):
+def test_regression_trains_like_torch(name, runtime):
     source, in_shape, loss = CASES[name]
     source = HEADER + source.lstrip("\n")
     tokens = loss == "lm"  # token ids in [0, 20), logits [N, T, 20], cross-entropy over the last axis
@@ -248,6 +255,7 @@ def test_regression_trains_like_torch(name):
         r = Rendered(source, in_shape, "tokens", out_shape, "cross-entropy", -1, out_shape[-1], vocab=20)
     else:
         r = Rendered(source, in_shape, "float", out_shape, loss, 1, out_shape[0] if loss == "cross-entropy" else 0)
-    out = check_source(r, seed=3)
-    # runtime: ONNX Runtime alone differs from torch, and the fused array equals ONNX Runtime alone
-    assert out.status in ("pass", "runtime"), (out.status, out.B, out.stage, out.message)
+    out = check_source(r, seed=3, runtime=runtime)
+    # runtime (ort only): ONNX Runtime alone differs from torch, and the fused array equals ONNX Runtime alone
+    allowed = ("pass", "runtime") + (("sensitive",) if (runtime, name) in SENSITIVE else ())
+    assert out.status in allowed, (out.status, out.B, out.stage, out.message)

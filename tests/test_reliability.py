@@ -147,13 +147,13 @@ def work(template, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ 1. run identity
-def test_resume_continues_the_folders_own_run_never_an_earlier_one(work, capsys):
+def test_resume_continues_the_folders_own_run_never_an_earlier_one(runtime, work, capsys):
     """Run A finishes (checkpoints 35, 40); run B is killed at step >= 15; --resume continues B, not A: the
     metrics, trained/ and run.json are B's, its weights bit-identical to B uninterrupted, and A's outputs are in
     runs/<A>/. A killed run's temporary folders are gone after the next command (case 8). Resuming with other
     settings or other data is refused."""
     arr, data = work / "array", work / "data.npz"
-    common = ["--data", data, "--batch-size", "16", "--checkpoint-every", "5", "-q"]
+    common = ["--data", data, "--batch-size", "16", "--checkpoint-every", "5", "--runtime", runtime, "-q"]
     assert cli(capsys, "train", arr, *common, "--lr", "0.05", "--momentum", "0.9", "--steps", "40")[0] == 0
     run_a = read_json(arr / "run.json")["id"]
     p = start_train(arr, *common, "--lr", "0.001", "--steps", "100000")
@@ -241,7 +241,7 @@ def _torch_first_nonfinite(mod, lr, x, y, steps, seed=0) -> int | None:
     return None
 
 
-def test_frozen_model_state_is_entirely_finite_and_stops_where_torch_first_goes_nonfinite(tmp_path, capsys):
+def test_frozen_model_state_is_entirely_finite_and_stops_where_torch_first_goes_nonfinite(runtime, tmp_path, capsys):
     """DigitsCNN, SGD momentum 0.9, lr 3, 10, 30, 200, 1000 (case 2): at lr 10 and 200 the loss stayed finite
     while bn2.running_var overflowed, and those models ended "ok" with NaN statistics. Each model is now flagged at
     the step where torch alone first has anything non-finite, its split state is finite everywhere,
@@ -255,7 +255,7 @@ def test_frozen_model_state_is_entirely_finite_and_stops_where_torch_first_goes_
     assert cli(capsys, "fuse", tmp_path / "jobs", "-o", tmp_path / "arr")[0] == 0
     code, _, err = cli(capsys, "train", tmp_path / "arr", "--data", "sklearn:digits", "--eval-data", "sklearn:digits",
                        "--lr", ",".join(map(str, lrs)), "--momentum", "0.9", "--batch-size", 32, "--steps", steps,
-                       "-q")
+                       "--runtime", runtime, "-q")
     assert code == 0, err
     assert cli(capsys, "split", tmp_path / "arr", "-o", tmp_path / "models")[0] == 0
     status = {int(k): v for k, v in read_json(tmp_path / "arr" / "trained" / "train_state.json")["status"].items()}

@@ -63,12 +63,12 @@ def first_nonfinite_step(mod, lr, batches):
     return None
 
 
-def test_diverging_model_is_frozen_and_the_others_are_bit_identical(tmp_path):
+def test_diverging_model_is_frozen_and_the_others_are_bit_identical(runtime, tmp_path):
     rng = np.random.default_rng(0)  # regression targets: with MSE a too-large lr blows up exponentially
     x = rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32)
     y = rng.standard_normal((96, 10)).astype(np.float32)
     np.savez(tmp_path / "data.npz", input=x, labels=y)
-    cfg = dict(batch_size=16, steps=16, optimizer="sgd", shuffle=False, loss="mse")
+    cfg = dict(batch_size=16, steps=16, optimizer="sgd", shuffle=False, loss="mse", runtime=runtime)
     arr_a, _ = make_array(tmp_path / "a", 3)
     arr_b, _ = make_array(tmp_path / "b", 3)
     res_a = train_array(arr_a, tmp_path / "data.npz", TrainConfig(lr=[0.05, 100.0, 0.02], **cfg), progress=False)
@@ -98,7 +98,7 @@ def test_diverging_model_is_frozen_and_the_others_are_bit_identical(tmp_path):
             assert sa[b][k].tobytes() == sc[c][k].tobytes(), (b, k)
 
 
-def test_stop_on_diverge(tmp_path, capsys):
+def test_stop_on_diverge(runtime, tmp_path, capsys):
     from onnxfuse.cli import main
 
     arr, _ = make_array(tmp_path, 2)
@@ -106,16 +106,17 @@ def test_stop_on_diverge(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
              labels=rng.standard_normal((96, 10)).astype(np.float32))
     code = main(["train", str(arr), "--data", str(tmp_path / "d.npz"), "--loss", "mse", "--lr", "0.05,100",
-                 "--steps", "30", "--batch-size", "16", "--on-diverge", "stop", "-q"])
+                 "--steps", "30", "--batch-size", "16", "--on-diverge", "stop", "--runtime", runtime, "-q"])
     err = capsys.readouterr().err
     assert code == 3 and "diverged at step" in err and "--on-diverge stop" in err
     assert os.path.exists(arr / "trained" / "weights.safetensors")
 
 
-def test_successive_halving_keeps_survivors_as_in_the_full_array(tmp_path):
+def test_successive_halving_keeps_survivors_as_in_the_full_array(runtime, tmp_path):
     data = data_file(tmp_path, n=128)
     lrs = [0.2, 0.01, 0.1, 0.001, 0.05, 0.3, 0.02, 0.005]
-    cfg = dict(batch_size=16, steps=12, optimizer="adam", lr=lrs, eval_fraction=0.25, eval_every=4, seed=3)
+    cfg = dict(batch_size=16, steps=12, optimizer="adam", lr=lrs, eval_fraction=0.25, eval_every=4, seed=3,
+               runtime=runtime)
     arr_full, _ = make_array(tmp_path / "full", 8)
     arr_half, _ = make_array(tmp_path / "half", 8)
     train_array(arr_full, data, TrainConfig(**cfg), progress=False)
@@ -155,14 +156,14 @@ def _newest_step(arr) -> int:
     return int(os.path.basename(found)[5:]) if found else 0
 
 
-def test_killed_run_resumes_to_identical_weights(tmp_path):
+def test_killed_run_resumes_to_identical_weights(runtime, tmp_path):
     """SIGKILL at random moments (mid-step, mid-checkpoint), resume each time; the final weights are bit-identical
     to an uninterrupted run's, and every checkpoint that exists is complete."""
     data = data_file(tmp_path, n=128)
     exe = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
     args = ["--data", str(data), "--steps", "3000", "--batch-size", "16", "--optimizer", "adamw",
             "--lr", "0.01,0.003,0.001", "--schedule", "cosine", "--warmup-steps", "50", "--clip-grad-norm", "1",
-            "--eval-fraction", "0.2", "--eval-every", "100", "--checkpoint-every", "20", "-q"]
+            "--eval-fraction", "0.2", "--eval-every", "100", "--checkpoint-every", "20", "--runtime", runtime, "-q"]
     arr_ref, _ = make_array(tmp_path / "ref", 3)
     subprocess.run([exe, "train", str(arr_ref), *args], check=True, capture_output=True)
     arr, _ = make_array(tmp_path / "killed", 3)
@@ -277,7 +278,7 @@ def _torch_sgd_alone(mod, lr, batches):
 
 
 @pytest.mark.parametrize("order", ["per-model", "shards"])
-def test_data_orders_match_torch_on_each_models_own_batches(order, tmp_path):
+def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_path):
     """per-model: model b shuffles with its own generator (seed + b); shards: model b trains on shard b. Each
     equals torch training the model alone on exactly those batches."""
     from onnxfuse.training.data import BatchSampler
@@ -289,7 +290,7 @@ def test_data_orders_match_torch_on_each_models_own_batches(order, tmp_path):
     rng = np.random.default_rng(5)
     arrays = {"input": rng.standard_normal((60,) + SHAPE[1:]).astype(np.float32), "labels": rng.integers(0, 10, 60)}
     res = train_array(tmp_path / "array", arrays, TrainConfig(batch_size=N, steps=steps, lr=lrs, data_order=order,
-                                                              seed=11), progress=False)
+                                                              seed=11, runtime=runtime), progress=False)
     assert res.steps == steps
     got = states(tmp_path / "array")
     if order == "shards":

@@ -30,7 +30,7 @@ def test_split_without_training_is_bit_exact(tmp_path):
             assert inits[k].tobytes() == sd[k].numpy().tobytes(), k
 
 
-def test_split_onnx_matches_torch_loaded_from_safetensors(tmp_path, rng):
+def test_split_onnx_matches_torch_loaded_from_safetensors(runtime, tmp_path, rng):
     name = "cnn_bn"
     mods = make_modules(name, 3)
     shape = MODELS[name][1]
@@ -38,7 +38,8 @@ def test_split_onnx_matches_torch_loaded_from_safetensors(tmp_path, rng):
     x = rng.standard_normal((64,) + shape[1:]).astype(np.float32)
     np.savez(tmp_path / "data.npz", input=x, labels=rng.integers(0, 10, 64))
     train_array(tmp_path / "array", tmp_path / "data.npz",
-                TrainConfig(steps=5, batch_size=16, optimizer="adamw", lr=[1e-3, 1e-2, 3e-2]), progress=False)
+                TrainConfig(steps=5, batch_size=16, optimizer="adamw", lr=[1e-3, 1e-2, 3e-2], runtime=runtime),
+                progress=False)
     split_array(tmp_path / "array", tmp_path / "models")
     factory = MODELS[name][0]
     xt = rng.standard_normal((10,) + shape[1:]).astype(np.float32)

@@ -23,7 +23,8 @@ from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.passes import resolve_static_pass
 from onnxfuse.split import split_weights
-from onnxfuse.training import FusedTrainer, make_optimizer
+from onnxfuse.training import make_optimizer
+from onnxfuse.training.runtime import make_trainer
 
 B = 3
 STEPS = 4
@@ -336,12 +337,13 @@ TRAIN = {  # name: optimizer and per-model hyper-parameters
 
 
 @pytest.mark.parametrize("name", list(TRAIN))
-def test_training_equals_torch_optim_on_each_model(name, folder, tmp_path):
+def test_training_equals_torch_optim_on_each_model(name, folder, runtime, tmp_path):
     kind, cfg = TRAIN[name]
     _, paths = exported(name, folder)
     mods = [make(name, b) for b in range(B)]  # the exported weights, in modules of this test's own
     fa = fuse_completely(paths)
-    trainer = FusedTrainer(fa.model, fa.spec, "mse", make_optimizer(kind, B, **cfg), workdir=str(tmp_path / "art"))
+    trainer = make_trainer(runtime, fa.model, fa.spec, "mse", make_optimizer(kind, B, **cfg),
+                           workdir=str(tmp_path / "art"))
     opts = [torch.optim.SGD(m.parameters(), lr=cfg["lr"][b], momentum=cfg["momentum"][b],
                             weight_decay=cfg["weight_decay"][b]) if kind == "sgd" else
             torch.optim.AdamW(m.parameters(), lr=cfg["lr"][b], weight_decay=cfg["weight_decay"][b])

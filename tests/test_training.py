@@ -8,7 +8,8 @@ import torch
 from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
 from onnxfuse.split import split_weights
-from onnxfuse.training import FusedTrainer, make_dataset, make_optimizer
+from onnxfuse.training import make_dataset, make_optimizer
+from onnxfuse.training.runtime import make_trainer
 
 STEPS = 6
 CONFIGS = {  # per-model hyper-parameters: every value differs between models
@@ -34,13 +35,13 @@ def torch_optimizers(kind, mods, cfg):
     return opts
 
 
-def train_both(name, kind, tmp_path, B=3, steps=STEPS, batch=8):
+def train_both(name, kind, tmp_path, runtime, B=3, steps=STEPS, batch=8):
     mods = make_modules(name, B, seed0=10)
     shape = MODELS[name][1]
     fa = fuse_models(export_all(mods, shape, tmp_path))
     cfg = CONFIGS[kind]
     opt = make_optimizer("sgd" if kind.startswith("sgd") else "adamw", B, **cfg)
-    trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", opt, workdir=str(tmp_path / "art"))
+    trainer = make_trainer(runtime, fa.model, fa.spec, "cross-entropy", opt, workdir=str(tmp_path / "art"))
     topts = torch_optimizers(kind, mods, cfg)
     rng = np.random.default_rng(1)
     for _ in range(steps):
@@ -59,8 +60,8 @@ def train_both(name, kind, tmp_path, B=3, steps=STEPS, batch=8):
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("name", ["lenet", "cnn_bn", "mlp"])
-def test_split_tensors_equal_torch_optim(name, kind, tmp_path):
-    mods, fa, trainer = train_both(name, kind, tmp_path)
+def test_split_tensors_equal_torch_optim(name, kind, runtime, tmp_path):
+    mods, fa, trainer = train_both(name, kind, tmp_path, runtime)
     split = split_weights(fa.spec, trainer.weights(), steps=STEPS)
     for b, m in enumerate(mods):
         sd = m.state_dict()
@@ -75,8 +76,8 @@ def test_split_tensors_equal_torch_optim(name, kind, tmp_path):
                 assert rel_err(got, ref) < 1e-4, (b, key)
 
 
-def test_nesterov_dampening_per_model(tmp_path):
-    mods, fa, trainer = train_both("cnn_bn", "sgd-nesterov", tmp_path)
+def test_nesterov_dampening_per_model(runtime, tmp_path):
+    mods, fa, trainer = train_both("cnn_bn", "sgd-nesterov", tmp_path, runtime)
     split = split_weights(fa.spec, trainer.weights(), steps=STEPS)
     for b, m in enumerate(mods):
         for key, ref in m.state_dict().items():
@@ -84,13 +85,13 @@ def test_nesterov_dampening_per_model(tmp_path):
                 assert rel_err(split[b][key], ref.numpy()) < (1e-5 if "running_" in key else 1e-4), (b, key)
 
 
-def test_models_are_independent(tmp_path):
+def test_models_are_independent(runtime, tmp_path):
     """Changing model 1's learning rate leaves models 0 and 2 bit-identical."""
     outs = []
     for lr1 in (0.1, 0.5):
         mods = make_modules("lenet", 3, seed0=10)
         fa = fuse_models(export_all(mods, MODELS["lenet"][1], tmp_path / f"m{lr1}"))
-        trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy",
+        trainer = make_trainer(runtime, fa.model, fa.spec, "cross-entropy",
                                make_optimizer("sgd", 3, lr=[0.05, lr1, 0.02], momentum=0.9))
         rng = np.random.default_rng(1)
         for _ in range(3):
@@ -103,8 +104,8 @@ def test_models_are_independent(tmp_path):
     assert any(outs[0][1][k].tobytes() != outs[1][1][k].tobytes() for k in outs[0][1])
 
 
-def test_evaluate_uses_running_statistics_like_torch_eval(tmp_path):
-    mods, fa, trainer = train_both("cnn_bn", "adamw", tmp_path)
+def test_evaluate_uses_running_statistics_like_torch_eval(runtime, tmp_path):
+    mods, fa, trainer = train_both("cnn_bn", "adamw", tmp_path, runtime)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((40,) + MODELS["cnn_bn"][1][1:]).astype(np.float32)
     y = rng.integers(0, 10, 40)
@@ -118,7 +119,7 @@ def test_evaluate_uses_running_statistics_like_torch_eval(tmp_path):
         assert ev["accuracy"][b] == float((logits.argmax(1).numpy() == y).mean())
 
 
-def test_node_without_rule_runs_per_model_and_trains_like_torch(tmp_path, monkeypatch):
+def test_node_without_rule_runs_per_model_and_trains_like_torch(runtime, tmp_path, monkeypatch):
     """Take away the Tanh rule: the MLP's Tanh runs once per model (fallback), and training still matches torch."""
     import warnings
 
@@ -136,7 +137,7 @@ def test_node_without_rule_runs_per_model_and_trains_like_torch(tmp_path, monkey
     assert any("run once per model instead of fused" in str(w.message) for w in caught)
     assert fa.spec.summary["per_model"] == 1 and fa.spec.summary["fused_fraction"] < 1
     cfg = CONFIGS["adamw"]
-    trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 3, **cfg))
+    trainer = make_trainer(runtime, fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 3, **cfg))
     topts = torch_optimizers("adamw", mods, cfg)
     rng = np.random.default_rng(1)
     for _ in range(STEPS):

@@ -136,11 +136,12 @@ def torch_first_loss(mod: torch.nn.Module, data: str, rows: slice) -> float:
     ("lenet", "sgd", {"momentum": 0.9, "weight_decay": [0.0, 1e-3, 0.0]}),
     ("cnn_bn", "adamw", {"weight_decay": [0.0, 0.01, 0.1]}),
 ])
-def test_check_passes_on_a_correct_array_and_alone_is_each_model(arrays, name, optimizer, extra):
+def test_check_passes_on_a_correct_array_and_alone_is_each_model(arrays, name, optimizer, extra, runtime):
     _, made = arrays
     array, mods, data = made[name]
     lrs = [0.1, 0.03, 0.01] if optimizer == "sgd" else [1e-3, 3e-3, 1e-2]
-    cfg = TrainConfig(batch_size=N, steps=5, optimizer=optimizer, lr=lrs, shuffle=False, verify_steps=2, **extra)
+    cfg = TrainConfig(batch_size=N, steps=5, optimizer=optimizer, lr=lrs, shuffle=False, verify_steps=2,
+                      runtime=runtime, **extra)
     report = verify_array(array, data, cfg)
     assert report.ok, report.table()
     assert report.steps == 2 and len(report.checks) == 2 * B

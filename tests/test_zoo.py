@@ -4,6 +4,8 @@ onnxruntime-training training it alone: fuzz/ort_reference.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from fuzz.ort_reference import train_alone
-from conftest import rel_err, run_onnx
+from conftest import RUNTIME_PARAMS, rel_err, run_onnx
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
@@ -136,28 +138,43 @@ class ZooRun:
     exact: list  # float64 copies trained the same way
     noise: set
     perturbed: list  # float32 copies trained the same way from weights nudged by 1e-7 (relative)
+    runtime: str | None  # what trained the fused array (None: not trained)
 
 
 def _optimizer(kind, params, lr, extra):
     return torch.optim.SGD(params, lr=lr, **extra) if kind == "sgd" else torch.optim.AdamW(params, lr=lr, **extra)
 
 
-def _train_fused(name, kind, lrs, extra, batches, mods, folder):
-    """Fuse ``mods`` (export, fuse), train with onnxfuse; return split states and the per-step losses [STEPS, B]."""
+def _train_fused(name, kind, lrs, extra, batches, mods, folder, runtime):
+    """Fuse ``mods`` (export, fuse), train with onnxfuse on ``runtime``; return split states and the per-step
+    losses [STEPS, B]."""
     from onnxfuse.split import split_weights
-    from onnxfuse.training import FusedTrainer, make_optimizer
+    from onnxfuse.training import make_optimizer
+    from onnxfuse.training.runtime import make_trainer
 
     loss = _loss_for(name)[0]
     folder.mkdir(parents=True, exist_ok=True)
     fa = fuse_models(export_zoo(name, mods, folder))
-    trainer = FusedTrainer(fa.model, fa.spec, loss, make_optimizer(kind, len(mods), lr=lrs, **extra),
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss, make_optimizer(kind, len(mods), lr=lrs, **extra),
                            workdir=str(folder / "art"))
     losses = np.array([trainer.step({"input": x.numpy(), "labels": y.numpy()}) for x, y in batches])
     return split_weights(fa.spec, trainer.weights(), steps=STEPS), losses
 
 
-def run_zoo(name, kind, B, tmp_path, fused: bool = True) -> ZooRun:
-    """B zoo models trained by torch.optim (float32, float64, nudged) and, with ``fused``, as one fused array."""
+def run_zoo(name, kind, B, tmp_path, runtime: str | None = "ort") -> ZooRun:
+    """B zoo models trained by torch.optim (float32, float64, nudged) and, unless ``runtime`` is None, as one fused
+    array trained on ``runtime`` from the same initial weights."""
+    ref = _torch_reference(name, kind, B)
+    if runtime is None:
+        return ref
+    fused, fused_losses = _train_fused(name, kind, ref.lrs, ref.extra, ref.batches, zoo_modules(name, B, seed0=3),
+                                       tmp_path / "fused", runtime)
+    return dataclasses.replace(ref, fused=fused, fused_losses=fused_losses, runtime=runtime)
+
+
+@functools.lru_cache(maxsize=1)  # the runtimes of one (name, kind, B) run one after another: torch trains once
+def _torch_reference(name, kind, B) -> ZooRun:
+    """The torch.optim side of :func:`run_zoo` (read only: comparisons work on copies)."""
     _, _, make_labels, torch_loss = _loss_for(name)
     mods = zoo_modules(name, B, seed0=3)
     initial = [{k: v.detach().clone().numpy() for k, v in m.state_dict().items()} for m in mods]
@@ -171,8 +188,6 @@ def run_zoo(name, kind, B, tmp_path, fused: bool = True) -> ZooRun:
     gen = torch.Generator().manual_seed(0)
     batches = [(zoo_input(name, BATCH, seed=10 + s), make_labels(gen, BATCH)) for s in range(STEPS)]
     noise = _grad_is_noise(zoo_modules(name, 1, seed0=3)[0], torch_loss, *batches[0]) if kind == "adamw" else set()
-    fused, fused_losses = _train_fused(name, kind, lrs, extra, batches, mods, tmp_path / "fused") if fused \
-        else (None, None)
     exact = [copy.deepcopy(m).double() for m in mods]
     perturbed = [copy.deepcopy(m) for m in mods]
     with torch.no_grad():
@@ -194,8 +209,8 @@ def run_zoo(name, kind, B, tmp_path, fused: bool = True) -> ZooRun:
                 opt.step()
                 if m is mods[b]:
                     torch_losses[s, b] = out.item()
-    return ZooRun(name, kind, lrs, extra, batches, initial, fused, fused_losses, mods, torch_losses, exact, noise,
-                  perturbed)
+    return ZooRun(name, kind, lrs, extra, batches, initial, None, None, mods, torch_losses, exact, noise, perturbed,
+                  None)
 
 
 def _module(name: str, state: dict) -> torch.nn.Module:
@@ -275,11 +290,13 @@ def assert_matches_torch(run: ZooRun, tmp_path) -> None:
     rounding of a tie flips, and the gradient follows another element), the fused model is checked, with the same
     tolerances, against the same model trained alone in plain onnxruntime-training instead: its own exported graph,
     ORT's gradients, torch.optim's update and torch's BatchNorm statistics in numpy, none of onnxfuse's graph
-    building (fuzz/ort_reference.py) — so a fault of onnxfuse's that also shows at B = 1 cannot hide there."""
+    building (fuzz/ort_reference.py) — so a fault of onnxfuse's that also shows at B = 1 cannot hide there.
+    The torch runtime runs torch's own kernels: it has no such second reference and must match torch."""
     for b in range(len(run.lrs)):
         why = _mismatch(run, b, run.fused[b], run.fused_losses[:, b], run.torch_mods[b], run.torch_losses[:, b])
         if why is None:
             continue
+        assert run.runtime == "ort", (b, f"fused ({run.runtime}) vs torch: {why}")
         alone, alone_losses = _train_alone_in_ort(run, b, tmp_path / f"alone{b}")
         why_alone = _mismatch(run, b, run.fused[b], run.fused_losses[:, b], _module(run.name, alone), alone_losses)
         assert why_alone is None, (b, f"fused vs torch: {why}", f"fused vs ONNX Runtime alone: {why_alone}")
@@ -289,10 +306,12 @@ def assert_matches_torch(run: ZooRun, tmp_path) -> None:
                       f"{np.abs(run.fused_losses[:, b] - alone_losses).max():.2g} apart)")
 
 
+# runtime varies fastest: both runtimes of a (name, kind) share the torch side (_torch_reference)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("name", list(ZOO))
-def test_zoo_training_matches_torch(name, kind, tmp_path):
-    assert_matches_torch(run_zoo(name, kind, 4, tmp_path), tmp_path)
+def test_zoo_training_matches_torch(name, kind, runtime, tmp_path):
+    assert_matches_torch(run_zoo(name, kind, 4, tmp_path, runtime), tmp_path)
 
 
 @pytest.mark.parametrize("name, kind", [("lenet", "sgd"), ("mobilenetv3_small", "adamw"), ("pointnet_seg", "sgd"),
@@ -301,7 +320,7 @@ def test_ort_reference_matches_torch(name, kind, tmp_path):
     """The fallback's reference itself trains like torch.optim where ONNX Runtime's kernels agree with torch's (same
     tolerances): its rewrites (HardSigmoid/HardSwish, ReduceMax, ConvTranspose, LayerNorm), both losses, the class
     axis -1, both optimizers' numpy maths and torch's BatchNorm statistics each appear here at least once."""
-    run = run_zoo(name, kind, 1, tmp_path, fused=False)
+    run = run_zoo(name, kind, 1, tmp_path, runtime=None)
     state, losses = _train_alone_in_ort(run, 0, tmp_path / "alone")
     why = _mismatch(run, 0, state, losses, run.torch_mods[0], run.torch_losses[:, 0])
     assert why is None, why
@@ -315,7 +334,8 @@ def test_ort_reference_matches_torch(name, kind, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("name", list(ZOO))
-def test_zoo_training_matches_torch_single_model(name, kind, tmp_path):
-    assert_matches_torch(run_zoo(name, kind, 1, tmp_path), tmp_path)
+def test_zoo_training_matches_torch_single_model(name, kind, runtime, tmp_path):
+    assert_matches_torch(run_zoo(name, kind, 1, tmp_path, runtime), tmp_path)
