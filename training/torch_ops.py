@@ -21,11 +21,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
+from onnxfuse._resize import nearest_index, source_coords
 from onnxfuse.errors import OnnxFuseError
 from onnxfuse.windows import floor_mode_end_pad, output_length, same_pads
 
@@ -1239,39 +1241,6 @@ def range_(spec: NodeSpec) -> Kernel:
 _TORCH_LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
-def _source_coords(mode: str, out_len: int, in_len: int, scale: float) -> torch.Tensor:
-    """x_original for every output index (float32, as ONNX Runtime computes it)."""
-    x = torch.arange(out_len, dtype=torch.float32)
-    s = torch.tensor(scale, dtype=torch.float32)
-    if mode == "half_pixel":
-        return (x + 0.5) / s - 0.5
-    if mode == "pytorch_half_pixel":
-        return (x + 0.5) / s - 0.5 if out_len > 1 else torch.zeros(out_len)
-    if mode == "align_corners":
-        return x * ((in_len - 1) / (out_len - 1)) if out_len > 1 else torch.zeros(out_len)
-    if mode == "asymmetric":
-        return x / s
-    if mode == "tf_half_pixel_for_nn":
-        return (x + 0.5) / s
-    if mode == "half_pixel_symmetric":
-        adj = out_len / (scale * in_len)
-        center = in_len / 2
-        return center * (1 - adj) + (x + 0.5) / s - 0.5
-    raise ValueError(mode)
-
-
-def _nearest(xo: torch.Tensor, mode: str, in_len: int) -> torch.Tensor:
-    if mode == "round_prefer_floor":
-        i = torch.ceil(xo - 0.5)
-    elif mode == "round_prefer_ceil":
-        i = torch.floor(xo + 0.5)
-    elif mode == "floor":
-        i = torch.floor(xo)
-    else:
-        i = torch.ceil(xo)
-    return i.clamp(0, in_len - 1).to(torch.int64)
-
-
 @op("Resize")
 def resize(spec: NodeSpec) -> Kernel:
     """Resize(X, roi, scales, sizes) with constant scales or sizes (opsets 13..19; axes from 18).
@@ -1353,11 +1322,12 @@ def resize(spec: NodeSpec) -> Kernel:
                 continue
             key = (a, x.shape[a], out[a], sc[a], x.device)
             if key not in cache:
-                xo = _source_coords(ctm, out[a], x.shape[a], sc[a])
+                # float32 coordinates, as onnxruntime computes them
+                xs = source_coords(out[a], x.shape[a], sc[a], ctm, np.float32)
                 if mode == "nearest":
-                    cache[key] = (_nearest(xo, nearest_mode, x.shape[a]).to(x.device),)
+                    cache[key] = (torch.from_numpy(nearest_index(xs, nearest_mode, x.shape[a])).to(x.device),)
                 else:
-                    xo = xo.clamp(0, x.shape[a] - 1)
+                    xo = torch.from_numpy(xs).clamp(0, x.shape[a] - 1)
                     i0 = xo.floor().to(torch.int64)
                     i1 = (i0 + 1).clamp(max=x.shape[a] - 1)
                     w = (xo - i0).to(x.dtype).reshape([-1] + [1] * (x.dim() - 1 - a))

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import onnx
 
+from .._resize import nearest_index, source_coords
 from ._engine import COPY, Context, Dims, Emitter, rewrite
 
 __all__ = ["resize"]
@@ -96,34 +97,8 @@ def _plan(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -
     return plan
 
 
-def _source_coords(out_len: int, in_len: int, scale: float, coord: str) -> np.ndarray:
-    """The ONNX Resize source coordinate of each output index (float64)."""
-    i = np.arange(out_len, dtype=np.float64)
-    if coord == "half_pixel":
-        return (i + 0.5) / scale - 0.5
-    if coord == "pytorch_half_pixel":
-        return (i + 0.5) / scale - 0.5 if out_len > 1 else np.zeros(out_len)
-    if coord == "align_corners":
-        return i * (in_len - 1) / (out_len - 1) if out_len > 1 else np.zeros(out_len)
-    if coord == "asymmetric":
-        return i / scale
-    # half_pixel_symmetric (opset 19)
-    adjustment = out_len / (scale * in_len)
-    offset = in_len / 2 * (1 - adjustment)
-    return offset + (i + 0.5) / scale - 0.5
-
-
 def _nearest_index(out_len: int, in_len: int, scale: float, coord: str, nearest_mode: str) -> np.ndarray:
-    xs = _source_coords(out_len, in_len, scale, coord)
-    if nearest_mode == "round_prefer_floor":
-        idx = np.ceil(xs - 0.5)
-    elif nearest_mode == "round_prefer_ceil":
-        idx = np.floor(xs + 0.5)
-    elif nearest_mode == "floor":
-        idx = np.floor(xs)
-    else:
-        idx = np.ceil(xs)
-    return np.clip(idx, 0, in_len - 1).astype(np.int64)
+    return nearest_index(source_coords(out_len, in_len, scale, coord), nearest_mode, in_len)
 
 
 def _is_repeat(L, scale: float, coord: str, nearest_mode: str) -> bool:
@@ -179,7 +154,7 @@ def _nearest(node, ctx: Context, em: Emitter, x: str, rank: int, plan, coord: st
 
 def _interpolation_matrix(in_len: int, out_len: int, scale: float, coord: str) -> np.ndarray:
     """M [in_len, out_len]: output i = sum_j X[j] M[j, i], two taps at the clamped source coordinate."""
-    xs = np.clip(_source_coords(out_len, in_len, scale, coord), 0, in_len - 1)
+    xs = np.clip(source_coords(out_len, in_len, scale, coord), 0, in_len - 1)
     lo = np.floor(xs).astype(np.int64)
     hi = np.minimum(lo + 1, in_len - 1)
     frac = xs - lo
