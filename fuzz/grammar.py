@@ -295,14 +295,10 @@ def _pool_emit(p, shape, n, src, dst):
             (shape[0], *out)
     k, pad = p["k"], p["pad"]
     stride = p["stride"] or k
+    if kind == "lp" and p["half"]:
+        stride = k + 1  # LPPool has no padding: only a stride past the kernel lets ceil_mode drop a last window
     if pad > k // 2 or any(s + 2 * pad < k for s in S):
         return None
-    if kind == "lp":
-        if d == 3 or pad:
-            return None
-        out_s = tuple((s - k) // stride + 1 for s in S)
-        init = [f"self.{n} = nn.LPPool{d}d(2, {k}, stride={stride})"]
-        return init, [f"{dst} = self.{n}({src})"], (shape[0], *out_s)
 
     def length(s):
         span = s + 2 * pad - k
@@ -314,6 +310,11 @@ def _pool_emit(p, shape, n, src, dst):
     out_s = tuple(length(s) for s in S)
     if any(o < 1 for o in out_s):
         return None
+    if kind == "lp":
+        if d == 3 or pad:
+            return None
+        init = [f"self.{n} = nn.LPPool{d}d(2, {k}, stride={stride}, ceil_mode={p['ceil']})"]
+        return init, [f"{dst} = self.{n}({src})"], (shape[0], *out_s)
     if kind == "max":
         init = [f"self.{n} = nn.MaxPool{d}d({k}, stride={stride}, padding={pad}, ceil_mode={p['ceil']})"]
     else:

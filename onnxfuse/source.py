@@ -122,6 +122,16 @@ def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None 
     static. What depends on a symbolic dim (the batch N) or on a weight (``weights``, default
     :func:`weight_names`) stays computed, so the model computes the same function for every batch size and B models
     identical up to weights stay identical.
+
+    Every round begins with :func:`~onnxfuse.windows.explicit_windows_pass`, because a fold reads inferred shapes
+    and a window node's shape is not final until that pass has rewritten it: ONNX's inference of a ceil-mode pool
+    counts a last window that starts in the end padding, torch (and the rewritten node) does not. E.g. L = 3, k = s
+    = 2, pads (1, 1): ceil((3 + 2 - 2)/2) + 1 = 3 windows, the third covering [2*2 - 1, 5) = [3, 5), all padding,
+    so torch has 2; a constant folded from the 3 (``flatten``'s Reshape target ``[N, -1, 4, 3]`` for an output
+    ``[N, 4, 4, 4, 2]``) would outlive the rewrite. The pass rewrites a node as soon as its input's spatial dims
+    are static, read from the same inference as the facts, and ONNX infers an output's spatial dims only from
+    static input dims: so no round folds from a shape the pass will still change. It runs once more after the
+    last round, for a window whose input that round made static.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -131,8 +141,11 @@ def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None 
     if opset is None:
         return out
     for _ in range(_RESOLVE_ROUNDS):
+        windowed = explicit_windows_pass(out)
+        changed = int(windowed is not out)
+        out, g = windowed, windowed.graph
         facts = GraphFacts(out, opset, variable=weights)
-        nodes, changed = [], 0
+        nodes = []
         for node in g.node:
             values = _static_outputs(node, facts)
             if values is None:
@@ -151,6 +164,8 @@ def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None 
         g.node.extend(nodes)
         if not changed:
             break
+    out = explicit_windows_pass(out)
+    g = out.graph
     keep = live_nodes(g)
     del g.node[:]
     g.node.extend(keep)
@@ -191,8 +206,8 @@ def _static_outputs(node: onnx.NodeProto, facts: GraphFacts) -> dict[str, np.nda
 
 
 def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = None) -> SourceModel:
-    """Load, check, resolve (:func:`resolve_static_pass`), make window padding explicit
-    (:func:`~onnxfuse.windows.explicit_windows_pass`) and shape-infer one model. ``label`` names it in error
+    """Load, check, resolve (:func:`resolve_static_pass`, which also makes window padding explicit:
+    :func:`~onnxfuse.windows.explicit_windows_pass`) and shape-infer one model. ``label`` names it in error
     messages (default: file name)."""
     if isinstance(model, onnx.ModelProto):
         proto, label = model, label or "model"
@@ -209,10 +224,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
         raise InputFileError(f"{label}: ONNX opset {opset} is too old; export with opset_version between 13 and 20")
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)
-    proto = resolve_static_pass(proto, weights)
-    windowed = explicit_windows_pass(proto)
-    if windowed is not proto:  # shapes downstream of a changed window were inferred again: resolve them again
-        proto = resolve_static_pass(windowed, weights)
+    proto = resolve_static_pass(proto, weights)  # window padding made explicit too, before any fold reads it
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as e:

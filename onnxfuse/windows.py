@@ -80,7 +80,12 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     ConvTranspose with output_padding >= stride gets output_padding 0 and, where needed, a Pad and its bias added
     after it (:func:`_output_padding_as_pads`).
 
-    A node whose spatial dims are not static is left as it is. Returns ``model`` itself when nothing changed."""
+    A node whose spatial dims are not static is left as it is. Returns ``model`` itself when nothing changed.
+
+    Only the ceil_mode rewrite changes an output's shape (from ONNX's count to torch's): a value folded from that
+    shape before this pass would be stale, so :func:`~onnxfuse.source.resolve_static_pass` runs it first."""
+    if not any(_rewritable(n) for n in model.graph.node):  # the common case, without a shape inference
+        return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -89,7 +94,8 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception:
         return model
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
-              for vi in list(inferred.input) + list(inferred.value_info) if vi.type.tensor_type.HasField("shape")}
+              for vi in list(inferred.input) + list(inferred.value_info) + list(inferred.output)
+              if vi.type.tensor_type.HasField("shape")}
     shapes.update({t.name: list(t.dims) for t in g.initializer})
     names = Names.of(g)
     nodes: list[onnx.NodeProto] = []
@@ -173,6 +179,18 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
         for o in outs:
             o.type.CopyFrom(again[o.name].type)
     return out
+
+
+def _rewritable(node: onnx.NodeProto) -> bool:
+    """``node`` has an attribute :func:`explicit_windows_pass` rewrites (whether its shapes allow it or not)."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    attrs = _attrs(node)
+    if node.op_type == "ConvTranspose":
+        strides = attrs.get("strides", [1] * len(attrs.get("output_padding", [])))
+        return any(o >= st for o, st in zip(attrs.get("output_padding", []), strides))
+    return node.op_type in ("Conv", "MaxPool", "AveragePool") and (
+        attrs.get("auto_pad", "NOTSET") != "NOTSET" or bool(int(attrs.get("ceil_mode", 0))))
 
 
 def _output_padding_as_pads(node: onnx.NodeProto, shapes: dict, names: Names, g: onnx.GraphProto

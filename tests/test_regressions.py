@@ -220,6 +220,96 @@ class FuzzNet(nn.Module):
         x = self.t(x * torch.sigmoid(self.se(x.mean(dim=(2, 3), keepdim=True))))
         return self.u(x.flatten(2)[:, :3])
 """, (4, 4, 4), "mse"),
+    # fuzz seed 1527: flatten's Reshape target after a ceil-mode AvgPool3d was folded from ONNX's output shape (one
+    # window more on an axis whose last window starts in the end padding: [N, -1, 4, 3] for [N, 4, 4, 4, 2]) before
+    # windows.py made the pool torch's; resolve_static_pass now makes window padding explicit before every fold.
+    # The siblings below fold the same way through Slice, Range/Expand and Reshape, in 1-D/2-D/3-D Max/Avg/LP pools
+    "avg_pool3d_ceil_then_flatten_slice": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.AvgPool3d(2, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+        self.g = nn.Parameter(1 + 0.1 * torch.randn(1))
+
+    def forward(self, x):
+        return self.p(x.permute(0, 2, 4, 3, 1)).flatten(1, 2)[:, :, :, 0:1] * self.g
+""", (3, 4, 6, 6), "mse"),
+    "max_pool1d_ceil_then_computed_slice": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv1d(4, 4, 1)
+        self.p = nn.MaxPool1d(2, stride=2, padding=1, ceil_mode=True)
+        self.l = nn.Linear(12, 5)
+
+    def forward(self, x):
+        x = self.p(self.c(x))
+        x = x[:, :, 1 - x.shape[2]:]
+        return self.l(x.reshape(x.shape[0], -1))
+""", (4, 7), "mse"),
+    "max_pool3d_ceil_then_range_expand": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv3d(2, 2, 1)
+        self.p = nn.MaxPool3d(3, stride=3, padding=1, ceil_mode=True)
+
+    def forward(self, x):
+        x = self.p(self.c(x))
+        return x * torch.arange(x.shape[-1], dtype=x.dtype).expand(x.shape[-2], x.shape[-1])
+""", (2, 5, 4, 5), "mse"),
+    "avg_pool2d_ceil_count_pad_then_reshape": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 3, 1)
+        self.p = nn.AvgPool2d(2, stride=2, padding=1, ceil_mode=True, count_include_pad=True)
+        self.l = nn.Linear(12, 6)
+
+    def forward(self, x):
+        x = self.p(self.c(x))
+        return self.l(x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3]))
+""", (3, 5, 7), "mse"),
+    # LPPool exports an AveragePool: ceil_mode with a stride past the kernel drops a last window
+    "lp_pool2d_ceil_then_flatten": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 3, 1)
+        self.p = nn.LPPool2d(2, 2, stride=3, ceil_mode=True)
+        self.l = nn.Linear(2, 4)
+
+    def forward(self, x):
+        return self.l(self.p(self.c(x)).flatten(1, 2))
+""", (3, 6, 6), "mse"),
+    # the second pool's input is static only once a round has recorded view(N, 2, -1)'s shape: rewritten a round later
+    "ceil_pools_chained_through_view": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 2, 1)
+        self.p = nn.MaxPool2d(2, stride=2, padding=1, ceil_mode=True)
+        self.q = nn.AvgPool1d(2, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+        self.l = nn.Linear(14, 4)
+
+    def forward(self, x):
+        x = self.p(self.c(x))
+        x = self.q(x.reshape(x.shape[0], 2, -1))
+        return self.l(x[:, :, 1 - x.shape[2]:].flatten(1))
+""", (2, 5, 9), "mse"),
+    # the window pass's shape-preserving rewrites (output_padding into pads, 'same' into pads) under shape arithmetic
+    "conv_transpose_output_padding_then_computed_slice": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.ConvTranspose1d(4, 4, 3, stride=1, padding=1, output_padding=2, dilation=3)
+        self.c = nn.Conv1d(4, 4, 3, padding='same', dilation=2)
+        self.l = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.c(self.t(x))
+        return self.l(x[:, :, x.shape[-1] // 2:])
+""", (4, 5), "mse"),
     # ONNX Runtime's LayerNormalization is less precise than torch's over two nearly equal values: the fused forward
     # differs from torch as ORT alone does (outcome 'runtime', judged by fuzz/ort_reference.py's plain ORT)
     "layernorm_of_two_near_equal_values": ("""

@@ -329,6 +329,53 @@ def test_per_model_integer_buffers_are_not_folded(tmp_path):
         assert rel_err(fused[b], torch_forward(m, x)) < 1e-5, b
 
 
+def _ceil_pool_then_shape_reshape(op: str, dims: int, pool_input_is_output: bool) -> onnx.ModelProto:
+    """x [N, 2, 3, ...] -> Relu -> r -> <op> (kernel 2, stride 2, pads 1, ceil_mode 1) -> y -> Reshape(y,
+    Concat(Shape(y)[0:1], Shape(y)[2:], [-1])): y moved to [N, *S, C] through shape arithmetic that folds at load.
+    Each axis of length 3 has 2 windows for torch, 3 for ONNX's shape inference (the third starts at 4 = L + pb)."""
+    attrs = dict(kernel_shape=[2] * dims, strides=[2] * dims, pads=[1] * (2 * dims), ceil_mode=1)
+    if op == "AveragePool":
+        attrs["count_include_pad"] = 0
+    nodes = [
+        onnx.helper.make_node("Relu", ["x"], ["r"]),
+        onnx.helper.make_node(op, ["r"], ["y"], **attrs),
+        onnx.helper.make_node("Shape", ["y"], ["s"]),
+        onnx.helper.make_node("Slice", ["s", "zero", "one"], ["n"]),
+        onnx.helper.make_node("Slice", ["s", "two", "end"], ["spatial"]),
+        onnx.helper.make_node("Concat", ["n", "spatial", "minus_one"], ["target"], axis=0),
+        onnx.helper.make_node("Reshape", ["y", "target"], ["out"]),
+    ]
+    ints = {"zero": [0], "one": [1], "two": [2], "end": [dims + 2], "minus_one": [-1]}
+    f = onnx.TensorProto.FLOAT
+    outputs = [onnx.helper.make_tensor_value_info("out", f, ["N"] + [None] * (dims + 1))]
+    if pool_input_is_output:  # its shape is then in the inferred graph outputs, not in value_info
+        outputs.append(onnx.helper.make_tensor_value_info("r", f, ["N", 2] + [3] * dims))
+    graph = onnx.helper.make_graph(
+        nodes, "ceil_pool", [onnx.helper.make_tensor_value_info("x", f, ["N", 2] + [3] * dims)], outputs,
+        [onnx.numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("pool_input_is_output", [False, True])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+def test_no_value_is_folded_from_a_window_shape_before_it_is_torchs(op, dims, pool_input_is_output):
+    """A ceil-mode pool's output shape is ONNX's until the window pass makes it torch's; a Reshape target folded
+    from it in between was stale (fuzz seed 1527: ``[N, -1, 4, 3]`` for a pool output ``[N, 4, 4, 4, 2]``)."""
+    from onnxfuse.source import load_source
+
+    model = _ceil_pool_then_shape_reshape(op, dims, pool_input_is_output)
+    loaded = load_source(model).model
+    pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d} if op == "MaxPool" else \
+        {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+    kw = dict(ceil_mode=True) if op == "MaxPool" else dict(ceil_mode=True, count_include_pad=False)
+    for n in (1, 4):
+        x = np.random.default_rng(n).standard_normal((n, 2) + (3,) * dims).astype(np.float32)
+        y = pool[dims](torch.relu(torch.from_numpy(x)), 2, 2, 1, **kw)
+        expected = y.reshape(n, *y.shape[2:], -1).numpy()
+        np.testing.assert_allclose(run_onnx(loaded, {"x": x})[0], expected, rtol=1e-6, atol=1e-6)
+
+
 TRAIN = {  # name: optimizer and per-model hyper-parameters
     "transformer_encoder_layer": ("sgd", dict(lr=[0.05, 0.1, 0.02], momentum=[0.9, 0.5, 0.0],
                                               weight_decay=[0.0, 1e-3, 1e-2])),
