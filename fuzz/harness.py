@@ -10,7 +10,9 @@ absolute floor for tensors near 0), AdamW outputs < 1e-3.
 A result beyond a bound counts as a failure only when it is also beyond 3x the training's own sensitivity to float
 rounding, measured on torch alone: the same model trained in float64, and from weights nudged by 1e-7. A ReLU input
 or a max within rounding of a tie may send a gradient elsewhere in any two float32 programs; such a case is reported
-as ``sensitive``, not as a bug.
+as ``sensitive``, not as a bug. So is a trained result that is within 3x as far from the float64 training as torch's
+float32 runs are (``_from_exact``: AdamW on a gradient that is only rounding noise, e.g. a bias before a
+BatchNorm, where ONNX Runtime's summation order draws noise independent of torch's).
 
 Where a result is beyond a bound and beyond 3x that sensitivity, a second reference decides: the model trained (or
 run) alone by plain ONNX Runtime from its own export, with torch.optim's maths in numpy (``ort_reference.py``, no
@@ -395,15 +397,42 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str) -> Outcome | Non
         nudged, nudged_losses = alone(nudge=1e-7)
         sens = max(_compare_modules(kind, case, b, ref, ref_losses, exact, exact_losses, batches, as_double=True),
                    _compare_modules(kind, case, b, ref, ref_losses, nudged, nudged_losses, batches))
+        details = {"beyond": beyond, "sensitivity": sens}
         status = "sensitive" if beyond <= 3 * max(sens, 1e-9) else "fail"
+        if status == "fail":
+            own, theirs = _from_exact(kind, case, b, got, [float(v[b]) for v in fused_losses], batches, exact,
+                                      exact_losses, [(ref, ref_losses), (nudged, nudged_losses)])
+            details.update(from_exact=own, torch_from_exact=theirs)
+            status = "sensitive" if own <= 3 * max(theirs, 1e-9) else "fail"
         # ONNX Runtime's kernels may part from torch's: the model trained alone by plain onnxruntime-training
         if status == "fail" and runtime == "ort" and _equals_ort_alone(
                 case, b, kind, lrs[b], got, [float(v[b]) for v in fused_losses], batches,
                 os.path.join(folder, f"{kind}-alone{b}")):
             return Outcome("runtime", message=f"model {b}: {message}; plain onnxruntime-training alone trains it the "
-                                              "same way", details={"beyond": beyond, "sensitivity": sens})
-        return Outcome(status, message=f"model {b}: {message}", details={"beyond": beyond, "sensitivity": sens})
+                                              "same way", details=details)
+        return Outcome(status, message=f"model {b}: {message}", details=details)
     return None
+
+
+def _from_exact(kind, case, b, got_state, got_losses, batches, exact, exact_losses, torch32) -> tuple[float, float]:
+    """(how far the fused result is from exact arithmetic, torch in float64; the farthest of torch's own float32
+    runs ``torch32`` [(module, losses)]), in units of the bound. Within 3x, the result is ``sensitive``.
+
+    Needed where the exact gradient of a parameter is 0 and float32 leaves only rounding noise in it: a bias that
+    feeds a train-mode BatchNorm (BatchNorm removes any per-channel constant). AdamW scales that noise (~3e-7) to
+    steps of ~0.2-0.5 lr, and the eval-mode output moves with the bias (the running mean follows it only by
+    ``momentum`` per step). Two float32 programs that sum in different orders (ONNX Runtime's kernels and torch's)
+    draw independent noise; torch nudged by 1e-7 keeps torch's summation order, so its noise is correlated with the
+    reference's and measures that distance short (fuzz seed 1524: fused vs torch 2.9 bounds, nudged torch 0.7-0.8,
+    while the fused run is 2.2 bounds from float64 and torch float32 0.96). Both float32 results are compared with
+    the exact one instead; a real fault is far from it too (if fused-to-exact <= 3x, fused-to-torch <= 4x)."""
+    theirs = max(_compare_modules(kind, case, b, m, losses, exact, exact_losses, batches, as_double=True)
+                 for m, losses in torch32)
+    try:
+        ours = _load(case, got_state)
+    except Exception:  # a state that does not load with strict=True is a failure (_compare says so)
+        return np.inf, theirs
+    return _compare_modules(kind, case, b, ours, got_losses, exact, exact_losses, batches, as_double=True), theirs
 
 
 def _equals_ort_alone(case: _Case, b: int, kind: str, lr: float, got: dict, got_losses, batches, folder) -> bool:

@@ -310,6 +310,39 @@ class FuzzNet(nn.Module):
         x = self.c(self.t(x))
         return self.l(x[:, :, x.shape[-1] // 2:])
 """, (4, 5), "mse"),
+    # ConvTranspose (legalized as a Conv over the zero-upsampled input) with output_padding < stride and groups, whose
+    # output is mostly positions no input reaches, into a BatchNorm: exact on both runtimes without a bias
+    "conv_transpose_output_padding_groups_batchnorm": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False, padding_mode='replicate')
+        self.l1 = nn.Conv2d(4, 12, 1, stride=2, padding=1, dilation=2, groups=4)
+        self.l4 = nn.ConvTranspose2d(12, 12, 1, stride=2, output_padding=1, groups=6, bias=False)
+        self.l5 = nn.BatchNorm2d(12, momentum=0.3)
+
+    def forward(self, x):
+        x = F.adaptive_avg_pool2d(F.celu(self.l1(self.l0(x)), 0.5), 1)
+        return self.l5(self.l4(x))
+""", (3, 16, 8), "mse"),
+    # the same with the ConvTranspose's bias (fuzz seed 1524, reported as failed on ort at B = 2): the bias feeds a
+    # train-mode BatchNorm, so its exact gradient is 0 and float32 leaves ~3e-7 of rounding noise in it; AdamW
+    # (eps 1e-6) makes that steps of 0.2-0.5 lr, and eval outputs follow the bias. ONNX Runtime's noise is drawn
+    # independently of torch's: eval outputs 2.9e-3 apart (2.9 bounds) where torch nudged by 1e-7 is 0.96 bounds
+    # away. Judged against float64 torch instead (fuzz/harness.py _from_exact): fused 2.2, torch float32 0.96
+    "bias_before_batchnorm_adamw": ("""
+class FuzzNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False, padding_mode='replicate')
+        self.l1 = nn.Conv2d(4, 12, 1, stride=2, padding=1, dilation=2, groups=4)
+        self.l4 = nn.ConvTranspose2d(12, 12, 1, stride=2, output_padding=1, groups=6, bias=True)
+        self.l5 = nn.BatchNorm2d(12, momentum=0.3)
+
+    def forward(self, x):
+        x = F.adaptive_avg_pool2d(F.celu(self.l1(self.l0(x)), 0.5), 1)
+        return self.l5(self.l4(x))
+""", (3, 16, 8), "mse"),
     # ONNX Runtime's LayerNormalization is less precise than torch's over two nearly equal values: the fused forward
     # differs from torch as ORT alone does (outcome 'runtime', judged by fuzz/ort_reference.py's plain ORT)
     "layernorm_of_two_near_equal_values": ("""
@@ -330,7 +363,9 @@ class FuzzNet(nn.Module):
 # the LayerNorm over two nearly equal values amplifies last-bit differences. On the torch runtime (B = 1, SGD) its
 # l.bias is 1.9e-4 from torch (1.6x the bound) where torch itself from weights nudged by 1e-7, or in float64,
 # is 1.7x the bound away: the fused graph's LayerNorm (no affine, then the per-model Mul/Add) rounds differently
-SENSITIVE = {("torch", "layernorm_of_two_near_equal_values")}
+# On ort, bias_before_batchnorm_adamw's AdamW eval outputs differ from torch by rounding noise in a gradient that is
+# exactly 0 (see its comment): SGD checks every tensor of it, BatchNorm statistics included, within the bounds.
+SENSITIVE = {("torch", "layernorm_of_two_near_equal_values"), ("ort", "bias_before_batchnorm_adamw")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
