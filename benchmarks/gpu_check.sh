@@ -6,7 +6,8 @@
 # 1. the tests marked `cuda` (tests/test_cuda.py): fused training of zoo models on the GPU equals each model trained
 #    alone by torch.optim on the same GPU;
 # 2. a short benchmark (benchmarks/runtime_bench.py): LeNet, ResNet-18 and a small Transformer LM, B in 1, 8, 32,
-#    64, the fused array on the torch runtime vs the same B models trained one after another in PyTorch on the GPU.
+#    64, the fused array on the torch runtime vs the same B models trained one after another in PyTorch on the GPU,
+#    a torch.func (vmap) ensemble of them and one model at batch B*N (the ceiling).
 #
 # Needs Python with torch built for CUDA, onnx, numpy, safetensors, pyyaml, tqdm, matplotlib, scikit-learn (newer
 # versions are fine). What is missing is installed from benchmarks/wheels/ (pydantic, pytest; fetch them where
@@ -64,6 +65,6 @@ echo "tests: $((SECONDS - t0)) s"
 
 echo "== benchmark"
 t0=$SECONDS
-"$PY" benchmarks/runtime_bench.py --device $DEVICE --models lenet,resnet18,transformer_lm "${BENCH_ARGS[@]}" \
+"$PY" benchmarks/runtime_bench.py --device $DEVICE --models lenet,resnet18,transformer_lm --baselines vmap,dense "${BENCH_ARGS[@]}" \
     --budget-s "${BENCH_BUDGET_S:-300}" -o "$OUT"
 echo "benchmark: $((SECONDS - t0)) s"

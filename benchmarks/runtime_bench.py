@@ -7,6 +7,11 @@ replaced by each model's state_dict (the exporter keeps state_dict names), fused
     fused   one step of the fused array on each runtime asked for (``--runtimes torch,ort``; ort on CPU only)
             trains all B models (per-model AdamW learning rates)
     seq     B torch modules, each with its own torch.optim.AdamW, stepped one after another
+    vmap    (``--baselines vmap``) the B modules as one torch.func ensemble: stack_module_state + functional_call +
+            vmap, one AdamW over the stacked parameters (one learning rate; BatchNorm without running statistics,
+            which vmap cannot update in place: torch.func.replace_all_batch_norm_modules_)
+    dense   (``--baselines dense``) ONE model at batch B * N: the FLOPs of the array in one ordinary model, the
+            ceiling fusion can approach
 
 on the same device-resident random batch (N samples per model). A round times ``--steps`` steps after the warm-up;
 the ratio is the median of the per-round ratios (the two runs of a round see the same machine). Samples/s count
@@ -95,8 +100,49 @@ def _peak(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if task == "lm" else F.cross_entropy(out, y)
+
+
+def vmap_step(mods: list[torch.nn.Module], task: str, x: torch.Tensor, y: torch.Tensor, lr: float):
+    """One AdamW step of the B models as a torch.func ensemble (the loss summed over the models)."""
+    from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state
+
+    base = copy.deepcopy(mods[0])
+    replace_all_batch_norm_modules_(base)
+    params, buffers = stack_module_state([replace_all_batch_norm_modules_(copy.deepcopy(m)) for m in mods])
+    params = {k: torch.nn.Parameter(v) for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=lr)
+
+    def one(p, b, xx):
+        return functional_call(base, (p, b), (xx,))
+
+    ensemble = torch.vmap(one, in_dims=(0, 0, None), randomness="different")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = ensemble(params, buffers, x)  # [B, N, ...]
+        loss = sum(_loss(task, out[b], y) for b in range(out.shape[0]))
+        loss.backward()
+        opt.step()
+    return step
+
+
+def dense_step(mods: list[torch.nn.Module], task: str, x: torch.Tensor, y: torch.Tensor, B: int, lr: float):
+    """One AdamW step of ONE model at batch B * N."""
+    model = copy.deepcopy(mods[0])
+    xb, yb = x.repeat((B,) + (1,) * (x.dim() - 1)), y.repeat((B,) + (1,) * (y.dim() - 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(task, model(xb), yb).backward()
+        opt.step()
+    return step
+
+
 def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, device: torch.device,
-            folder: str, runtimes: list[str]) -> dict:
+            folder: str, runtimes: list[str], baselines: list[str] = ()) -> dict:
     mods = modules(name, B)
     lrs = [float(v) for v in np.geomspace(1e-4, 1e-3, B)] if B > 1 else [1e-3]
     task = ZOO[name].task
@@ -115,10 +161,7 @@ def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, dev
     def seq_step() -> None:
         for m, o in zip(seq, opts):
             o.zero_grad(set_to_none=True)
-            out = m(x)
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if task == "lm" else \
-                F.cross_entropy(out, y)
-            loss.backward()
+            _loss(task, m(x), y).backward()
             o.step()
 
     def fused_step(rt: str):
@@ -134,6 +177,10 @@ def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, dev
         return time.perf_counter() - t
 
     steppers = {**{rt: fused_step(rt) for rt in runtimes}, "seq": seq_step}
+    if "vmap" in baselines:
+        steppers["vmap"] = vmap_step(seq, task, x, y, lrs[0])
+    if "dense" in baselines:
+        steppers["dense"] = dense_step(seq, task, x, y, B, lrs[0])
     for fn in steppers.values():
         for _ in range(warmup):
             fn()
@@ -145,21 +192,31 @@ def measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, dev
     samples = B * n * steps
     row = {"model": name, "B": B, "batch": n, "device": str(device), "steps": steps, "rounds": rounds,
            "seq_samples_s": samples / statistics.median(times["seq"]), "peak_mib": _peak(device), "fuse_s": fuse_s}
-    for rt in runtimes:  # per-round ratios: both runs of a round see the same machine
+    for rt in [k for k in steppers if k != "seq"]:  # per-round ratios: both runs of a round see the same machine
         ratios = [s / f for f, s in zip(times[rt], times["seq"])]
         row[f"{rt}_samples_s"] = samples / statistics.median(times[rt])
         row[f"{rt}_over_seq"] = statistics.median(ratios)
         row[f"{rt}_round_ratios"] = ratios
+        if "dense" in times:
+            row[f"{rt}_of_dense"] = statistics.median([d / f for f, d in zip(times[rt], times["dense"])])
     return row
 
 
-def table(rows: list[dict], runtimes: list[str]) -> str:
-    head = " | ".join(f"fused ({rt}) samples/s | {rt} / one after another" for rt in runtimes)
-    lines = [f"| model | B | {head} | one after another (PyTorch) samples/s | peak MiB |",
-             "|---|---:|" + "---:|---:|" * len(runtimes) + "---:|---:|"]
+_LABEL = {"torch": "fused (torch runtime)", "ort": "fused (ort runtime)", "vmap": "torch.func ensemble",
+          "dense": "one model at batch B*N"}
+
+
+def table(rows: list[dict], modes: list[str]) -> str:
+    """Samples/s of every mode, its ratio to PyTorch one after another and (with the dense mode) to the ceiling."""
+    dense = "dense" in modes
+    head = " | ".join(f"{_LABEL[m]} samples/s | ÷ one after another" + (" | ÷ dense" if dense else "")
+                      for m in modes)
+    lines = [f"| model | B | one after another (PyTorch) samples/s | {head} | peak MiB |",
+             "|---|---:|---:|" + ("---:|---:|" + ("---:|" if dense else "")) * len(modes) + "---:|"]
     for r in rows:
-        cells = " | ".join(f"{r[f'{rt}_samples_s']:,.0f} | {r[f'{rt}_over_seq']:.2f}x" for rt in runtimes)
-        lines.append(f"| {r['model']} | {r['B']} | {cells} | {r['seq_samples_s']:,.0f} | {r['peak_mib']:,.0f} |")
+        cells = " | ".join(f"{r[f'{m}_samples_s']:,.0f} | {r[f'{m}_over_seq']:.2f}x"
+                           + (f" | {r[f'{m}_of_dense']:.2f}" if dense else "") for m in modes)
+        lines.append(f"| {r['model']} | {r['B']} | {r['seq_samples_s']:,.0f} | {cells} | {r['peak_mib']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -174,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new measurements after this long")
     ap.add_argument("--runtimes", default="torch", help="fused runtimes to measure: torch, ort (CPU only)")
+    ap.add_argument("--baselines", default="", help="more ways to train the same models: vmap (torch.func "
+                    "ensemble), dense (one model at batch B*N: the ceiling)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("-o", "--output", default="runtime-bench")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     runtimes = args.runtimes.split(",")
+    modes = runtimes + [b for b in args.baselines.split(",") if b]
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
@@ -199,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"skipped {name} B={B}: over the {args.budget_s:.0f} s budget")
                     continue
                 try:
-                    r = measure(name, B, args.batch, args.steps, args.warmup, args.rounds, device, folder, runtimes)
+                    r = measure(name, B, args.batch, args.steps, args.warmup, args.rounds, device, folder, runtimes,
+                                [b for b in args.baselines.split(",") if b])
                 except torch.OutOfMemoryError as e:
                     print(f"{name} B={B}: out of memory ({str(e).splitlines()[0][:120]})")
                     continue
@@ -208,15 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats(device)
                 rows.append(r)
-                fused = "  ".join(f"{rt} {r[f'{rt}_samples_s']:>9,.0f}/s ({r[f'{rt}_over_seq']:.2f}x)" for rt in runtimes)
+                fused = "  ".join(f"{m} {r[f'{m}_samples_s']:>9,.0f}/s ({r[f'{m}_over_seq']:.2f}x)" for m in modes)
                 print(f"{name:>14} B={B:<3} fused: {fused}  one after another {r['seq_samples_s']:>9,.0f}/s  "
                       f"peak {r['peak_mib']:,.0f} MiB  (fused in {r['fuse_s']:.1f} s)", flush=True)
     with open(os.path.join(args.output, "runtime_bench.json"), "w") as f:
         json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
     with open(os.path.join(args.output, "runtime_bench.md"), "w") as f:
         f.write(f"`{' '.join(sys.argv)}` (torch {torch.__version__}, {torch.get_num_threads()} threads)\n\n"
-                f"{table(rows, runtimes)}\n")
-    print(table(rows, runtimes))
+                f"{table(rows, modes)}\n")
+    print(table(rows, modes))
     return 0
 
 
