@@ -12,7 +12,7 @@
 # Needs Python with torch built for CUDA, onnx, numpy, safetensors, pyyaml, tqdm, matplotlib, scikit-learn (newer
 # versions are fine). What is missing is installed from benchmarks/wheels/ (pydantic, pytest; fetch them where
 # there is internet with `make gpu-wheels`). onnxfuse itself is not installed: it is imported from this checkout.
-# Everything goes to OUT_DIR: versions.txt, nvidia-smi.txt, tests.txt, runtime_bench.{md,json}, log.txt.
+# Everything goes to OUT_DIR: versions.txt, nvidia-smi.txt, tests.txt, bench.{md,json,csv,png}, log.txt.
 # On a machine where torch sees no CUDA device it says so and exits 0. GPU_CHECK_DRY_RUN=1 runs the same steps on
 # the CPU with tiny sizes (to test the script itself; its figures mean nothing).
 set -euo pipefail

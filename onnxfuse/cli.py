@@ -180,10 +180,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .training.bench import run_benchmark
+    from .training.bench import run_bench
 
-    run_benchmark(B_values=_numbers(args.models, "--models", int), steps=args.steps, warmup=args.warmup,
-                  batch_size=args.batch_size, repeats=args.repeats, out=args.json)
+    run_bench(models=[m for m in args.models.split(",") if m], B=_numbers(args.B, "--B", int), device=args.device,
+              modes=[m for m in args.modes.split(",") if m], batch=args.batch, steps=args.steps, rounds=args.rounds,
+              warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads)
     return 0
 
 
@@ -260,14 +261,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="fused array vs the same models trained one after another (ORT)")
-    b.add_argument("--models", default="4,16", help="array sizes B to measure, e.g. 4,16")
-    b.add_argument("--steps", type=int, default=50, help="timed steps per model")
-    b.add_argument("--warmup", type=int, default=5, help="untimed steps per model before timing")
-    b.add_argument("--batch-size", type=int, default=32)
-    b.add_argument("--repeats", type=int, default=5,
-                   help="rounds of fused / sequential runs back to back; medians of per-round ratios reported")
-    b.add_argument("--json", help="also write the results to this JSON file")
+    b = sub.add_parser("bench", help="the fused array vs every way to train the same models: PyTorch one after "
+                       "another, onnxruntime-training one after another, a torch.func ensemble, one model at batch B*N")
+    b.add_argument("--models", default="lenet,resnet18,transformer_lm", help="zoo models, comma-separated")
+    b.add_argument("--B", default="1,8,16", help="array sizes to measure, e.g. 1,8,16,32")
+    b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the ort modes run on the CPU only)")
+    from .training.bench import MODES
+    b.add_argument("--modes", default=",".join(MODES),
+                   help="torch, ort (the fused array on each runtime), seq-torch (PyTorch one after another: the "
+                   "baseline, always measured), seq-ort (onnxruntime-training one after another), vmap (torch.func "
+                   "ensemble), dense (one model at batch B*N: the ceiling)")
+    b.add_argument("--batch", type=int, default=32, help="samples per model per step")
+    b.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    b.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes; medians reported")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before the rounds")
+    b.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
+    b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    b.add_argument("-o", "--output", default="onnxfuse-bench",
+                   help="folder for bench.json, bench.csv, bench.md, bench.png")
     b.set_defaults(func=cmd_bench)
     from .placement._cli import add_place_parser
     add_place_parser(sub)

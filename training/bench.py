@@ -1,433 +1,428 @@
-"""Benchmark: B LeNets trained as one fused array vs. the same B models trained one after another.
+"""`onnxfuse bench`: the fused array against every way a user could train the same B models, in one process.
 
-What is measured, for each B (default 4 and 16), on scikit-learn's bundled digits upscaled to 28x28, batch 32,
-AdamW with one learning rate per model (geomspace 1e-4..1e-2, torch defaults otherwise):
+For each zoo model and B: B models with different weights (seeds 0..B-1); one ONNX export whose initializers are
+replaced by each model's state_dict (the exporter keeps state_dict names), fused; then rounds that alternate the
+modes (the order reversed every other round), each timing ``steps`` steps after ``warmup`` untimed ones:
 
-* ``fused``         one ``FusedTrainer`` over the fused array: one session call trains all B models per step.
-* ``seq-onnxfuse``  B ``FusedTrainer``s of B=1 arrays (the same per-model optimizer and BatchNorm machinery),
-                    trained one after another: isolates what fusing buys from what the machinery costs.
-* ``seq-ort``       what a user of onnxruntime-training does today: ``generate_artifacts`` (ORT's own loss and
-                    AdamW graphs, the AdamW block given torch's eps and weight decay), ``Module`` + ``Optimizer``
-                    (one learning rate per model via ``set_learning_rate``), models one after another.
+    torch      the fused array on the torch runtime: one step trains all B models (per-model AdamW learning rates)
+    ort        the fused array on the ort runtime (onnxruntime-training; CPU only)
+    seq-torch  B torch modules, each with its own torch.optim.AdamW, stepped one after another: the baseline
+    seq-ort    the same B models one after another in onnxruntime-training: B one-model arrays on the ort runtime
+    vmap       the B modules as one torch.func ensemble (stack_module_state + functional_call + vmap), one AdamW
+               over the stacked parameters (one learning rate; BatchNorm without running statistics, which vmap
+               cannot update in place: torch.func.replace_all_batch_norm_modules_)
+    dense      ONE model at batch B * N: the FLOPs of the array in one ordinary model, the ceiling fusion can approach
 
-Throughput is samples/s = models x batch x timed steps / wall time of the timed steps; export, fusing, artifact
-generation and session creation are reported separately as set-up time. Every configuration runs in its own
-subprocess (``python -m onnxfuse.training.bench --worker MODE ...``) so that its peak RSS (``ru_maxrss``) is its
-own; the sequential workers drop each model's session before building the next. The machine may be shared, so
-``repeats`` rounds alternate the three configurations and medians are reported; the ratios are what matter.
-ONNX Runtime's thread settings are left at their defaults (all cores) in every configuration.
+on the same device-resident random batch (N samples per model). Samples/s count all B models: B * N * steps / the
+median round time. A mode's ratio to seq-torch (and to dense) is the median of its per-round ratios: the runs of
+one round see the same machine. Peak memory is torch's allocator peak on CUDA (per mode, and over the row), else
+the process's peak RSS (one figure for the row: it only grows). Where a mode cannot run (ort and seq-ort off the
+CPU or without onnxruntime.training) it is left out with a note.
+
+``run_bench(..., out=DIR)`` writes DIR/bench.json, bench.csv (one row per model and B), bench.md (the table and
+the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model).
 """
 from __future__ import annotations
 
-import argparse
-import gc
+import copy
+import csv
+import inspect
 import json
 import os
-import platform
 import resource
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
+import textwrap
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from onnxfuse.errors import ConfigError
 
-__all__ = ["run_benchmark", "MODES", "digits_28", "learning_rates"]
+__all__ = ["run_bench", "MODES", "MODE_TITLES"]
 
-MODES = ("fused", "seq-onnxfuse", "seq-ort")
-MODE_TITLES = {"fused": "fused", "seq-onnxfuse": "seq onnxfuse", "seq-ort": "seq ORT"}
-IMAGE = 28
-RESULT_MARK = "ONNXFUSE_BENCH_RESULT "  # the worker's one result line on stdout starts with this
-
-
-# ----------------------------------------------------------------------------------------------------- data
-def digits_28(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 1797 bundled 8x8 digits as [n, 1, 28, 28] float32 in [0, 1] (each pixel repeated 3x3, then
-    zero-padded by 2) and int64 labels, shuffled once with ``seed``."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = np.kron(d.images / 16.0, np.ones((3, 3)))
-    x = np.pad(x, ((0, 0), (2, 2), (2, 2))).astype(np.float32)[:, None]
-    y = d.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(y))
-    return np.ascontiguousarray(x[order]), np.ascontiguousarray(y[order])
+MODE_TITLES = {"torch": "fused (torch runtime)", "ort": "fused (ort runtime)",
+               "seq-torch": "PyTorch one after another", "seq-ort": "onnxruntime-training one after another",
+               "vmap": "torch.func ensemble", "dense": "one model at batch B*N"}
+MODES = tuple(MODE_TITLES)
+BASELINE, CEILING = "seq-torch", "dense"
+_ORT_MODES = ("ort", "seq-ort")
 
 
-class _Batches:
-    """Batch ``i`` is the same contiguous slice (a view, no copy in the timed loop) for every configuration, so
-    every model sees the same data at every step, as in the fused array."""
+# ----------------------------------------------------------------------------------------------- the workloads
+def _modules(name: str, B: int) -> list:
+    import torch
 
-    def __init__(self, batch_size: int):
-        self.x, self.y = digits_28()
-        self.bs = batch_size
-        self.count = len(self.y) // batch_size
+    from onnxfuse.exporters.zoo import ZOO
 
-    def __call__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        s = (i % self.count) * self.bs
-        return self.x[s:s + self.bs], self.y[s:s + self.bs]
-
-
-def learning_rates(B: int) -> list[float]:
-    """Model b's AdamW learning rate: B values log-spaced over 1e-4..1e-2 (model 0 gets 1e-4 when B = 1)."""
-    return [float(v) for v in np.geomspace(1e-4, 1e-2, B)]
-
-
-# ---------------------------------------------------------------------------------------------------- memory
-def _rss_mib() -> float | None:
-    """Current resident set size (Linux /proc); None where unavailable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def _peak_rss_mib() -> float:
-    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
-
-
-# ---------------------------------------------------------------------------------------------------- worker
-def _train(step: Callable[[int], np.ndarray], warmup: int, steps: int) -> tuple[float, np.ndarray]:
-    """Warm-up steps (first-run allocations, kernel selection), then ``steps`` timed steps; returns (timed wall
-    seconds, the last step's loss)."""
-    for i in range(warmup):
-        step(i)
-    t0 = time.perf_counter()
-    loss = None
-    for i in range(warmup, warmup + steps):
-        loss = step(i)
-    return time.perf_counter() - t0, np.asarray(loss, dtype=np.float64).reshape(-1)
-
-
-def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_size: int) -> dict:
-    """Train B models in configuration ``mode``; every worker imports the same libraries and loads the same data
-    before ``rss_before_mib`` is read, so the baselines are comparable."""
-    import onnx
-    import onnxruntime
-    from onnxruntime.training import artifacts as ort_artifacts
-    from onnxruntime.training import onnxblock
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
-
-    from onnxfuse.passes import fuse_models
-    from onnxfuse.source import METADATA_KEY
-
-    from .optim import make_optimizer
-    from .trainer import FusedTrainer
-
-    onnxruntime.set_default_logger_severity(3)
-    threads = int(os.environ.get("ONNXFUSE_BENCH_THREADS", "0"))  # 0: ORT's default (all cores)
-    data = _Batches(batch_size)
-    paths = [os.path.join(jobs_dir, f"model_{b}.onnx") for b in range(B)]
-    lrs = learning_rates(B)
-    work = tempfile.mkdtemp(prefix=f"onnxfuse-bench-{mode}-")
-    gc.collect()
-    rss_before = _rss_mib()
-    setup_s = timed_s = 0.0
-    losses: list[float] = []
-
-    def fused_step(trainer: FusedTrainer) -> Callable[[int], np.ndarray]:
-        def step(i: int) -> np.ndarray:
-            x, y = data(i)
-            return trainer.step({"input": x, "labels": y})
-        return step
-
-    try:
-        if mode == "fused":
-            t0 = time.perf_counter()
-            fa = fuse_models(paths)
-            trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", B, lr=lrs),
-                                   workdir=os.path.join(work, "array"), threads=threads or None)
-            setup_s = time.perf_counter() - t0
-            timed_s, loss = _train(fused_step(trainer), warmup, steps)
-            losses = loss.tolist()
-        elif mode == "seq-onnxfuse":
-            for b in range(B):
-                t0 = time.perf_counter()
-                fa = fuse_models([paths[b]])
-                trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 1, lr=[lrs[b]]),
-                                       workdir=os.path.join(work, f"model_{b}"), threads=threads or None)
-                setup_s += time.perf_counter() - t0
-                dt, loss = _train(fused_step(trainer), warmup, steps)
-                timed_s += dt
-                losses.append(float(loss[0]))
-                # One after another: this model's session is gone before the next one is built.
-                del trainer, fa
-                gc.collect()
-        elif mode == "seq-ort":
-            for b in range(B):
-                t0 = time.perf_counter()
-                model = onnx.load(paths[b])
-                meta = json.loads(next(p.value for p in model.metadata_props if p.key == METADATA_KEY))
-                params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
-                if sorted(params) != sorted(meta["trainable"]):
-                    # LeNet has no buffers: every float initializer is a trainable parameter. If that ever
-                    # changes, ORT's artifacts would train buffers and the comparison would be wrong.
-                    raise RuntimeError(f"{paths[b]}: float initializers {params} != trainable {meta['trainable']}")
-                art = os.path.join(work, f"model_{b}")
-                os.makedirs(art)
-                # ORT's OptimType.AdamW block defaults to eps 1e-6 and weight decay 0; torch's (and the fused
-                # array's) are 1e-8 and 1e-2. Same hyper-parameters, so both do the same work and the final losses
-                # can be compared; the cost of ORT's AdamWOptimizer kernel does not depend on them.
-                adamw = onnxblock.optim.AdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-                ort_artifacts.generate_artifacts(
-                    model, requires_grad=params, frozen_params=[], loss=ort_artifacts.LossType.CrossEntropyLoss,
-                    optimizer=adamw, artifact_directory=art)
-                state = CheckpointState.load_checkpoint(os.path.join(art, "checkpoint"))
-                so = onnxruntime.SessionOptions()
-                so.log_severity_level = 3
-                so.add_session_config_entry("session.set_denormal_as_zero", "1")  # as FusedTrainer does
-                if threads:
-                    so.intra_op_num_threads = threads
-                module = Module(os.path.join(art, "training_model.onnx"), state,
-                                os.path.join(art, "eval_model.onnx"), session_options=so)
-                optimizer = Optimizer(os.path.join(art, "optimizer_model.onnx"), module)
-                optimizer.set_learning_rate(lrs[b])
-                module.train()
-                setup_s += time.perf_counter() - t0
-
-                def step(i: int, module=module, optimizer=optimizer) -> np.ndarray:
-                    x, y = data(i)
-                    loss = module(x, y)
-                    optimizer.step()
-                    module.lazy_reset_grad()
-                    return loss
-
-                dt, loss = _train(step, warmup, steps)
-                timed_s += dt
-                losses.append(float(loss[0]))
-                del module, optimizer, state, model, step
-                gc.collect()
-        else:
-            raise ConfigError(f"unknown worker mode '{mode}'; choose one of: {', '.join(MODES)}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return {
-        "mode": mode, "B": B, "steps": steps, "warmup": warmup, "batch_size": batch_size,
-        "samples_per_s": B * batch_size * steps / timed_s, "timed_s": timed_s, "setup_s": setup_s,
-        "rss_before_mib": rss_before, "peak_rss_mib": _peak_rss_mib(), "final_loss": losses,
-        "intra_op_threads": "default",
-    }
-
-
-@dataclass
-class _Run:
-    mode: str
-    B: int
-    result: dict
-    wall_s: float
-
-
-def _spawn(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_size: int) -> _Run:
-    """One worker subprocess; its stderr (ORT's native build logs, warnings) is shown only if it fails."""
-    cmd = [sys.executable, "-m", "onnxfuse.training.bench", "--worker", mode, "--models", str(B), "--jobs", jobs_dir,
-           "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARK)]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"benchmark worker '{mode}' B={B} failed (exit {proc.returncode}):\n{tail}")
-    return _Run(mode, B, json.loads(lines[-1][len(RESULT_MARK):]), wall)
-
-
-# ---------------------------------------------------------------------------------------------------- driver
-def _check(B_values: Sequence[int] | None, steps: int, warmup: int, batch_size: int, repeats: int) -> list[int]:
-    Bs = [4, 16] if B_values is None else list(B_values)
-    if not Bs:
-        raise ConfigError("--models needs at least one array size, e.g. 4,16")
-    for B in Bs:
-        if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
-            raise ConfigError(f"--models: array sizes must be integers >= 1, got {B!r}")
-    if steps < 1:
-        raise ConfigError(f"--steps must be at least 1, got {steps}")
-    if warmup < 0:
-        raise ConfigError(f"--warmup must be 0 or more, got {warmup}")
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1, got {repeats}")
-    n = 1797  # sklearn's digits
-    if not 1 <= batch_size <= n:
-        raise ConfigError(f"--batch-size must be between 1 and {n} (the digits data set), got {batch_size}")
-    return list(dict.fromkeys(int(B) for B in Bs))  # keep order, drop repeats
-
-
-def _command(Bs: list[int], steps: int, warmup: int, batch_size: int, repeats: int) -> str:
-    return (f"--models {','.join(map(str, Bs))} --steps {steps} --warmup {warmup} --batch-size {batch_size} "
-            f"--repeats {repeats}")
-
-
-def _median(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def _summarise(runs: list[_Run], B: int) -> dict:
-    out: dict = {"B": B, "configs": {}}
-    for mode in MODES:
-        rs = [r.result for r in runs if r.mode == mode and r.B == B]
-        sps = [r["samples_per_s"] for r in rs]
-        before, peak = _median([r["rss_before_mib"] for r in rs]), _median([r["peak_rss_mib"] for r in rs])
-        out["configs"][mode] = {
-            "samples_per_s_median": statistics.median(sps), "samples_per_s": sps,
-            "setup_s_median": statistics.median(r["setup_s"] for r in rs),
-            "timed_s": [r["timed_s"] for r in rs],
-            "peak_rss_mib_median": peak, "rss_before_mib_median": before,
-            "rss_increase_mib_median": None if before is None else peak - before,
-            "peak_rss_mib": [r["peak_rss_mib"] for r in rs],
-            "final_loss": rs[-1]["final_loss"],
-        }
-    c = out["configs"]
-    # Within a round the three workers run back to back, so a per-round ratio compares runs that saw the same
-    # machine speed; the headline ratio is the median of those paired ratios (robust to the slow drifts of a
-    # shared machine, which move whole rounds).
-    fr = c["fused"]["samples_per_s"]
-    out["fused_over_seq_ort_per_round"] = [a / b for a, b in zip(fr, c["seq-ort"]["samples_per_s"])]
-    out["fused_over_seq_onnxfuse_per_round"] = [a / b for a, b in zip(fr, c["seq-onnxfuse"]["samples_per_s"])]
-    out["fused_over_seq_ort"] = statistics.median(out["fused_over_seq_ort_per_round"])
-    out["fused_over_seq_onnxfuse"] = statistics.median(out["fused_over_seq_onnxfuse_per_round"])
-    # Same initial weights, learning rates and batches: the fused models should end where the sequential ones do
-    # (up to float summation order; seq-ort also uses ORT's AdamWOptimizer kernel, whose "transformers" mode
-    # puts eps and the weight decay slightly differently from torch.optim.AdamW).
-    fl = np.array(c["fused"]["final_loss"])
-    out["final_loss_max_abs_diff"] = {m: float(np.max(np.abs(fl - np.array(c[m]["final_loss"]))))
-                                      for m in ("seq-onnxfuse", "seq-ort")}
+    factory = ZOO[name].factory
+    kwargs = {"dropout": 0.0} if "dropout" in inspect.signature(factory).parameters else {}
+    out = []
+    for b in range(B):
+        torch.manual_seed(b)
+        out.append(factory(**kwargs))
     return out
 
 
-def _fmt(v: float | None, spec: str = ",.0f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
-def _print_table(summaries: list[dict]) -> None:
-    cols = ["B", "fused samples/s", "seq onnxfuse samples/s", "seq ORT samples/s", "fused/seq-ORT",
-            "fused/seq-onnxfuse", "peak RSS MiB (fused / seq onnxfuse / seq ORT)"]
-    rows = []
-    for s in summaries:
-        c = s["configs"]
-        rows.append([str(s["B"])] + [_fmt(c[m]["samples_per_s_median"]) for m in MODES]
-                    + [f"{s['fused_over_seq_ort']:.2f}x", f"{s['fused_over_seq_onnxfuse']:.2f}x",
-                       " / ".join(_fmt(c[m]["peak_rss_mib_median"]) for m in MODES)])
-    _table(cols, rows)
-    print()
-    cols = ["B", "config", "samples/s (each repeat)", "set-up s", "RSS before MiB", "peak RSS MiB",
-            "increase MiB", "final-step loss"]
-    rows = []
-    for s in summaries:
-        for m in MODES:
-            c = s["configs"][m]
-            loss = c["final_loss"]
-            loss_txt = ("/".join(f"{v:.3f}" for v in loss) if len(loss) <= 4 else
-                        f"min {min(loss):.3f} med {statistics.median(loss):.3f} max {max(loss):.3f}")
-            rows.append([str(s["B"]), MODE_TITLES[m], ", ".join(_fmt(v) for v in c["samples_per_s"]),
-                         f"{c['setup_s_median']:.1f}", _fmt(c["rss_before_mib_median"]),
-                         _fmt(c["peak_rss_mib_median"]), _fmt(c["rss_increase_mib_median"]), loss_txt])
-    _table(cols, rows)
-
-
-def _table(cols: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(cols)]
-    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    print(line(cols))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(line(r))
-
-
-def run_benchmark(B_values: Sequence[int] | None = None, steps: int = 50, warmup: int = 5, batch_size: int = 32,
-                  repeats: int = 5, out: str | os.PathLike | None = None) -> dict:
-    """Measure fused vs. sequential training throughput and peak memory for each B; print a table, write
-    ``out`` (JSON) if given and return every number."""
-    import onnxruntime
+def _batch(name: str, n: int, device):
+    """N random samples and labels of the zoo model's task (next-token labels, one per position, for an LM)."""
     import torch
 
-    from onnxfuse.exporters import export_array, zoo
+    from onnxfuse.exporters.zoo import ZOO
 
-    Bs = _check(B_values, steps, warmup, batch_size, repeats)
-    args = _command(Bs, steps, warmup, batch_size, repeats)
-    env = {"onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "python": platform.python_version(),
-           "cpu_count": os.cpu_count(), "platform": platform.platform(), "ort_threads": "default (all cores)"}
-    print(f"onnxfuse benchmark: LeNet (1x28x28, 10 classes) on sklearn digits, batch {batch_size}, AdamW "
-          f"lr geomspace(1e-4, 1e-2, B); {warmup} warm-up + {steps} timed steps per model; {repeats} rounds of "
-          f"fused / seq onnxfuse / seq ORT, medians reported")
-    print(f"onnxruntime {env['onnxruntime']}, torch {env['torch']}, python {env['python']}, "
-          f"os.cpu_count() = {env['cpu_count']}, ORT threads: default\n", flush=True)
-    t_start = time.perf_counter()
-    runs: list[_Run] = []
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as tmp:
-        # Export once, seeds 0..max(B)-1; the array of size B uses the first B (seeds 0..B-1).
+    e = ZOO[name]
+    shape = (n,) + tuple(e.input_shape[1:])
+    if e.input_dtype == "int64":
+        x, y = torch.randint(0, e.input_high, shape), torch.randint(0, e.num_classes, shape)
+    else:
+        x, y = torch.randn(shape), torch.randint(0, e.num_classes, (n,))
+    return x.to(device), y.to(device)
+
+
+def _protos(name: str, mods: list, n: int, folder: str) -> list:
+    """One export, one ONNX model per module carrying that module's weights."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from onnxfuse.exporters import export_module
+
+    path = os.path.join(folder, f"{name}.onnx")
+    export_module(copy.deepcopy(mods[0]), path, example_inputs=(_batch(name, n, torch.device("cpu"))[0],))
+    base = onnx.load(path)
+    protos = []
+    for m in mods:
+        state = {k: v.detach().cpu().numpy() for k, v in m.state_dict().items()}
+        p = copy.deepcopy(base)
+        for t in p.graph.initializer:
+            if t.name in state:
+                t.CopyFrom(numpy_helper.from_array(state[t.name].astype(numpy_helper.to_array(t).dtype), t.name))
+        protos.append(p)
+    return protos
+
+
+def _loss(task: str, out, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if task == "lm" else F.cross_entropy(out, y)
+
+
+# ---------------------------------------------------------------------------------------------------- the modes
+def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: str, feeds: dict,
+                workdir: str) -> Callable[[], None]:
+    from onnxfuse import fuse_models
+
+    from .optim import make_optimizer
+    from .runtime import make_trainer
+
+    fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))])
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
+                           device=device, workdir=workdir)
+    return lambda: trainer.step(feeds)
+
+
+def _seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir: str) -> Callable[[], None]:
+    """B one-model arrays on the ort runtime, stepped one after another."""
+    steps = [_fused_step([p], [lr], loss_name, "ort", "cpu", feeds, os.path.join(workdir, f"model_{b}"))
+             for b, (p, lr) in enumerate(zip(protos, lrs))]
+
+    def step() -> None:
+        for s in steps:
+            s()
+    return step
+
+
+def _seq_torch_step(mods: list, lrs: list[float], task: str, x, y) -> Callable[[], None]:
+    import torch
+
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(mods, lrs)]
+
+    def step() -> None:
+        for m, o in zip(mods, opts):
+            o.zero_grad(set_to_none=True)
+            _loss(task, m(x), y).backward()
+            o.step()
+    return step
+
+
+def _vmap_step(mods: list, task: str, x, y, lr: float) -> Callable[[], None]:
+    """One AdamW step of the B models as a torch.func ensemble (the loss summed over the models)."""
+    import torch
+    from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state
+
+    base = copy.deepcopy(mods[0])
+    replace_all_batch_norm_modules_(base)
+    params, buffers = stack_module_state([replace_all_batch_norm_modules_(copy.deepcopy(m)) for m in mods])
+    params = {k: torch.nn.Parameter(v) for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=lr)
+
+    def one(p, b, xx):
+        return functional_call(base, (p, b), (xx,))
+
+    ensemble = torch.vmap(one, in_dims=(0, 0, None), randomness="different")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = ensemble(params, buffers, x)  # [B, N, ...]
+        sum(_loss(task, out[b], y) for b in range(out.shape[0])).backward()
+        opt.step()
+    return step
+
+
+def _dense_step(mods: list, task: str, x, y, B: int, lr: float) -> Callable[[], None]:
+    """One AdamW step of ONE model at batch B * N."""
+    import torch
+
+    model = copy.deepcopy(mods[0])
+    xb, yb = x.repeat((B,) + (1,) * (x.dim() - 1)), y.repeat((B,) + (1,) * (y.dim() - 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(task, model(xb), yb).backward()
+        opt.step()
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+def _peak_mib(device) -> float:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, device, modes: list[str],
+             folder: str) -> dict:
+    import torch
+
+    from onnxfuse.exporters.zoo import ZOO
+
+    from .losses import get_loss
+
+    mods = _modules(name, B)
+    lrs = [float(v) for v in np.geomspace(1e-4, 1e-3, B)] if B > 1 else [1e-3]
+    task = ZOO[name].task
+    loss_name = get_loss("cross-entropy", class_axis=-1) if task == "lm" else "cross-entropy"
+    t0 = time.perf_counter()
+    protos = _protos(name, mods, n, folder)
+    export_s = time.perf_counter() - t0
+    x, y = _batch(name, n, device)
+    feeds = {"input": x, "labels": y}
+    host = {"input": x.cpu().numpy(), "labels": y.cpu().numpy()}  # the ort runtime takes numpy (CPU)
+    seq = [m.to(device).train() for m in mods]
+    make = {"torch": lambda: _fused_step(protos, lrs, loss_name, "torch", str(device), feeds, folder),
+            "ort": lambda: _fused_step(protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort")),
+            "seq-torch": lambda: _seq_torch_step(seq, lrs, task, x, y),
+            "seq-ort": lambda: _seq_ort_step(protos, lrs, loss_name, host, os.path.join(folder, "seq-ort")),
+            "vmap": lambda: _vmap_step(seq, task, x, y, lrs[0]),
+            "dense": lambda: _dense_step(seq, task, x, y, B, lrs[0])}
+    steppers, setup_s = {}, {}
+    for mode in modes:
         t0 = time.perf_counter()
-        jobs = os.path.join(tmp, "jobs")
-        export_array(zoo.LeNet, jobs, max(Bs), [batch_size, 1, IMAGE, IMAGE])
-        export_s = time.perf_counter() - t0
-        print(f"exported {max(Bs)} LeNets in {export_s:.1f}s", flush=True)
-        for B in Bs:
-            for r in range(repeats):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):  # no configuration always runs first
-                    run = _spawn(mode, B, jobs, steps, warmup, batch_size)
-                    runs.append(run)
-                    res = run.result
-                    print(f"  B={B:<3} round {r + 1}/{repeats}  {MODE_TITLES[mode]:<13} "
-                          f"{res['samples_per_s']:>8,.0f} samples/s  (set-up {res['setup_s']:.1f}s, "
-                          f"peak RSS {res['peak_rss_mib']:,.0f} MiB, worker {run.wall_s:.1f}s)", flush=True)
-    summaries = [_summarise(runs, B) for B in Bs]
-    total_s = time.perf_counter() - t_start
-    print()
-    _print_table(summaries)
-    print(f"\nratios are medians of the per-round ratios fused / sequential samples/s (> 1: the fused array is "
-          "faster); set-up (fusing, "
-          f"artifacts, sessions) is not timed; export of the LeNets took {export_s:.1f}s once")
-    for s in summaries:
-        print(f"B={s['B']}: per-round fused/seq-ORT " + ", ".join(f"{v:.2f}x" for v in s["fused_over_seq_ort_per_round"])
-              + "; fused/seq-onnxfuse " + ", ".join(f"{v:.2f}x" for v in s["fused_over_seq_onnxfuse_per_round"]))
-    for s in summaries:
-        d = s["final_loss_max_abs_diff"]
-        print(f"B={s['B']}: final-step losses vs. fused differ by at most {d['seq-onnxfuse']:.1e} (seq onnxfuse), "
-              f"{d['seq-ort']:.1e} (seq ORT) (same weights, lr and batches: seq onnxfuse differs by rounding only, "
-              "seq ORT also by ORT's transformers-style AdamW)")
-    print(f"total {total_s:.0f}s. reproduce with:\n  python benchmarks/fused_vs_sequential.py {args}\n"
-          f"  onnxfuse bench {args}")
-    result = {
-        "benchmark": "fused_vs_sequential", "model": "LeNet", "input_shape": [batch_size, 1, IMAGE, IMAGE],
-        "data": "sklearn digits, 8x8 upscaled to 28x28", "optimizer": "adamw",
-        "B_values": Bs, "steps": steps, "warmup": warmup, "batch_size": batch_size, "repeats": repeats,
-        "command": f"python benchmarks/fused_vs_sequential.py {args}", "env": env, "export_s": export_s,
-        "total_s": total_s, "results": summaries,
-        "runs": [{"mode": r.mode, "B": r.B, "worker_wall_s": r.wall_s, **r.result} for r in runs],
-    }
-    if out is not None:
-        with open(os.fspath(out), "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {os.fspath(out)}")
-    return result
+        steppers[mode] = make[mode]()
+        setup_s[mode] = time.perf_counter() - t0  # fusing, sessions, optimizers: not timed
+        for _ in range(warmup):
+            steppers[mode]()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, float] = {m: 0.0 for m in modes}
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):  # no mode always runs first
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            sync()
+            t = time.perf_counter()
+            for _ in range(steps):
+                steppers[mode]()
+            sync()
+            times[mode].append(time.perf_counter() - t)
+            if device.type == "cuda":
+                peaks[mode] = max(peaks[mode], _peak_mib(device))
+    samples = B * n * steps
+    result = {}
+    for mode in modes:
+        result[mode] = {
+            "samples_s": samples / statistics.median(times[mode]),
+            "over_seq_torch": statistics.median(b / t for t, b in zip(times[mode], times[BASELINE])),
+            "of_dense": (statistics.median(d / t for t, d in zip(times[mode], times[CEILING]))
+                         if CEILING in times else None),
+            "round_s": times[mode], "setup_s": setup_s[mode],
+            "peak_mib": peaks[mode] if device.type == "cuda" else None}
+    return {"model": name, "B": B, "batch": n, "device": str(device), "steps": steps, "warmup": warmup,
+            "rounds": rounds, "export_s": export_s, "peak_mib": max(peaks.values()) if device.type == "cuda"
+            else _peak_mib(device), "modes": result}
 
 
-def _worker_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m onnxfuse.training.bench",
-                                description="one benchmark configuration (run_benchmark starts these)")
-    p.add_argument("--worker", required=True, choices=MODES)
-    p.add_argument("--models", type=int, required=True)
-    p.add_argument("--jobs", required=True, help="folder with model_0.onnx .. model_{B-1}.onnx")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=32)
-    a = p.parse_args(argv)
-    _check([a.models], a.steps, a.warmup, a.batch_size, 1)
-    res = _worker(a.worker, a.models, a.jobs, a.steps, a.warmup, a.batch_size)
-    print(RESULT_MARK + json.dumps(res), flush=True)
-    return 0
+def _ort_unavailable(device) -> str | None:
+    if device.type != "cpu":
+        return f"the ort modes run on the CPU only (device {device})"
+    try:
+        import onnxruntime.training  # noqa: F401
+    except ImportError as e:
+        return f"onnxruntime.training does not import ({e}); pip install '.[cpu]' for the ort modes"
+    return None
 
 
-if __name__ == "__main__":
-    sys.exit(_worker_main())
+def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch: int, steps: int, rounds: int,
+           warmup: int) -> None:
+    from onnxfuse.exporters.zoo import ZOO
+
+    for name in models:
+        if name not in ZOO:
+            raise ConfigError(f"--models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}")
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"--modes: unknown mode '{mode}'; choose from: {', '.join(MODES)}")
+    if not Bs or any(isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1 for B in Bs):
+        raise ConfigError(f"--B: array sizes must be integers >= 1, e.g. 1,8,16; got {list(Bs)}")
+    for flag, v, least in (("--batch", batch, 1), ("--steps", steps, 1), ("--rounds", rounds, 1),
+                           ("--warmup", warmup, 0)):
+        if v < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {v}")
+
+
+def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequence[str], batch: int, steps: int,
+            rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0) -> str:
+    """The `onnxfuse bench` command line that reproduces a run."""
+    cmd = (f"onnxfuse bench --models {','.join(models)} --B {','.join(map(str, B))} --device {device} "
+           f"--modes {','.join(modes)} --batch {batch} --steps {steps} --rounds {rounds} --warmup {warmup}")
+    cmd += f" --budget-s {budget_s:g}" if budget_s else ""
+    cmd += f" --threads {threads}" if threads else ""
+    return f"{cmd} -o {out}"
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+def table(rows: list[dict], modes: list[str]) -> str:
+    """One line per model, B and mode: samples/s, the ratio to PyTorch one after another and to the dense ceiling,
+    peak memory (per mode on CUDA; the process's peak RSS so far on the CPU)."""
+    lines = ["| model | B | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) | peak MiB |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        for m in modes:
+            c = r["modes"][m]
+            dense = "–" if c["of_dense"] is None else f"{c['of_dense']:.2f}"
+            peak = r["peak_mib"] if c["peak_mib"] is None else c["peak_mib"]
+            lines.append(f"| {r['model']} | {r['B']} | {MODE_TITLES[m]} | {c['samples_s']:,.0f} | "
+                         f"{c['over_seq_torch']:.2f}× | {dense} | {peak:,.0f} |")
+    return "\n".join(lines)
+
+
+def _write_csv(path: str, rows: list[dict], modes: list[str]) -> None:
+    cols = ["model", "B", "batch", "device", "steps", "rounds", "peak_mib"]
+    per_mode = [f"{m} {k}" for m in modes for k in ("samples_s", "over_seq_torch", "of_dense")]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols + per_mode)
+        for r in rows:
+            w.writerow([r[c] for c in cols] + [r["modes"].get(m, {}).get(k) for m in modes
+                                               for k in ("samples_s", "over_seq_torch", "of_dense")])
+
+
+def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    models = list(dict.fromkeys(r["model"] for r in rows)) or ["(no measurement)"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["B"])
+        for mode in modes:
+            pts = [(r["B"], r["modes"][mode]["samples_s"]) for r in mine if mode in r["modes"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=MODE_TITLES[mode],
+                        linestyle="--" if mode in (BASELINE, CEILING) else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["B"] for r in mine}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_title(name)
+        ax.set_xlabel("B (models in the array)")
+        ax.set_ylabel("training samples/s (all B models)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(textwrap.fill(title, 60 * len(models)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B: Sequence[int] = (1, 8, 16),
+              device: str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10, rounds: int = 3,
+              warmup: int = 3, out: str | os.PathLike = "onnxfuse-bench", budget_s: float = 0, threads: int = 0,
+              progress: bool = True) -> list[dict]:
+    """Measure every mode for every model and B (see the module docstring); write bench.json, bench.csv, bench.md
+    and bench.png to ``out``; return one dict per (model, B) with each mode's samples/s and ratios under
+    ``row["modes"][mode]``. ``budget_s`` > 0: no new measurement starts after that many seconds."""
+    import torch
+
+    models, Bs = list(models), list(B)
+    modes = list(dict.fromkeys(modes))
+    _check(models, Bs, modes, batch, steps, rounds, warmup)
+    out = os.fspath(out)
+    cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads)
+    say = print if progress else (lambda *a, **k: None)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: torch sees no CUDA device; use --device cpu")
+    if threads:
+        torch.set_num_threads(threads)
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    notes = []
+    why = _ort_unavailable(dev) if set(modes) & set(_ORT_MODES) else None
+    if why:
+        notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
+        modes = [m for m in modes if m not in _ORT_MODES]
+    measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+           "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
+    say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
+        f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes {','.join(measured)}")
+    for note in notes:
+        say(note)
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as folder:
+        for name in models:
+            for b in Bs:
+                if budget_s and time.perf_counter() - t_start > budget_s:
+                    say(f"skipped {name} B={b}: over the {budget_s:g} s budget")
+                    notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
+                    continue
+                try:
+                    r = _measure(name, b, batch, steps, warmup, rounds, dev, measured, folder)
+                except torch.OutOfMemoryError as e:
+                    say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
+                    notes.append(f"{name} B={b}: out of memory")
+                    continue
+                finally:
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(dev)
+                rows.append(r)
+                cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
+                                  for m, c in r["modes"].items())
+                say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB", flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump({"command": cmd, "env": env, "modes": measured, "notes": notes, "rows": rows}, f, indent=1)
+    _write_csv(os.path.join(out, "bench.csv"), rows, measured)
+    text = table(rows, measured)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
+                "all B models (median round); ratios are medians of per-round ratios.\n\n"
+                + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + text + "\n")
+    _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
+    say(text)
+    say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
+    return rows
