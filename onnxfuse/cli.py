@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes; medians reported")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before the rounds")
     b.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
-    b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    b.add_argument("--threads", type=int, default=0, help="CPU threads of every mode, both runtimes (0: each "
+                   "one's default: 1 for the torch runtime, onnxruntime's own)")
     b.add_argument("-o", "--output", default="onnxfuse-bench",
                    help="folder for bench.json, bench.csv, bench.md, bench.png")
     b.set_defaults(func=cmd_bench)

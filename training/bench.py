@@ -110,7 +110,7 @@ def _loss(task: str, out, y):
 
 # ---------------------------------------------------------------------------------------------------- the modes
 def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: str, feeds: dict,
-                workdir: str) -> Callable[[], None]:
+                workdir: str, threads: int = 0) -> Callable[[], None]:
     from onnxfuse import fuse_models
 
     from .optim import make_optimizer
@@ -118,13 +118,14 @@ def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device:
 
     fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))])
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
-                           device=device, workdir=workdir)
+                           device=device, workdir=workdir, threads=threads or None)
     return lambda: trainer.step(feeds)
 
 
-def _seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir: str) -> Callable[[], None]:
+def _seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir: str,
+                  threads: int = 0) -> Callable[[], None]:
     """B one-model arrays on the ort runtime, stepped one after another."""
-    steps = [_fused_step([p], [lr], loss_name, "ort", "cpu", feeds, os.path.join(workdir, f"model_{b}"))
+    steps = [_fused_step([p], [lr], loss_name, "ort", "cpu", feeds, os.path.join(workdir, f"model_{b}"), threads)
              for b, (p, lr) in enumerate(zip(protos, lrs))]
 
     def step() -> None:
@@ -195,7 +196,7 @@ def _peak_mib(device) -> float:
 
 
 def _measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, device, modes: list[str],
-             folder: str) -> dict:
+             folder: str, threads: int = 0) -> dict:
     import torch
 
     from onnxfuse.exporters.zoo import ZOO
@@ -213,10 +214,11 @@ def _measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, de
     feeds = {"input": x, "labels": y}
     host = {"input": x.cpu().numpy(), "labels": y.cpu().numpy()}  # the ort runtime takes numpy (CPU)
     seq = [m.to(device).train() for m in mods]
-    make = {"torch": lambda: _fused_step(protos, lrs, loss_name, "torch", str(device), feeds, folder),
-            "ort": lambda: _fused_step(protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort")),
+    make = {"torch": lambda: _fused_step(protos, lrs, loss_name, "torch", str(device), feeds, folder, threads),
+            "ort": lambda: _fused_step(protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
+                                       threads),
             "seq-torch": lambda: _seq_torch_step(seq, lrs, task, x, y),
-            "seq-ort": lambda: _seq_ort_step(protos, lrs, loss_name, host, os.path.join(folder, "seq-ort")),
+            "seq-ort": lambda: _seq_ort_step(protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"), threads),
             "vmap": lambda: _vmap_step(seq, task, x, y, lrs[0]),
             "dense": lambda: _dense_step(seq, task, x, y, B, lrs[0])}
     steppers, setup_s = {}, {}
@@ -400,7 +402,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                     notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
                     continue
                 try:
-                    r = _measure(name, b, batch, steps, warmup, rounds, dev, measured, folder)
+                    r = _measure(name, b, batch, steps, warmup, rounds, dev, measured, folder, threads)
                 except torch.OutOfMemoryError as e:
                     say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
                     notes.append(f"{name} B={b}: out of memory")
