@@ -1,6 +1,7 @@
 """Shared helpers: build real torch models, export them, run ONNX with onnxruntime, compare numbers."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -117,3 +118,11 @@ def check_fused(build, B, feeds, rng=None, tol=1e-5):
     return fa
 
 
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` by relative path -> its sha256: equal snapshots, nothing written or changed."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(root, f)
+            out[os.path.relpath(p, folder)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out

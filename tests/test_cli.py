@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
+from conftest import snapshot
 from onnxfuse.cli import main
 
 
@@ -21,15 +21,6 @@ def run_cli(args, capsys):
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def snapshot(folder) -> dict:
-    out = {}
-    for root, _, files in os.walk(folder):
-        for f in files:
-            p = os.path.join(root, f)
-            out[os.path.relpath(p, folder)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ input, (6) non-finite data is an error, (7) failures the user can fix are one er
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 import resource
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import export_all, make_modules
+from conftest import export_all, make_modules, snapshot
 from onnxfuse import fuse_models, save_array
 from onnxfuse.cli import main
 
@@ -41,15 +40,6 @@ def one_error_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("onnxfuse: error: "), err
     return lines[0]
-
-
-def snapshot(folder) -> dict:
-    out = {}
-    for root, _, files in os.walk(folder):
-        for f in files:
-            p = os.path.join(root, f)
-            out[os.path.relpath(p, folder)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-    return out
 
 
 def read_json(path) -> dict:
