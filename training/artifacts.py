@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -61,7 +62,8 @@ class TrainingArtifacts:
     legalized: list[str]  # the trainability rewrites applied, one line each
 
 
-def _opset(model: onnx.ModelProto) -> int:
+def opset_of(model: onnx.ModelProto) -> int:
+    """The model's default-domain opset."""
     return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
@@ -86,7 +88,7 @@ def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec
         raise ConfigError(f"the model has {len(spec.outputs)} outputs; training needs exactly one "
                                     "(the logits or prediction the loss reads)")
     out = spec.outputs[0]
-    gb = GraphBuilder(model.graph, _opset(model), "loss/")
+    gb = GraphBuilder(model.graph, opset_of(model), "loss/")
     _, _, labels = add_loss(gb, loss, out["name"], out["shape"], spec.B)
     gb.flush()
     if labels is not None:  # the 'model' loss takes none
@@ -104,7 +106,7 @@ def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
     (ONNX's momentum attribute is 1 - m). n = elements per channel = Size(x) / channels.
     """
     g = model.graph
-    gb = GraphBuilder(g, _opset(model), "bn/")
+    gb = GraphBuilder(g, opset_of(model), "bn/")
     inits = {t.name: t for t in g.initializer}
     writes: list[tuple[str, str]] = []
     for node in list(g.node):
@@ -232,7 +234,7 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     keep = [n for n in g.node if not (n.op_type == "InPlaceAccumulatorV2" and n.output[0].endswith(".accumulation.out"))]
     del g.node[:]
     g.node.extend(keep)
-    gb = GraphBuilder(g, _opset(tm), "update/")
+    gb = GraphBuilder(g, opset_of(tm), "update/")
     true = gb.const([True], np.bool_, "overwrite")
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
     # a non-finite new running statistic rejects the model's step like a non-finite parameter would
@@ -254,17 +256,15 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
         tm.opset_import.append(helper.make_opsetid("com.microsoft", 1))
 
 
-def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: list[str],
-               unused: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
-    """Inference-mode fused graph + loss: outputs per_model_loss and the fused model outputs.
-
-    The training Module feeds every checkpoint parameter to the eval graph too, in the training graph's order,
-    so ``params`` must follow that order and ``unused`` (optimizer state) are declared as inputs as well."""
+def inference_loss_pass(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec) -> onnx.ModelProto:
+    """The inference-mode fused graph (BatchNorm on running statistics, Dropout off) + the per-model loss: outputs
+    ``[per_model_loss [B], the fused model outputs...]``, inputs the graph's own plus ``labels`` (unless the loss
+    takes none). Both runtimes evaluate with it."""
     from onnxfuse.split import to_inference
 
     m = to_inference(copy.deepcopy(fused))
     model_outputs = [o.name for o in m.graph.output]
-    gb = GraphBuilder(m.graph, _opset(m), "loss/")
+    gb = GraphBuilder(m.graph, opset_of(m), "loss/")
     _, per_model, labels = add_loss(gb, loss, spec.outputs[0]["name"], spec.outputs[0]["shape"], spec.B)
     gb.flush()
     if labels is not None:
@@ -272,17 +272,32 @@ def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: 
     outs = {o.name: o for o in m.graph.output}
     del m.graph.output[:]
     m.graph.output.extend([_value_info(per_model, onnx.TensorProto.FLOAT, [spec.B])] + [outs[n] for n in model_outputs])
-    by_name = {t.name: t for t in m.graph.initializer}
-    unused_by_name = {vi.name: vi for vi in unused}
-    for name in params:
+    return m
+
+
+def weights_as_inputs_pass(model: onnx.ModelProto, names: Sequence[str],
+                           absent: Sequence[onnx.ValueInfoProto] = ()) -> onnx.ModelProto:
+    """``model`` with graph inputs appended for ``names``, in that order: an initializer of that name moves to the
+    inputs (the runtime feeds it); a name the graph has no initializer for is declared from ``absent``."""
+    by_name = {t.name: t for t in model.graph.initializer}
+    absent_by_name = {vi.name: vi for vi in absent}
+    for name in names:
         if name in by_name:
             t = by_name.pop(name)
-            m.graph.input.append(_value_info(name, t.data_type, list(t.dims)))
+            model.graph.input.append(_value_info(name, t.data_type, list(t.dims)))
         else:
-            m.graph.input.append(unused_by_name[name])
-    del m.graph.initializer[:]
-    m.graph.initializer.extend(by_name.values())
-    return m
+            model.graph.input.append(absent_by_name[name])
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(by_name.values())
+    return model
+
+
+def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: list[str],
+               unused: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+    """Inference-mode fused graph + loss for the training Module, which feeds every checkpoint parameter to the
+    eval graph too, in the training graph's order: so ``params`` must follow that order and ``unused`` (optimizer
+    state) are declared as inputs as well."""
+    return weights_as_inputs_pass(inference_loss_pass(fused, spec, loss), params, unused)
 
 
 def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt: OptimizerConfig,

@@ -25,13 +25,12 @@ import onnx
 from onnx import helper
 
 from onnxfuse.errors import ConfigError
-from onnxfuse.split import to_inference
 from onnxfuse.weights import ArraySpec
 
 from ._builder import GraphBuilder
-from .artifacts import HYPER_INPUT, add_loss_pass
+from .artifacts import HYPER_INPUT, add_loss_pass, inference_loss_pass, opset_of, weights_as_inputs_pass
 from .data import Dataset
-from .losses import LABELS, LossSpec, add_loss, get_loss
+from .losses import LABELS, LossSpec, get_loss
 from .optim import STATE_PREFIX, OptimizerConfig, StepValues
 from .runtime import check_feeds, evaluate, parameter_names
 
@@ -40,29 +39,13 @@ __all__ = ["TorchTrainer", "update_graph"]
 _FLOAT = onnx.TensorProto.FLOAT
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-
-
-def _weights_as_inputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """``model`` with the initializers ``names`` turned into graph inputs (the trainer holds them)."""
-    keep, moved = [], {}
-    for t in model.graph.initializer:
-        (moved.__setitem__(t.name, t) if t.name in set(names) else keep.append(t))
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(keep)
-    model.graph.input.extend(helper.make_tensor_value_info(n, moved[n].data_type, list(moved[n].dims))
-                             for n in names if n in moved)
-    return model
-
-
 def _batchnorm_outputs(model: onnx.ModelProto, buffers: set[str]) -> tuple[list[str], list[str]]:
     """The running statistics of every training-mode BatchNorm, and the names of the outputs (1 and 2) that hold
     their new values, named where the graph left them unnamed."""
     from onnxfuse._graph import Names
 
     names = Names.of(model.graph)
-    opset = _opset(model)
+    opset = opset_of(model)
     stats, outputs = [], []
     for node in model.graph.node:
         if node.op_type != "BatchNormalization":
@@ -174,22 +157,15 @@ class TorchTrainer:
         self.stats, stat_outputs = _batchnorm_outputs(train, set(self.buffers))
         train, _ = add_loss_pass(train, spec, self.loss)
         options = TorchOptions(update_stats=False)
-        self._train = OnnxModule(_weights_as_inputs(train, held), trainable=[], buffers=[],
+        self._train = OnnxModule(weights_as_inputs_pass(train, held), trainable=[], buffers=[],
                                  outputs=["loss", "per_model_loss"] + stat_outputs, options=options)
-        # eval graph: inference mode + loss
-        ev = to_inference(copy.deepcopy(fused))
-        model_out = spec.outputs[0]["name"]
-        gb = GraphBuilder(ev.graph, _opset(ev), "loss/")
-        _, per_model, labels = add_loss(gb, self.loss, model_out, spec.outputs[0]["shape"], spec.B)
-        gb.flush()
-        if labels is not None:
-            ev.graph.input.append(labels)
-        self._eval = OnnxModule(_weights_as_inputs(ev, held), trainable=[], buffers=[],
-                                outputs=[per_model, model_out]).eval()
+        # eval graph: inference mode + loss (outputs per_model_loss, the model's output)
+        self._eval = OnnxModule(weights_as_inputs_pass(inference_loss_pass(fused, spec, self.loss), held),
+                                trainable=[], buffers=[]).eval()
         # update graph
         shapes = {n: list(weights[n].dims) for n in held}
         upd, self._writes = update_graph(optimizer, [(p, shapes[p]) for p in self.trainable],
-                                         [(s, shapes[s]) for s in self.stats], _opset(fused))
+                                         [(s, shapes[s]) for s in self.stats], opset_of(fused))
         self._update = OnnxModule(upd, trainable=[], buffers=[])
         for m in (self._train, self._eval, self._update):
             m.to(self.torch_device)
@@ -205,7 +181,6 @@ class TorchTrainer:
             self.tensors[STATE_PREFIX + s] = torch.zeros(spec.B, P, device=self.torch_device)
         self.optimizer_state_names = [STATE_PREFIX + s for s in optimizer.state_names()]
         self.inputs = [i["name"] for i in spec.inputs] + ([LABELS] if self.loss.has_labels else [])
-        self._label_dtype = self.loss.kind.label_dtype if self.loss.has_labels else None
 
     unavailable = staticmethod(_device_available)
 
