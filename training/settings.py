@@ -36,7 +36,7 @@ from onnxfuse.errors import ConfigError
 
 from .datasets import NAMED_DATASETS, is_named
 from .losses import LOSSES
-from .runtime import RUNTIME_CHOICES
+from .runtime import RUNTIME_CHOICES, RUNTIMES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
            "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
@@ -379,9 +379,9 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("halving_keep", real(gt=0.0, lt=1.0), 0.5, "fraction kept at each halving"), "halving_keep"),
     Setting(Param("device", text(_is_device, "cpu, cuda or cuda:N"), "cpu", "cpu or cuda[:id]"), "device",
             resumable=True),
-    Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: torch (PyTorch "
-                  "autograd, any device), ort (onnxruntime-training 1.19), auto (torch where it can run, else ort)"),
-            "runtime"),
+    Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: " + ", ".join(
+        f"{r.name} ({r.help})" for r in RUNTIMES.values()) + ", auto (the first of these that can run on the device)"),
+        "runtime"),
     Setting(Param("threads", _NONNEG, 0, "CPU threads of the runtime (0: 1 for torch, whose OpenMP threads slow "
                   "down many-fold when another process holds a core; onnxruntime's default for ort); not resumable: the "
                   "thread count can change how reductions round"), "threads"),
