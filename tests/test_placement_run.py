@@ -158,6 +158,10 @@ def _held_out_errors(g, feeds) -> tuple[float, float, float]:
             error(lambda c: simulate(g, anchored, c.placement).step_time))
 
 
+# A comparison of measured step times, so a shared machine's swings can flip it: it failed 2 of ~8 default-suite
+# runs on 2026-12-01 and passed on rerun each time. Speed-dependent checks stay out of `make test` (`make test-all`
+# runs it; benchmarks/placement_calibration.py measures the same thing on more graphs).
+@pytest.mark.slow
 def test_calibration_predicts_held_out_placements_better(tmp_path):
     """What calibration is for: the simulator with this machine's fitted overheads predicts the measured step of
     placements it was not fitted on better than with default devices (no session-call, per-op or hand-off costs),
