@@ -35,13 +35,14 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
 
-# a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3, trained on RUNTIME
-# (ort, torch or both) and compared with torch
-N       ?= 500
-SEED    ?= 1000
-RUNTIME ?= both
+# a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3 (nodes in the form
+# STRATEGY: default, grouped or per-model), trained on RUNTIME (ort, torch or both) and compared with torch
+N        ?= 500
+SEED     ?= 1000
+RUNTIME  ?= both
+STRATEGY ?= default
 fuzz: $(STAMP)
-	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --runtime $(RUNTIME) --out fuzz-out
+	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --runtime $(RUNTIME) --strategy $(STRATEGY) --out fuzz-out
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/fused_vs_sequential.py

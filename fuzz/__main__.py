@@ -32,6 +32,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-shrink", action="store_true", help="report failures as generated")
     ap.add_argument("--runtime", choices=RUNTIMES + ("both",), default="both",
                     help="what trains the fused array: ort, torch, or both (each model checked on each)")
+    from onnxfuse.passes import FORMS
+
+    ap.add_argument("--strategy", choices=("default",) + FORMS, default="default",
+                    help="the fused form of nodes that offer several (every form must be exact)")
     args = ap.parse_args(argv)
     runtimes = RUNTIMES if args.runtime == "both" else (args.runtime,)
 
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
         spec = generate(seed)
         kinds_seen.update(render(spec).kinds)
         for rt in runtimes:
-            out = worker.check(spec, runtime=rt)
+            out = worker.check(spec, runtime=rt, strategy=args.strategy)
             counts[rt][out.status] += 1
             if out.status in ("pass", "sensitive", "runtime") and rt == runtimes[0]:
                 fractions.append(out.fused_fraction)
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
                         refused=sum(c["refused"] for c in counts.values()))
     bar.close()
 
-    report = {"seeds": [args.seed, args.seed + args.n - 1], "runtimes": list(runtimes),
+    report = {"seeds": [args.seed, args.seed + args.n - 1], "runtimes": list(runtimes), "strategy": args.strategy,
               "counts": {rt: dict(c) for rt, c in counts.items()}, "seconds": round(time.time() - t0),
               "layer_kinds": dict(kinds_seen), "causes": []}
     print()
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
     for k, ((rt, cause), items) in enumerate(sorted(causes.items(), key=lambda kv: -len(kv[1]))):
         seed, spec, out = items[0]
         if out.status == "fail" and not args.no_shrink:
-            spec, out = shrink(spec, out, lambda s, Bs, rt=rt: worker.check(s, Bs, runtime=rt))
+            spec, out = shrink(spec, out, lambda s, Bs, rt=rt: worker.check(s, Bs, runtime=rt, strategy=args.strategy))
         src = render(spec).source
         name = os.path.join(args.out, f"cause_{k}.py")
         with open(name, "w") as f:

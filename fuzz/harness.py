@@ -164,14 +164,15 @@ def _torch_optimizer(kind, params, lr):
 
 
 def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None,
-                runtime: str = "ort") -> Outcome:
-    """Check generated model ``spec`` at each B in ``Bs`` on ``runtime``; the first outcome that is not a pass,
-    else a pass."""
-    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime)
+                runtime: str = "ort", strategy: str = "default") -> Outcome:
+    """Check generated model ``spec`` at each B in ``Bs`` on ``runtime``, fused with ``strategy`` (``default`` or a
+    form, ``onnxfuse.passes.FORMS``); the first outcome that is not a pass, else a pass."""
+    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime, strategy)
 
 
 def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=(1, 2, 3),
-                 optimizers=("sgd", "adamw"), workdir: str | None = None, runtime: str = "ort") -> Outcome:
+                 optimizers=("sgd", "adamw"), workdir: str | None = None, runtime: str = "ort",
+                 strategy: str = "default") -> Outcome:
     """Check the model whose source ``r.source`` defines ``FuzzNet`` (any module, written by hand or rendered)."""
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
@@ -183,7 +184,7 @@ def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=
             return Outcome("invalid", "export", str(e))
         last = Outcome("pass")
         for B in Bs:
-            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime)
+            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime, strategy)
             out.B = B
             if out.status in ("fail", "refused"):
                 return out
@@ -230,7 +231,8 @@ def _fail_from(stage: str, e: Exception) -> Outcome:
                    details={"traceback": traceback.format_exc(limit=-6)})
 
 
-def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, runtime: str) -> Outcome:
+def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, runtime: str,
+             strategy: str = "default") -> Outcome:
     from onnxfuse import fuse_models
 
     os.makedirs(folder, exist_ok=True)
@@ -238,7 +240,7 @@ def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, run
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fa = fuse_models(paths[:B], per_model_inputs=per_model)
+            fa = fuse_models(paths[:B], per_model_inputs=per_model, strategy=strategy)
     except Exception as e:
         return _fail_from("fuse", e)
     frac = fa.spec.summary.get("fused_fraction", 1.0)

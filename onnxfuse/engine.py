@@ -8,14 +8,14 @@ access to their fused inputs) and either emits fused nodes and sets the layout o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ._graph import Names
-from .errors import NotFusibleError, UnsupportedOpError
+from .errors import ConfigError, NotFusibleError, UnsupportedOpError
 from .identity import AlignedModels
 from .layout import SHARED, Layout, stacked
 from .source import SourceModel
@@ -24,7 +24,10 @@ from .weights import FusedWeight, WeightSlot, pack_weights, relayout
 if TYPE_CHECKING:
     from .rules import Rule
 
-__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "fuse_aligned", "check_layouts", "op_names"]
+__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "Strategy", "fuse_aligned", "check_layouts", "op_names"]
+
+# A fusion strategy: given the B aligned nodes and the forms their rule offers (default first), the form to emit.
+Strategy = Callable[["NodeGroup", tuple], str]
 
 
 class RuleFailed(Exception):
@@ -235,6 +238,8 @@ class NodeGroup:
         self.B = st.B
         self.opset = st.opset
         self._outputs_set: set[int] = set()
+        # the fused form the strategy chose for a rule that offers several (``Rule.forms``); None otherwise
+        self.form: str | None = None
 
     # ---- reading
     @property
@@ -304,6 +309,10 @@ class NodeGroup:
 
     def weight_sources(self, i: int) -> list[str]:
         return [n.input[i] for n in self.nodes]
+
+    def weight_arrays(self, i: int) -> list[np.ndarray]:
+        """Input i's B per-model initializers, model b's at b (for a strategy that measures the node alone)."""
+        return [m.array(s) for m, s in zip(self._st.models, self.weight_sources(i))]
 
     def sole_use_of_weight(self, i: int) -> bool:
         """Input i is a weight that no other node reads and that is not packed yet: the rule may choose its slot
@@ -425,18 +434,22 @@ def op_names(rules: Mapping[tuple[str, str], object]) -> list[str]:
 
 
 def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"], strict: bool = False,
-                 per_model_inputs: set[str] = frozenset()) -> FusionResult:
+                 per_model_inputs: set[str] = frozenset(), strategy: Strategy | None = None) -> FusionResult:
     """Run every node group through its rule in ``rules`` ((domain, op type) -> rule: the catalogue
     ``onnxfuse.rules.RULES``, or a test's own table); return the fused model (graph outputs in stacked(0)).
 
     A node whose op has no rule, or whose rule cannot fuse it, runs once per model (``NodeGroup.per_model``) unless
     ``strict``, which raises instead. The summary lists those nodes and the fused fraction. The engine knows no op:
     it only looks rules up in the table it is given.
+
+    Where a rule offers several fused forms (``Rule.forms``), ``strategy`` picks one per node (default: each rule's
+    first); the summary's ``forms`` lists every choice by node name (its first output's where it has none).
     """
     st = FusionState(aligned, per_model_inputs)
     label = aligned.models[0].label
     counts = {"fused": 0, "shared": 0, "per_model": 0}
     unfused: list[dict] = []
+    forms: dict[str, str] = {}
     for nodes in aligned.aligned:
         g = NodeGroup(st, nodes)
         node = g.node
@@ -448,6 +461,12 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
             continue
         reason = f"op type '{node.op_type}' has no fusion rule"
         if rule is not None:
+            if rule.forms:
+                g.form = rule.forms[0] if strategy is None else strategy(g, rule.forms)
+                if g.form not in rule.forms:
+                    raise ConfigError(f"the fusion strategy chose form '{g.form}' for node '{g.name}' "
+                                      f"({node.op_type}), whose rule offers: {', '.join(rule.forms)}")
+                forms[node.name or node.output[0]] = g.form
             mark = st.checkpoint()
             try:
                 rule.fuse(g)
@@ -456,6 +475,7 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
             except RuleFailed as e:
                 st.rollback(mark)  # forget whatever the rule emitted or packed before it gave up
                 g = NodeGroup(st, nodes)
+                forms.pop(node.name or node.output[0], None)
                 reason = str(e)
         if reason is not None:
             if strict:
@@ -480,7 +500,8 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
     return FusionResult(model=model, weights=st.weights,
                         summary={"B": st.B, "nodes": len(aligned.aligned), **counts, "unfused": unfused,
                                  "fused_fraction": counts["fused"] / per_model_work if per_model_work else 1.0,
-                                 "layout_changes": st.layout_changes, "fused_nodes": len(st.nodes)})
+                                 "layout_changes": st.layout_changes, "fused_nodes": len(st.nodes),
+                                 "forms": forms})
 
 
 def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:

@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from ._graph import cleanup_pass, toposort_pass
 from .array import ArrayDir
-from .engine import fuse_aligned
+from .engine import Strategy, fuse_aligned
 from .errors import ConfigError, NotFusibleError
 from .identity import check_identical
 from .rules import RULES
@@ -23,7 +23,17 @@ from .source import SourceModel, load_source, resolve_static_pass
 from .weights import ArraySpec
 
 __all__ = ["FusedArray", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
-           "check_pass"]
+           "check_pass", "FORMS", "fixed_strategy"]
+
+# Every fused form some rule offers (``Rule.forms``), e.g. "grouped", "per-model": the names a fixed strategy takes.
+FORMS: tuple[str, ...] = tuple(dict.fromkeys(f for r in RULES.values() for f in r.forms))
+
+
+def fixed_strategy(form: str) -> Strategy:
+    """The strategy that emits ``form`` wherever a rule offers it, and each rule's default elsewhere."""
+    if form not in FORMS:
+        raise ConfigError(f"--strategy: unknown form '{form}'; the rules offer: {', '.join(FORMS)}")
+    return lambda g, forms: form if form in forms else forms[0]
 
 
 @dataclass
@@ -47,13 +57,19 @@ def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None,
-                strict: bool = False, per_model_inputs: Sequence[str] = ()) -> FusedArray:
+                strict: bool = False, per_model_inputs: Sequence[str] = (),
+                strategy: str | Strategy | None = None) -> FusedArray:
     """Fuse B models that are the same graph up to weights into one horizontally fused model.
 
     ``per_model_inputs`` names graph inputs that differ per model: the fused graph takes them as [B, ...].
     A node without a fusion rule runs once per model (with a warning) unless ``strict``, which raises
-    ``UnsupportedOpError`` instead.
+    ``UnsupportedOpError`` instead. ``strategy`` picks the form of nodes whose rule offers several (every form is
+    the same maths and the same weight layout): None or "default" (each rule's first: grouped convolutions), a form
+    name (:data:`FORMS`, that form wherever offered), or a callable (:data:`onnxfuse.engine.Strategy`;
+    ``onnxfuse.training.forms.measured_strategy`` measures each node's forms on a runtime and device).
     """
+    if isinstance(strategy, str):
+        strategy = None if strategy == "default" else fixed_strategy(strategy)
     if labels is None:
         labels = _labels(models)
     sources = [load_source(m, labels[k]) for k, m in enumerate(models)]
@@ -63,7 +79,7 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         raise ConfigError(f"--per-model-inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
                           f"(its inputs: {', '.join(sorted(names))})")
     aligned = check_identical(sources)
-    result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs))
+    result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs), strategy=strategy)
     if result.summary["unfused"]:
         listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
         more = len(result.summary["unfused"]) - 10

@@ -105,12 +105,13 @@ def rand_init(rng, name, shape):
     return nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
 
 
-def check_fused(build, B, feeds, rng=None, tol=1e-5):
-    """B models from ``build(rng_b)`` with different weights: the fused graph equals each model."""
+def check_fused(build, B, feeds, rng=None, tol=1e-5, strategy=None):
+    """B models from ``build(rng_b)`` with different weights: the fused graph (nodes in the forms ``strategy``
+    picks) equals each model."""
     from onnxfuse import fuse_models
 
     models = [build(np.random.default_rng(100 + b)) for b in range(B)]
-    fa = fuse_models(models)
+    fa = fuse_models(models, strategy=strategy)
     fused = run_onnx(fa.model, feeds)
     for b, m in enumerate(models):
         for out, ref in zip(fused, run_onnx(m, feeds)):

@@ -368,8 +368,8 @@ class FuzzNet(nn.Module):
 SENSITIVE = {("torch", "layernorm_of_two_near_equal_values"), ("ort", "bias_before_batchnorm_adamw")}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_regression_trains_like_torch(name, runtime):
+def rendered(name: str) -> Rendered:
+    """Regression case ``name`` as the fuzz harness checks it."""
     source, in_shape, loss = CASES[name]
     source = HEADER + source.lstrip("\n")
     tokens = loss == "lm"  # token ids in [0, 20), logits [N, T, 20], cross-entropy over the last axis
@@ -377,10 +377,13 @@ def test_regression_trains_like_torch(name, runtime):
         x = torch.randint(0, 20, (2, *in_shape)) if tokens else torch.randn(2, *in_shape)
         out_shape = tuple(module_class(source)()(x).shape[1:])
     if tokens:
-        r = Rendered(source, in_shape, "tokens", out_shape, "cross-entropy", -1, out_shape[-1], vocab=20)
-    else:
-        r = Rendered(source, in_shape, "float", out_shape, loss, 1, out_shape[0] if loss == "cross-entropy" else 0)
-    out = check_source(r, seed=3, runtime=runtime)
+        return Rendered(source, in_shape, "tokens", out_shape, "cross-entropy", -1, out_shape[-1], vocab=20)
+    return Rendered(source, in_shape, "float", out_shape, loss, 1, out_shape[0] if loss == "cross-entropy" else 0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_regression_trains_like_torch(name, runtime):
+    out = check_source(rendered(name), seed=3, runtime=runtime)
     # runtime (ort only): ONNX Runtime alone differs from torch, and the fused array equals ONNX Runtime alone
     allowed = ("pass", "runtime") + (("sensitive",) if (runtime, name) in SENSITIVE else ())
     assert out.status in allowed, (out.status, out.B, out.stage, out.message)

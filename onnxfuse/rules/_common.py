@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ..engine import NodeGroup
 
 __all__ = ["broadcast_layout", "broadcast_input", "broadcast_inputs", "norm_axis", "unsqueeze", "const_list", "axes_arg",
-           "emit_with_axes", "model_axis_stacked", "insert_model_entry"]
+           "emit_with_axes", "model_axis_stacked", "insert_model_entry", "split_models"]
 
 
 def norm_axis(axis: int, rank: int) -> int:
@@ -152,3 +152,17 @@ def insert_model_entry(g: "NodeGroup", i: int, position: int, fill: int, pad_to:
     lo = g.emit("Slice", [t, g.new_const([0], "start"), g.new_const([position], "end")])[0]
     hi = g.emit("Slice", [t, g.new_const([position], "start"), g.new_const([np.iinfo(np.int64).max], "end")])[0]
     return g.emit("Concat", [lo, model, hi], axis=0)[0]
+
+
+def split_models(g: "NodeGroup", x: str, axis: int, size: int | None) -> list[str]:
+    """A tensor packed along ``axis`` (model b's block is ``size`` wide) as B tensors, model b's block each.
+
+    Split with explicit sizes (an input from opset 13, an attribute before): a view in torch, and its gradient is
+    the Concat of the B gradients.
+    """
+    if not isinstance(size, int):
+        g.fail(f"the per-model block of '{x}' along axis {axis} has no static size")
+    sizes = [size] * g.B
+    if g.opset >= 13:
+        return g.emit("Split", [x, g.new_const(sizes, "split")], g.B, axis=axis)
+    return g.emit("Split", [x], g.B, axis=axis, split=sizes)

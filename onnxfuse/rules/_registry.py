@@ -21,20 +21,24 @@ class Rule:
     # When every input is shared (same in all models), the engine emits the node once, unchanged. Rules for ops
     # whose result must differ per model even then (random ops such as Dropout) turn this off.
     shared_passthrough: bool = True
+    # The fused forms the rule can emit, the default first (e.g. Conv: "grouped", "per-model"). A fusion strategy
+    # (``passes.fuse_models(strategy=...)``) picks one per node; the rule reads it as ``g.form``. Every form keeps
+    # the same weight layout, so array.json, checkpoints and split do not depend on the choice.
+    forms: tuple[str, ...] = ()
 
 
 RULES: dict[tuple[str, str], Rule] = {}
 
 
-def rule(*op_types: str, domain: str = "", shared_passthrough: bool = True):
-    """Register the decorated function as the fusion rule of ``op_types``."""
+def rule(*op_types: str, domain: str = "", shared_passthrough: bool = True, forms: tuple[str, ...] = ()):
+    """Register the decorated function as the fusion rule of ``op_types`` (``forms``: see :class:`Rule`)."""
 
     def register(fn):
         for op in op_types:
             key = (domain, op)
             if key in RULES:
                 raise ValueError(f"two rules for op type {op!r}: {RULES[key].fuse.__module__} and {fn.__module__}")
-            RULES[key] = Rule(op, fn, domain, shared_passthrough)
+            RULES[key] = Rule(op, fn, domain, shared_passthrough, tuple(forms))
         return fn
 
     return register
