@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import glob
 import os
 import re
@@ -77,12 +78,15 @@ def cmd_fuse(args) -> int:
 def _fuse(args) -> int:
     from .array import ArrayDir
     from .passes import fuse_models, save_array
+    from .training.forms import make_strategy
 
     files = _model_files(args.models)
     per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
+    strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads,
+                             progress=lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model)
+        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy)
     for w in caught:
         print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
@@ -92,6 +96,9 @@ def _fuse(args) -> int:
           f"{s['shared']} shared, {s['layout_changes']} layout changes); fused fraction "
           f"{100 * s['fused_fraction']:.1f}%; "
           f"{len(fa.spec.weights)} fused weights")
+    chosen = Counter(s.get("forms", {}).values())
+    if chosen:
+        print("forms: " + ", ".join(f"{n} {form}" for form, n in sorted(chosen.items())))
     return 0
 
 
@@ -188,6 +195,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .training.plan import plan_array
+
+    plan = plan_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
+                      memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int), max_B=args.max_B,
+                      optimizer=args.optimizer, threads=args.threads)
+    print(plan.table())
+    for note in plan.notes:
+        print(f"note: {note}")
+    print(plan.summary())
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """The settings of a run, shared by `train` and `check` (which checks the run these flags describe)."""
     p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it")
@@ -220,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail on a node without a fusion rule instead of running it once per model")
     f.add_argument("--per-model-inputs", metavar="NAME,...",
                    help="graph inputs that differ per model (the fused input gains a leading model axis)")
+    from .training.forms import STRATEGY_CHOICES
+    f.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
+                   help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model): "
+                   "default (each rule's first), a form for every such node, or auto: per node, the form measured "
+                   "fastest on --runtime/--device at --batch samples per model (measured once per device, cached)")
+    f.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="the runtime auto measures on")
+    f.add_argument("--device", default="cpu", help="the device auto measures on (cpu, cuda, cuda:N)")
+    f.add_argument("--batch", type=int, default=32, help="samples per model per step auto measures with")
+    f.add_argument("--threads", type=int, default=0, help="CPU threads auto measures with (0: the runtime's "
+                   "default)")
     f.add_argument("--overwrite", action="store_true")
     f.set_defaults(func=cmd_fuse)
 
@@ -262,15 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="the fused array vs every way to train the same models: PyTorch one after "
-                       "another, onnxruntime-training one after another, a torch.func ensemble, one model at batch B*N")
-    b.add_argument("--models", default="lenet,resnet18,transformer_lm", help="zoo models, comma-separated")
+                       "another, onnxruntime-training one after another, a torch.func ensemble, an HFTA-style "
+                       "hand-fused model, one model at batch B*N")
+    b.add_argument("--models", default="lenet,resnet18,transformer_lm",
+                   help="zoo models or .onnx files (one data input, one output), comma-separated")
     b.add_argument("--B", default="1,8,16", help="array sizes to measure, e.g. 1,8,16,32")
     b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the ort modes run on the CPU only)")
     from .training.bench import MODES
     b.add_argument("--modes", default=",".join(MODES),
                    help="torch, ort (the fused array on each runtime), seq-torch (PyTorch one after another: the "
                    "baseline, always measured), seq-ort (onnxruntime-training one after another), vmap (torch.func "
-                   "ensemble), dense (one model at batch B*N: the ceiling)")
+                   "ensemble), hfta (HFTA-style fused PyTorch, hand-written: lenet, resnet18, transformer_lm), "
+                   "dense (one model at batch B*N: the ceiling)")
     b.add_argument("--batch", type=int, default=32, help="samples per model per step")
     b.add_argument("--steps", type=int, default=10, help="timed steps per round")
     b.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes; medians reported")
@@ -281,6 +317,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", default="onnxfuse-bench",
                    help="folder for bench.json, bench.csv, bench.md, bench.png")
     b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="predict a fused training step's time and memory per B from a few small "
+                        "arrays really trained, and recommend B (training/plan.py)")
+    pl.add_argument("model", metavar="MODEL", help="a zoo model (e.g. lenet) or an ONNX file with one data input")
+    pl.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array")
+    pl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    pl.add_argument("--batch", type=int, default=32, help="samples per model per step")
+    pl.add_argument("--memory-budget", metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes (default: 0.9 x the GPU's "
+                    "memory, 0.8 x the RAM available)")
+    pl.add_argument("--max-B", type=int, default=1024, help="largest array size considered")
+    pl.add_argument("--probe", default="1,2,4", help="array sizes really trained to fit the predictions")
+    pl.add_argument("--optimizer", default="adamw", help="the optimizer whose state the arrays hold")
+    pl.add_argument("--threads", type=int, default=0, help="CPU threads (0: the runtime's default)")
+    pl.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
     from .placement._cli import add_place_parser
     add_place_parser(sub)
     return p
