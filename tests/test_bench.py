@@ -6,12 +6,20 @@ import csv
 import json
 import math
 
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
 from onnxfuse.cli import main
+from onnxfuse.exporters import export_module
+from onnxfuse.exporters.zoo import MLP
+from onnxfuse.training import bench
 
 
 def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     out = tmp_path / "bench"
-    modes = ["torch", "seq-torch", "dense"]
+    modes = ["torch", "seq-torch", "hfta", "dense"]
     assert main(["bench", "--models", "lenet", "--B", "1,2", "--steps", "1", "--rounds", "1", "--warmup", "0",
                  "--modes", ",".join(modes), "-o", str(out)]) == 0
     assert capsys.readouterr().out.count("lenet B=") == 2  # a progress line per measurement
@@ -40,3 +48,78 @@ def test_bench_rejects_an_unknown_mode_with_the_choices(tmp_path, capsys):
     assert main(["bench", "--models", "lenet", "--modes", "torch,fast", "-o", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "unknown mode 'fast'" in err and "seq-torch" in err
+
+
+@pytest.fixture
+def mlp_file(tmp_path):
+    path = tmp_path / "mlp.onnx"
+    export_module(MLP(in_features=12, hidden=16, num_classes=5), path, input_shape=(4, 12))
+    return path
+
+
+def test_bench_measures_an_onnx_file_and_leaves_out_what_needs_a_torch_module(tmp_path, capsys, mlp_file):
+    out = tmp_path / "bench"
+    assert main(["bench", "--models", str(mlp_file), "--B", "1,2", "--steps", "1", "--rounds", "1", "--warmup", "0",
+                 "--batch", "6", "--modes", "torch,seq-torch,vmap,hfta,dense", "-o", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert [(r["B"], r["batch"], r["source"]) for r in result["rows"]] == [(1, 6, "onnx"), (2, 6, "onnx")]
+    for row in result["rows"]:
+        assert sorted(row["modes"]) == ["dense", "seq-torch", "torch"]  # vmap and hfta need torch modules
+        assert all(m["samples_s"] > 0 and math.isfinite(m["over_seq_torch"]) for m in row["modes"].values())
+    notes = " ".join(result["notes"])
+    assert "left out vmap, hfta" in notes and "onnxfuse's converter" in notes
+    md = (out / "bench.md").read_text()
+    assert md.count(bench.FILE_TITLES["seq-torch"]) == 2 and "| torch.func" not in md
+
+
+def test_an_onnx_files_models_are_its_weights_and_seeded_perturbations(mlp_file):
+    f = bench._load_file(str(mlp_file), 6)
+    assert (f.input_name, f.input_shape, f.high, f.label_shape, f.classes) == ("input", [6, 12], None, [6], 5)
+    protos = bench._file_protos(f, 3)
+    weights = [{t.name: numpy_helper.to_array(t) for t in p.graph.initializer} for p in protos]
+    original = {t.name: numpy_helper.to_array(t) for t in onnx.load(mlp_file).graph.initializer}
+    assert weights[0].keys() == original.keys() and len(original) == 6
+    again = bench._file_protos(f, 3)[2]
+    for name, w in original.items():
+        assert np.array_equal(weights[0][name], w)
+        for b in (1, 2):
+            noise = weights[b][name] - w
+            assert 0.005 < noise.std() / w.std() < 0.02, (b, name)  # 1 % of the weight's spread
+        assert not np.array_equal(weights[1][name], weights[2][name])
+        assert np.array_equal({t.name: numpy_helper.to_array(t) for t in again.graph.initializer}[name],
+                              weights[2][name])  # seeded
+
+
+def test_an_int64_input_is_token_ids_below_the_rows_of_the_embedding_it_indexes(tmp_path):
+    vi, rng = helper.make_tensor_value_info, np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("MatMul", ["h", "W"], ["logits"])], "lm",
+        [vi("ids", onnx.TensorProto.INT64, ["N", 4])], [vi("logits", onnx.TensorProto.FLOAT, ["N", 4, 3])],
+        [numpy_helper.from_array(rng.standard_normal((7, 5)).astype(np.float32), "E"),
+         numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "W")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "lm.onnx")
+    f = bench._load_file(str(tmp_path / "lm.onnx"), 6)
+    assert (f.input_shape, f.high, f.label_shape, f.classes, f.fixed_batch) == ([6, 4], 7, [6, 4], 3, False)
+
+
+def _two_inputs(path):
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "g",
+                          [vi("a", onnx.TensorProto.FLOAT, ["N", 4]), vi("b", onnx.TensorProto.FLOAT, ["N", 4])],
+                          [vi("y", onnx.TensorProto.FLOAT, ["N", 4])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (None, "does not exist"),
+    (lambda p: p.write_bytes(b"not a protobuf"), "is not a readable ONNX model"),
+    (_two_inputs, "has 2 data input(s) (a, b)"),
+])
+def test_a_bad_onnx_file_is_one_config_error_naming_it(tmp_path, capsys, make, expected):
+    path = tmp_path / "model.onnx"
+    if make:
+        make(path)
+    assert main(["bench", "--models", f"lenet,{path}", "--B", "1", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and expected in err[0], err
+    assert not (tmp_path / "out").exists()  # checked before anything is measured

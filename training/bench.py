@@ -1,8 +1,7 @@
 """`onnxfuse bench`: the fused array against every way a user could train the same B models, in one process.
 
-For each zoo model and B: B models with different weights (seeds 0..B-1); one ONNX export whose initializers are
-replaced by each model's state_dict (the exporter keeps state_dict names), fused; then rounds that alternate the
-modes (the order reversed every other round), each timing ``steps`` steps after ``warmup`` untimed ones:
+For each model and B: B models with different weights; one ONNX model per model, fused; then rounds that alternate
+the modes (the order reversed every other round), each timing ``steps`` steps after ``warmup`` untimed ones:
 
     torch      the fused array on the torch runtime: one step trains all B models (per-model AdamW learning rates)
     ort        the fused array on the ort runtime (onnxruntime-training; CPU only)
@@ -11,13 +10,26 @@ modes (the order reversed every other round), each timing ``steps`` steps after 
     vmap       the B modules as one torch.func ensemble (stack_module_state + functional_call + vmap), one AdamW
                over the stacked parameters (one learning rate; BatchNorm without running statistics, which vmap
                cannot update in place: torch.func.replace_all_batch_norm_modules_)
+    hfta       the B modules rewritten by hand as one HFTA-style PyTorch model (training/hfta_models.py: grouped
+               Conv2d, batched Linear, packed BatchNorm / LayerNorm / Embedding), one AdamW over its parameters
+               (one learning rate, as vmap); zoo models lenet, resnet18 and transformer_lm only
     dense      ONE model at batch B * N: the FLOPs of the array in one ordinary model, the ceiling fusion can approach
 
 on the same device-resident random batch (N samples per model). Samples/s count all B models: B * N * steps / the
 median round time. A mode's ratio to seq-torch (and to dense) is the median of its per-round ratios: the runs of
 one round see the same machine. Peak memory is torch's allocator peak on CUDA (per mode, and over the row), else
 the process's peak RSS (one figure for the row: it only grows). Where a mode cannot run (ort and seq-ort off the
-CPU or without onnxruntime.training) it is left out with a note.
+CPU or without onnxruntime.training, hfta for a model without a hand-fused version) it is left out with a note.
+
+A model is a zoo name or an ONNX file. Zoo model b is the zoo module built after ``torch.manual_seed(b)``; one
+export whose initializers are replaced by each module's state_dict (the exporter keeps state_dict names) gives
+the B ONNX models. An ONNX file (one data input, float or int64 token ids that index an embedding initializer;
+one output) gives model 0 its own weights and model b > 0 a copy with seeded Gaussian noise of 1 % of each
+weight's standard deviation; its input is random at --batch (or at the file's fixed batch), its labels random
+classes over the output's last axis (cross-entropy over the last axis, as for the zoo's LM). With no torch module
+to run, seq-torch and dense run the file's ONNX graph in torch eager by onnxfuse's own converter
+(training/torch_graph.py, initializers as nn.Parameters, torch.optim.AdamW); vmap and hfta are left out, and
+dense too when the file's batch is fixed.
 
 ``run_bench(..., out=DIR)`` writes DIR/bench.json, bench.csv (one row per model and B), bench.md (the table and
 the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model).
@@ -34,23 +46,49 @@ import statistics
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from onnxfuse.errors import ConfigError
 
-__all__ = ["run_bench", "MODES", "MODE_TITLES"]
+__all__ = ["run_bench", "MODES", "MODE_TITLES", "FILE_TITLES"]
 
 MODE_TITLES = {"torch": "fused (torch runtime)", "ort": "fused (ort runtime)",
                "seq-torch": "PyTorch one after another", "seq-ort": "onnxruntime-training one after another",
-               "vmap": "torch.func ensemble", "dense": "one model at batch B*N"}
+               "vmap": "torch.func ensemble", "hfta": "HFTA-style fused PyTorch (hand-written)",
+               "dense": "one model at batch B*N"}
+# an ONNX file has no torch module: these modes run its ONNX graph by onnxfuse's converter instead
+FILE_TITLES = {"seq-torch": "the ONNX graph in torch eager (onnxfuse's converter) one after another",
+               "dense": "the ONNX graph in torch eager (onnxfuse's converter) at batch B*N"}
 MODES = tuple(MODE_TITLES)
 BASELINE, CEILING = "seq-torch", "dense"
 _ORT_MODES = ("ort", "seq-ort")
 
 
 # ----------------------------------------------------------------------------------------------- the workloads
+@dataclass
+class _Workload:
+    """One model at one B: the B ONNX models the fused array and the ort modes train, the B torch models seq-torch
+    trains (on the device), the batch every model sees and the axis the loss reads its classes from."""
+
+    name: str
+    source: str  # "zoo" or "onnx" (a file)
+    protos: list
+    modules: list
+    fresh: Callable[[], object]  # a new copy of model 0 on the device (for dense)
+    x: object
+    y: object
+    input_name: str
+    class_last: bool  # cross-entropy over the last axis ([N, .., classes]: an LM, an ONNX file), else axis 1
+    export_s: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        return int(self.x.shape[0])
+
+
 def _modules(name: str, B: int) -> list:
     import torch
 
@@ -102,10 +140,199 @@ def _protos(name: str, mods: list, n: int, folder: str) -> list:
     return protos
 
 
-def _loss(task: str, out, y):
+def _zoo_workload(name: str, B: int, n: int, device, folder: str) -> _Workload:
+    from onnxfuse.exporters.zoo import ZOO
+
+    mods = _modules(name, B)
+    t0 = time.perf_counter()
+    protos = _protos(name, mods, n, folder)
+    export_s = time.perf_counter() - t0
+    x, y = _batch(name, n, device)
+    seq = [m.to(device).train() for m in mods]
+    return _Workload(name, "zoo", protos, seq, lambda: copy.deepcopy(seq[0]), x, y, "input",
+                     ZOO[name].task == "lm", export_s)
+
+
+@dataclass
+class _OnnxFile:
+    """An ONNX file given to --models, checked once: its graph as read, its one data input and what to feed it."""
+
+    path: str
+    proto: object  # onnx.ModelProto
+    input_name: str
+    input_shape: list[int]  # at the batch it is measured at
+    high: int | None  # an int64 input: token ids below this (its embedding table's rows); None: a float input
+    label_shape: list[int]  # the output's shape without its last axis (the classes)
+    classes: int
+    fixed_batch: bool  # the graph's batch axis is a number, not a symbol: measured at that batch, no dense mode
+
+
+def _is_file(name: str) -> bool:
+    from onnxfuse.exporters.zoo import ZOO
+
+    return name not in ZOO and (name.lower().endswith(".onnx") or os.path.exists(name))
+
+
+def _bn_statistics(proto) -> set[str]:
+    return {n.input[i] for n in proto.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)
+            if len(n.input) > i}
+
+
+def _file_protos(f: _OnnxFile, B: int) -> list:
+    """Model 0: the file's weights; model b > 0: every trained float weight plus Gaussian noise of 1 % of that
+    weight's standard deviation, drawn from seed b (BatchNorm statistics and non-finite constants stay)."""
+    from onnx import numpy_helper
+
+    from onnxfuse.source import weight_names
+
+    trained = weight_names(f.proto) - _bn_statistics(f.proto)
+    protos = [copy.deepcopy(f.proto)]
+    for b in range(1, B):
+        rng = np.random.default_rng(b)
+        p = copy.deepcopy(f.proto)
+        for t in p.graph.initializer:
+            if t.name not in trained:
+                continue
+            w = numpy_helper.to_array(t)
+            if w.size and np.isfinite(w).all():
+                noise = rng.standard_normal(w.shape) * (0.01 * float(w.std()))
+                t.CopyFrom(numpy_helper.from_array((w + noise).astype(w.dtype), t.name))
+        protos.append(p)
+    return protos
+
+
+def _file_batch(f: _OnnxFile, device):
+    import torch
+
+    x = torch.randint(0, f.high, f.input_shape) if f.high is not None else torch.randn(f.input_shape)
+    return x.to(device), torch.randint(0, f.classes, f.label_shape).to(device)
+
+
+def _load_file(path: str, batch: int) -> _OnnxFile:
+    """Read and check an ONNX file for the bench: one data input (float, or int64 ids that index an embedding
+    initializer), one output whose last axis holds classes, torch eager runs it, B = 2 perturbed copies fuse.
+    Every failure is one ConfigError naming the file."""
+    import onnx
+    import torch
+
+    from onnxfuse import fuse_models
+    from onnxfuse.errors import OnnxFuseError
+    from onnxfuse.source import load_source
+
+    from .losses import get_loss
+    from .torch_graph import OnnxModule
+
+    try:
+        src = load_source(path, label=path)
+    except OnnxFuseError as e:
+        raise ConfigError(f"--models: {e}") from e
+    ins, outs = [i.name for i in src.inputs], [o.name for o in src.outputs]
+    if len(ins) != 1 or len(outs) != 1:
+        raise ConfigError(f"--models: {path} has {len(ins)} data input(s) ({', '.join(ins)}) and {len(outs)} "
+                          f"output(s) ({', '.join(outs)}); onnxfuse bench takes a model with one of each (the batch "
+                          "and the class scores)")
+    name, shape, dtype = ins[0], src.shapes.get(ins[0]), src.dtypes.get(ins[0])
+    if not shape or any(not isinstance(d, int) for d in shape[1:]):
+        raise ConfigError(f"--models: {path}: input '{name}' has shape {shape}; the bench needs the batch axis first "
+                          "and static sizes after it")
+    fixed = isinstance(shape[0], int)
+    input_shape = [shape[0] if fixed else batch] + shape[1:]
+    inits = {t.name: t for t in src.model.graph.initializer}
+    if dtype == onnx.TensorProto.FLOAT:
+        high = None
+    elif dtype == onnx.TensorProto.INT64:
+        tables = [int(inits[n.input[0]].dims[0]) for n in src.model.graph.node
+                  if n.op_type == "Gather" and n.input[1] == name and n.input[0] in inits]
+        if not tables:
+            raise ConfigError(f"--models: {path}: input '{name}' is int64 but indexes no embedding initializer (a "
+                              "Gather from a weight), so the range of its values is unknown; the bench feeds float "
+                              "inputs or token ids read by an embedding")
+        high = min(tables)
+    else:
+        raise ConfigError(f"--models: {path}: input '{name}' is {onnx.TensorProto.DataType.Name(dtype)}; the bench "
+                          "feeds float32 inputs or int64 token ids")
+    proto = onnx.load(path)
+    # run model 0 once in torch eager: an op onnxfuse's converter lacks shows now, and the output's shape gives
+    # the labels
+    try:
+        with torch.no_grad():
+            out = OnnxModule(copy.deepcopy(proto))(
+                torch.randint(0, high, input_shape) if high is not None else torch.randn(input_shape))[0]
+    except (OnnxFuseError, RuntimeError) as e:
+        raise ConfigError(f"--models: {path}: running it in torch eager failed: "
+                          f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from e
+    if out.dim() < 2 or not out.is_floating_point():
+        raise ConfigError(f"--models: {path}: output '{outs[0]}' is {out.dtype} of shape {list(out.shape)}; the bench "
+                          "trains cross-entropy over the output's last axis, which needs float scores [N, .., classes]")
+    f = _OnnxFile(path, proto, name, input_shape, high, list(out.shape[:-1]), int(out.shape[-1]), fixed)
+    try:
+        fa = fuse_models(_file_protos(f, 2), labels=["model_0", "model_1"])
+    except OnnxFuseError as e:
+        raise ConfigError(f"--models: {path} does not fuse: {(str(e).strip().splitlines() or [''])[0]}") from e
+    try:
+        get_loss("cross-entropy", class_axis=-1).check_output(fa.spec.outputs[0]["shape"] or [], outs[0])
+    except ConfigError as e:
+        raise ConfigError(f"--models: {path}: {e}") from e
+    return f
+
+
+def _file_workload(f: _OnnxFile, B: int, device) -> _Workload:
+    """Model b's torch module is its ONNX graph in torch eager by onnxfuse's converter (initializers as
+    nn.Parameters): there is no other torch version of a file."""
+    from .torch_graph import OnnxModule
+
+    protos = _file_protos(f, B)
+    mods = [OnnxModule(copy.deepcopy(p)).to(device).train() for p in protos]
+    x, y = _file_batch(f, device)
+    return _Workload(f.path, "onnx", protos, mods, lambda: OnnxModule(copy.deepcopy(protos[0])).to(device).train(),
+                     x, y, f.input_name, True)
+
+
+def _left_out(name: str, f: _OnnxFile | None) -> dict[str, str]:
+    """The modes model ``name`` cannot run, each with why."""
+    from .hfta_models import HFTA_MODELS
+
+    if f is None:
+        return {} if name in HFTA_MODELS else {
+            "hfta": f"no hand-fused version of {name} (training/hfta_models.py has {', '.join(HFTA_MODELS)})"}
+    out = {m: "an ONNX file has no torch module" for m in ("vmap", "hfta")}
+    if f.fixed_batch:
+        out[CEILING] = f"its batch is fixed ({f.input_shape[0]})"
+    return out
+
+
+def _plan(models: Sequence[str], modes: list[str], files: dict[str, _OnnxFile], notes: list[str]
+          ) -> dict[str, list[str]]:
+    """The modes each model runs; a note for each mode left out and for what an ONNX file's modes run."""
+    plan = {}
+    for name in models:
+        left = _left_out(name, files.get(name))
+        plan[name] = [m for m in modes if m not in left]
+        reasons: dict[str, list[str]] = {}
+        for m in modes:
+            if m in left:
+                reasons.setdefault(left[m], []).append(m)
+        notes.extend(f"{name}: left out {', '.join(ms)}: {why}" for why, ms in reasons.items())
+        if name in files:
+            eager = [m for m in (BASELINE, CEILING) if m in plan[name]]
+            notes.append(f"{name}: {' and '.join(eager)} run{'s' if len(eager) == 1 else ''} the file's ONNX graph "
+                         "in torch eager by onnxfuse's converter (training/torch_graph.py), not a torch module; model "
+                         "b > 0 is the file's weights plus 1 % seeded noise"
+                         + (f"; measured at its fixed batch {files[name].input_shape[0]}"
+                            if files[name].fixed_batch else ""))
+    return plan
+
+
+def _output(module, x):
+    """A module's output; onnxfuse's converter returns the graph's outputs as a tuple."""
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _loss(class_last: bool, out, y):
     import torch.nn.functional as F
 
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if task == "lm" else F.cross_entropy(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if class_last else F.cross_entropy(out, y)
 
 
 # ---------------------------------------------------------------------------------------------------- the modes
@@ -134,7 +361,7 @@ def _seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdi
     return step
 
 
-def _seq_torch_step(mods: list, lrs: list[float], task: str, x, y) -> Callable[[], None]:
+def _seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y) -> Callable[[], None]:
     import torch
 
     opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(mods, lrs)]
@@ -142,12 +369,12 @@ def _seq_torch_step(mods: list, lrs: list[float], task: str, x, y) -> Callable[[
     def step() -> None:
         for m, o in zip(mods, opts):
             o.zero_grad(set_to_none=True)
-            _loss(task, m(x), y).backward()
+            _loss(class_last, _output(m, x), y).backward()
             o.step()
     return step
 
 
-def _vmap_step(mods: list, task: str, x, y, lr: float) -> Callable[[], None]:
+def _vmap_step(mods: list, class_last: bool, x, y, lr: float) -> Callable[[], None]:
     """One AdamW step of the B models as a torch.func ensemble (the loss summed over the models)."""
     import torch
     from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state
@@ -166,22 +393,39 @@ def _vmap_step(mods: list, task: str, x, y, lr: float) -> Callable[[], None]:
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         out = ensemble(params, buffers, x)  # [B, N, ...]
-        sum(_loss(task, out[b], y) for b in range(out.shape[0])).backward()
+        sum(_loss(class_last, out[b], y) for b in range(out.shape[0])).backward()
         opt.step()
     return step
 
 
-def _dense_step(mods: list, task: str, x, y, B: int, lr: float) -> Callable[[], None]:
+def _hfta_step(name: str, mods: list, class_last: bool, x, y, lr: float) -> Callable[[], None]:
+    """One AdamW step of the B models rewritten by hand as one HFTA-style model (the loss summed over the models;
+    one learning rate, as vmap)."""
+    import torch
+
+    from .hfta_models import hfta_model
+
+    model = hfta_model(name, mods)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(x)  # [B, N, ...]
+        sum(_loss(class_last, out[b], y) for b in range(out.shape[0])).backward()
+        opt.step()
+    return step
+
+
+def _dense_step(model, class_last: bool, x, y, B: int, lr: float) -> Callable[[], None]:
     """One AdamW step of ONE model at batch B * N."""
     import torch
 
-    model = copy.deepcopy(mods[0])
     xb, yb = x.repeat((B,) + (1,) * (x.dim() - 1)), y.repeat((B,) + (1,) * (y.dim() - 1))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        _loss(task, model(xb), yb).backward()
+        _loss(class_last, _output(model, xb), yb).backward()
         opt.step()
     return step
 
@@ -195,32 +439,26 @@ def _peak_mib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, device, modes: list[str],
-             folder: str, threads: int = 0) -> dict:
+def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, modes: list[str], folder: str,
+             threads: int = 0) -> dict:
     import torch
 
-    from onnxfuse.exporters.zoo import ZOO
+    from .losses import LABELS, get_loss
 
-    from .losses import get_loss
-
-    mods = _modules(name, B)
+    B, n, seq, x, y, last = len(work.protos), work.batch, work.modules, work.x, work.y, work.class_last
     lrs = [float(v) for v in np.geomspace(1e-4, 1e-3, B)] if B > 1 else [1e-3]
-    task = ZOO[name].task
-    loss_name = get_loss("cross-entropy", class_axis=-1) if task == "lm" else "cross-entropy"
-    t0 = time.perf_counter()
-    protos = _protos(name, mods, n, folder)
-    export_s = time.perf_counter() - t0
-    x, y = _batch(name, n, device)
-    feeds = {"input": x, "labels": y}
-    host = {"input": x.cpu().numpy(), "labels": y.cpu().numpy()}  # the ort runtime takes numpy (CPU)
-    seq = [m.to(device).train() for m in mods]
-    make = {"torch": lambda: _fused_step(protos, lrs, loss_name, "torch", str(device), feeds, folder, threads),
-            "ort": lambda: _fused_step(protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
+    loss_name = get_loss("cross-entropy", class_axis=-1) if last else "cross-entropy"
+    feeds = {work.input_name: x, LABELS: y}
+    host = {k: v.cpu().numpy() for k, v in feeds.items()}  # the ort runtime takes numpy (CPU)
+    make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder, threads),
+            "ort": lambda: _fused_step(work.protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
                                        threads),
-            "seq-torch": lambda: _seq_torch_step(seq, lrs, task, x, y),
-            "seq-ort": lambda: _seq_ort_step(protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"), threads),
-            "vmap": lambda: _vmap_step(seq, task, x, y, lrs[0]),
-            "dense": lambda: _dense_step(seq, task, x, y, B, lrs[0])}
+            "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y),
+            "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
+                                             threads),
+            "vmap": lambda: _vmap_step(seq, last, x, y, lrs[0]),
+            "hfta": lambda: _hfta_step(work.name, seq, last, x, y, lrs[0]),
+            "dense": lambda: _dense_step(work.fresh(), last, x, y, B, lrs[0])}
     steppers, setup_s = {}, {}
     for mode in modes:
         t0 = time.perf_counter()
@@ -257,9 +495,9 @@ def _measure(name: str, B: int, n: int, steps: int, warmup: int, rounds: int, de
                          if CEILING in times else None),
             "round_s": times[mode], "setup_s": setup_s[mode],
             "peak_mib": peaks[mode] if device.type == "cuda" else None}
-    return {"model": name, "B": B, "batch": n, "device": str(device), "steps": steps, "warmup": warmup,
-            "rounds": rounds, "export_s": export_s, "peak_mib": max(peaks.values()) if device.type == "cuda"
-            else _peak_mib(device), "modes": result}
+    return {"model": work.name, "source": work.source, "B": B, "batch": n, "device": str(device), "steps": steps,
+            "warmup": warmup, "rounds": rounds, "export_s": work.export_s,
+            "peak_mib": max(peaks.values()) if device.type == "cuda" else _peak_mib(device), "modes": result}
 
 
 def _ort_unavailable(device) -> str | None:
@@ -277,8 +515,9 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
     from onnxfuse.exporters.zoo import ZOO
 
     for name in models:
-        if name not in ZOO:
-            raise ConfigError(f"--models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}")
+        if name not in ZOO and not _is_file(name):
+            raise ConfigError(f"--models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}, or give the path "
+                              "of an .onnx file")
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"--modes: unknown mode '{mode}'; choose from: {', '.join(MODES)}")
@@ -301,17 +540,22 @@ def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequenc
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
+def mode_title(row: dict, mode: str) -> str:
+    """What ``mode`` measured for this row: an ONNX file's seq-torch and dense run its graph by onnxfuse's converter."""
+    return FILE_TITLES.get(mode, MODE_TITLES[mode]) if row.get("source") == "onnx" else MODE_TITLES[mode]
+
+
 def table(rows: list[dict], modes: list[str]) -> str:
-    """One line per model, B and mode: samples/s, the ratio to PyTorch one after another and to the dense ceiling,
-    peak memory (per mode on CUDA; the process's peak RSS so far on the CPU)."""
+    """One line per model, B and mode measured: samples/s, the ratio to PyTorch one after another and to the dense
+    ceiling, peak memory (per mode on CUDA; the process's peak RSS so far on the CPU)."""
     lines = ["| model | B | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) | peak MiB |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        for m in modes:
+        for m in (m for m in modes if m in r["modes"]):
             c = r["modes"][m]
             dense = "–" if c["of_dense"] is None else f"{c['of_dense']:.2f}"
             peak = r["peak_mib"] if c["peak_mib"] is None else c["peak_mib"]
-            lines.append(f"| {r['model']} | {r['B']} | {MODE_TITLES[m]} | {c['samples_s']:,.0f} | "
+            lines.append(f"| {r['model']} | {r['B']} | {mode_title(r, m)} | {c['samples_s']:,.0f} | "
                          f"{c['over_seq_torch']:.2f}× | {dense} | {peak:,.0f} |")
     return "\n".join(lines)
 
@@ -341,16 +585,17 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
         for mode in modes:
             pts = [(r["B"], r["modes"][mode]["samples_s"]) for r in mine if mode in r["modes"]]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=MODE_TITLES[mode],
+                ax.plot(*zip(*pts), marker="o", label=mode_title(mine[0], mode),
                         linestyle="--" if mode in (BASELINE, CEILING) else "-")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["B"] for r in mine}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(name)
+        ax.set_title(os.path.basename(name))
         ax.set_xlabel("B (models in the array)")
         ax.set_ylabel("training samples/s (all B models)")
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        if ax is axes[0][0] or (mine and mine[0].get("source") == "onnx"):  # a file's titles differ
+            ax.legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, 60 * len(models)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -386,6 +631,8 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
         modes = [m for m in modes if m not in _ORT_MODES]
     measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
+    files = {name: _load_file(name, batch) for name in models if _is_file(name)}  # all checked before measuring
+    plan = _plan(models, measured, files, notes)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
     say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
@@ -402,7 +649,9 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                     notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
                     continue
                 try:
-                    r = _measure(name, b, batch, steps, warmup, rounds, dev, measured, folder, threads)
+                    work = (_file_workload(files[name], b, dev) if name in files
+                            else _zoo_workload(name, b, batch, dev, folder))
+                    r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads)
                 except torch.OutOfMemoryError as e:
                     say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
                     notes.append(f"{name} B={b}: out of memory")
