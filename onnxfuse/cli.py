@@ -191,7 +191,8 @@ def cmd_bench(args) -> int:
 
     run_bench(models=[m for m in args.models.split(",") if m], B=_numbers(args.B, "--B", int), device=args.device,
               modes=[m for m in args.modes.split(",") if m], batch=args.batch, steps=args.steps, rounds=args.rounds,
-              warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads)
+              warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads,
+              strategy=args.strategy)
     return 0
 
 
@@ -314,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
     b.add_argument("--threads", type=int, default=0, help="CPU threads of every mode, both runtimes (0: each "
                    "one's default: 1 for the torch runtime, onnxruntime's own)")
+    b.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
+                   help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
     b.add_argument("-o", "--output", default="onnxfuse-bench",
                    help="folder for bench.json, bench.csv, bench.md, bench.png")
     b.set_defaults(func=cmd_bench)

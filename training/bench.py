@@ -337,13 +337,15 @@ def _loss(class_last: bool, out, y):
 
 # ---------------------------------------------------------------------------------------------------- the modes
 def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: str, feeds: dict,
-                workdir: str, threads: int = 0) -> Callable[[], None]:
+                workdir: str, threads: int = 0, strategy: str = "default", batch: int = 32) -> Callable[[], None]:
     from onnxfuse import fuse_models
 
+    from .forms import make_strategy
     from .optim import make_optimizer
     from .runtime import make_trainer
 
-    fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))])
+    fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
+                     strategy=make_strategy(strategy, runtime, device, batch, threads))
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
                            device=device, workdir=workdir, threads=threads or None)
     return lambda: trainer.step(feeds)
@@ -440,7 +442,7 @@ def _peak_mib(device) -> float:
 
 
 def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, modes: list[str], folder: str,
-             threads: int = 0) -> dict:
+             threads: int = 0, strategy: str = "default") -> dict:
     import torch
 
     from .losses import LABELS, get_loss
@@ -450,9 +452,10 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
     loss_name = get_loss("cross-entropy", class_axis=-1) if last else "cross-entropy"
     feeds = {work.input_name: x, LABELS: y}
     host = {k: v.cpu().numpy() for k, v in feeds.items()}  # the ort runtime takes numpy (CPU)
-    make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder, threads),
+    make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder, threads,
+                                         strategy, n),
             "ort": lambda: _fused_step(work.protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
-                                       threads),
+                                       threads, strategy, n),
             "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y),
             "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
                                              threads),
@@ -530,12 +533,14 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
 
 
 def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequence[str], batch: int, steps: int,
-            rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0) -> str:
+            rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0,
+            strategy: str = "default") -> str:
     """The `onnxfuse bench` command line that reproduces a run."""
     cmd = (f"onnxfuse bench --models {','.join(models)} --B {','.join(map(str, B))} --device {device} "
            f"--modes {','.join(modes)} --batch {batch} --steps {steps} --rounds {rounds} --warmup {warmup}")
     cmd += f" --budget-s {budget_s:g}" if budget_s else ""
     cmd += f" --threads {threads}" if threads else ""
+    cmd += f" --strategy {strategy}" if strategy != "default" else ""
     return f"{cmd} -o {out}"
 
 
@@ -557,6 +562,21 @@ def table(rows: list[dict], modes: list[str]) -> str:
             peak = r["peak_mib"] if c["peak_mib"] is None else c["peak_mib"]
             lines.append(f"| {r['model']} | {r['B']} | {mode_title(r, m)} | {c['samples_s']:,.0f} | "
                          f"{c['over_seq_torch']:.2f}× | {dense} | {peak:,.0f} |")
+    return "\n".join(lines)
+
+
+def wide_table(rows: list[dict], modes: list[str]) -> str:
+    """One line per model and B, one column per mode: samples/s and, in brackets, the ratio to PyTorch one after
+    another; the last column is the fused array on the torch runtime as a fraction of the dense ceiling."""
+    head = [MODE_TITLES[m] for m in modes]
+    lines = ["| model | B | " + " | ".join(head) + " | fused torch ÷ ceiling |",
+             "|---|---:|" + "---:|" * (len(modes) + 1)]
+    for r in rows:
+        cells = [f"{r['modes'][m]['samples_s']:,.0f} ({r['modes'][m]['over_seq_torch']:.2f}×)" if m in r["modes"]
+                 else "–" for m in modes]
+        torch_cell = r["modes"].get("torch", {}).get("of_dense")
+        lines.append(f"| {r['model']} | {r['B']} | " + " | ".join(cells)
+                     + f" | {'–' if torch_cell is None else f'{torch_cell:.2f}'} |")
     return "\n".join(lines)
 
 
@@ -606,17 +626,19 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
 def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B: Sequence[int] = (1, 8, 16),
               device: str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10, rounds: int = 3,
               warmup: int = 3, out: str | os.PathLike = "onnxfuse-bench", budget_s: float = 0, threads: int = 0,
-              progress: bool = True) -> list[dict]:
+              strategy: str = "default", progress: bool = True) -> list[dict]:
     """Measure every mode for every model and B (see the module docstring); write bench.json, bench.csv, bench.md
     and bench.png to ``out``; return one dict per (model, B) with each mode's samples/s and ratios under
-    ``row["modes"][mode]``. ``budget_s`` > 0: no new measurement starts after that many seconds."""
+    ``row["modes"][mode]``. ``budget_s`` > 0: no new measurement starts after that many seconds. ``strategy``: the
+    fusion strategy of the fused modes (``onnxfuse fuse --strategy``; ``auto`` measures each node's forms on the
+    mode's own runtime first, outside the timed rounds)."""
     import torch
 
     models, Bs = list(models), list(B)
     modes = list(dict.fromkeys(modes))
     _check(models, Bs, modes, batch, steps, rounds, warmup)
     out = os.fspath(out)
-    cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads)
+    cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
     say = print if progress else (lambda *a, **k: None)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -651,7 +673,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                 try:
                     work = (_file_workload(files[name], b, dev) if name in files
                             else _zoo_workload(name, b, batch, dev, folder))
-                    r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads)
+                    r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads, strategy)
                 except torch.OutOfMemoryError as e:
                     say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
                     notes.append(f"{name} B={b}: out of memory")
@@ -672,7 +694,8 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
                 "all B models (median round); ratios are medians of per-round ratios.\n\n"
-                + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + text + "\n")
+                + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
+                + "\n\nEvery mode, with the ratio to the dense ceiling and peak memory:\n\n" + text + "\n")
     _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
     say(text)
     say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
