@@ -7,7 +7,8 @@
 #    alone by torch.optim on the same GPU;
 # 2. a short benchmark (benchmarks/runtime_bench.py): LeNet, ResNet-18 and a small Transformer LM, B in 1, 8, 32,
 #    64, the fused array on the torch runtime vs the same B models trained one after another in PyTorch on the GPU,
-#    a torch.func (vmap) ensemble of them and one model at batch B*N (the ceiling).
+#    a torch.func (vmap) ensemble of them, the HFTA-style model fused by hand and one model at batch B*N (the
+#    ceiling).
 #
 # Needs Python with torch built for CUDA, onnx, numpy, safetensors, pyyaml, tqdm, matplotlib, scikit-learn (newer
 # versions are fine). What is missing is installed from benchmarks/wheels/ (pydantic, pytest; fetch them where
@@ -65,6 +66,6 @@ echo "tests: $((SECONDS - t0)) s"
 
 echo "== benchmark"
 t0=$SECONDS
-"$PY" benchmarks/runtime_bench.py --device $DEVICE --models lenet,resnet18,transformer_lm --baselines vmap,dense "${BENCH_ARGS[@]}" \
+"$PY" benchmarks/runtime_bench.py --device $DEVICE --models lenet,resnet18,transformer_lm --baselines vmap,hfta,dense "${BENCH_ARGS[@]}" \
     --budget-s "${BENCH_BUDGET_S:-300}" -o "$OUT"
 echo "benchmark: $((SECONDS - t0)) s"

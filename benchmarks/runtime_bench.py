@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new measurements after this long")
     ap.add_argument("--runtimes", default="torch", help="fused runtimes to measure: torch, ort (CPU only)")
     ap.add_argument("--baselines", default="", help="more ways to train the same models: vmap (torch.func "
-                    "ensemble), dense (one model at batch B*N: the ceiling), seq-ort")
+                    "ensemble), hfta (HFTA-style, fused by hand), dense (one model at batch B*N: the ceiling), seq-ort")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("-o", "--output", default="runtime-bench")
     args = ap.parse_args(argv)
