@@ -40,7 +40,7 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
 
     md = (out / "bench.md").read_text()
     assert result["command"] in md and "onnxfuse bench --models lenet --B 1,2" in md
-    assert md.count("| lenet |") == 2 * len(modes)
+    assert md.count("| lenet |") == 2 + 2 * len(modes)  # a line per B, then a line per B and mode
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -567,7 +567,9 @@ def table(rows: list[dict], modes: list[str]) -> str:
 
 def wide_table(rows: list[dict], modes: list[str]) -> str:
     """One line per model and B, one column per mode: samples/s and, in brackets, the ratio to PyTorch one after
-    another; the last column is the fused array on the torch runtime as a fraction of the dense ceiling."""
+    another; the last column is the fused array on the torch runtime as a fraction of the dense ceiling. A mode no
+    row has is left out."""
+    modes = [m for m in modes if any(m in r["modes"] for r in rows)]
     head = [MODE_TITLES[m] for m in modes]
     lines = ["| model | B | " + " | ".join(head) + " | fused torch ÷ ceiling |",
              "|---|---:|" + "---:|" * (len(modes) + 1)]
