@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     import torch
 
     from onnxfuse import fuse_models
-    from onnxfuse.training import bench
+    from onnxfuse.exporters.zoo import ZOO
+    from onnxfuse.training.workloads import interleaved_rounds, zoo_batch, zoo_modules, zoo_protos
     from onnxfuse.training.forms import measured_strategy
     from onnxfuse.training.losses import get_loss
     from onnxfuse.training.optim import make_optimizer
@@ -50,11 +51,11 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for name in args.models.split(","):
         for B in (int(b) for b in args.B.split(",")):
-            mods = bench._modules(name, B)
+            mods = zoo_modules(name, B)
             with tempfile.TemporaryDirectory() as d:
-                protos = bench._protos(name, mods, args.batch, d)
-                x, y = bench._batch(name, args.batch, torch.device("cpu"))
-                loss = get_loss("cross-entropy", class_axis=-1) if name == "transformer_lm" else "cross-entropy"
+                protos = zoo_protos(name, mods, args.batch, d)
+                x, y = zoo_batch(name, args.batch, torch.device("cpu"))
+                loss = get_loss("cross-entropy", class_axis=-1) if ZOO[name].task == "lm" else "cross-entropy"
                 feeds = {"input": x, "labels": y}
                 if args.runtime == "ort":
                     feeds = {k: v.numpy() for k, v in feeds.items()}
@@ -70,14 +71,9 @@ def main(argv=None) -> int:
                     t.step(feeds)
                     t.step(feeds)
                 order = ["default", "per-model", "auto"]
-                times = {s: [] for s in order}
-                for r in range(args.rounds):
-                    for s in (order if r % 2 == 0 else order[::-1]):
-                        t = time.perf_counter()
-                        for _ in range(args.steps):
-                            trainers[s].step(feeds)
-                        times[s].append((time.perf_counter() - t) / args.steps)
-                ms = {s: statistics.median(v) * 1e3 for s, v in times.items()}
+                times = interleaved_rounds({s: (lambda t=trainers[s]: t.step(feeds)) for s in order}, args.rounds,
+                                           args.steps)
+                ms = {s: statistics.median(v) / args.steps * 1e3 for s, v in times.items()}
                 ratio = statistics.median(a / d for a, d in zip(times["auto"], times["default"]))
                 chosen = Counter(fused["auto"].spec.summary["forms"].values())
                 forms = ", ".join(f"{n} {f}" for f, n in sorted(chosen.items()))

@@ -15,6 +15,7 @@ from onnxfuse.cli import main
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import MLP
 from onnxfuse.training import bench
+from onnxfuse.training.workloads import file_protos, load_onnx_file
 
 
 def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
@@ -73,13 +74,13 @@ def test_bench_measures_an_onnx_file_and_leaves_out_what_needs_a_torch_module(tm
 
 
 def test_an_onnx_files_models_are_its_weights_and_seeded_perturbations(mlp_file):
-    f = bench._load_file(str(mlp_file), 6)
+    f = load_onnx_file(str(mlp_file), 6)
     assert (f.input_name, f.input_shape, f.high, f.label_shape, f.classes) == ("input", [6, 12], None, [6], 5)
-    protos = bench._file_protos(f, 3)
+    protos = file_protos(f, 3)
     weights = [{t.name: numpy_helper.to_array(t) for t in p.graph.initializer} for p in protos]
     original = {t.name: numpy_helper.to_array(t) for t in onnx.load(mlp_file).graph.initializer}
     assert weights[0].keys() == original.keys() and len(original) == 6
-    again = bench._file_protos(f, 3)[2]
+    again = file_protos(f, 3)[2]
     for name, w in original.items():
         assert np.array_equal(weights[0][name], w)
         for b in (1, 2):
@@ -98,7 +99,7 @@ def test_an_int64_input_is_token_ids_below_the_rows_of_the_embedding_it_indexes(
         [numpy_helper.from_array(rng.standard_normal((7, 5)).astype(np.float32), "E"),
          numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "W")])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "lm.onnx")
-    f = bench._load_file(str(tmp_path / "lm.onnx"), 6)
+    f = load_onnx_file(str(tmp_path / "lm.onnx"), 6)
     assert (f.input_shape, f.high, f.label_shape, f.classes, f.fixed_batch) == ([6, 4], 7, [6, 4], 3, False)
 
 
@@ -113,7 +114,7 @@ def _two_inputs(path):
 @pytest.mark.parametrize("make, expected", [
     (None, "does not exist"),
     (lambda p: p.write_bytes(b"not a protobuf"), "is not a readable ONNX model"),
-    (_two_inputs, "has 2 data input(s) (a, b)"),
+    (_two_inputs, "has 2 data inputs (a, b)"),
 ])
 def test_a_bad_onnx_file_is_one_config_error_naming_it(tmp_path, capsys, make, expected):
     path = tmp_path / "model.onnx"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import numpy as np
 import pytest
@@ -132,23 +131,17 @@ def _step_times(models, combos: dict, N: int, rounds: int = 7) -> dict:
     """Median seconds of one torch-runtime training step of ``models`` fused in each combination of forms."""
     from onnxfuse.training.optim import make_optimizer
     from onnxfuse.training.runtime import make_trainer
+    from onnxfuse.training.workloads import interleaved_rounds
 
     B = len(models)
-    feeds = {"input": torch.randn(N, 6, 12, 12), "labels": torch.randint(0, 4, (N,))}
-    feeds = {"x": feeds["input"], "labels": feeds["labels"]}
+    feeds = {"x": torch.randn(N, 6, 12, 12), "labels": torch.randint(0, 4, (N,))}
     trainers = {}
     for key, combo in combos.items():
         fa = fuse_models(models, strategy=lambda g, forms, combo=combo: combo[g.node.name])
         trainers[key] = make_trainer("torch", fa.model, fa.spec, "cross-entropy", make_optimizer("sgd", B, lr=0.0),
                                      threads=1)
         trainers[key].step(feeds)
-    times = {k: [] for k in combos}
-    for r in range(rounds):
-        for k in (list(combos) if r % 2 == 0 else list(combos)[::-1]):
-            t = time.perf_counter()
-            for _ in range(3):
-                trainers[k].step(feeds)
-            times[k].append(time.perf_counter() - t)
+    times = interleaved_rounds({k: (lambda t=t: t.step(feeds)) for k, t in trainers.items()}, rounds, 3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import inspect
 import json
 import os
 import resource
@@ -52,6 +51,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from onnxfuse.errors import ConfigError
+
+from .workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file, load_onnx_file,
+                        zoo_batch, zoo_modules, zoo_protos)
 
 __all__ = ["run_bench", "MODES", "MODE_TITLES", "FILE_TITLES"]
 
@@ -89,206 +91,32 @@ class _Workload:
         return int(self.x.shape[0])
 
 
-def _modules(name: str, B: int) -> list:
-    import torch
-
-    from onnxfuse.exporters.zoo import ZOO
-
-    factory = ZOO[name].factory
-    kwargs = {"dropout": 0.0} if "dropout" in inspect.signature(factory).parameters else {}
-    out = []
-    for b in range(B):
-        torch.manual_seed(b)
-        out.append(factory(**kwargs))
-    return out
-
-
-def _batch(name: str, n: int, device):
-    """N random samples and labels of the zoo model's task (next-token labels, one per position, for an LM)."""
-    import torch
-
-    from onnxfuse.exporters.zoo import ZOO
-
-    e = ZOO[name]
-    shape = (n,) + tuple(e.input_shape[1:])
-    if e.input_dtype == "int64":
-        x, y = torch.randint(0, e.input_high, shape), torch.randint(0, e.num_classes, shape)
-    else:
-        x, y = torch.randn(shape), torch.randint(0, e.num_classes, (n,))
-    return x.to(device), y.to(device)
-
-
-def _protos(name: str, mods: list, n: int, folder: str) -> list:
-    """One export, one ONNX model per module carrying that module's weights."""
-    import onnx
-    import torch
-    from onnx import numpy_helper
-
-    from onnxfuse.exporters import export_module
-
-    path = os.path.join(folder, f"{name}.onnx")
-    export_module(copy.deepcopy(mods[0]), path, example_inputs=(_batch(name, n, torch.device("cpu"))[0],))
-    base = onnx.load(path)
-    protos = []
-    for m in mods:
-        state = {k: v.detach().cpu().numpy() for k, v in m.state_dict().items()}
-        p = copy.deepcopy(base)
-        for t in p.graph.initializer:
-            if t.name in state:
-                t.CopyFrom(numpy_helper.from_array(state[t.name].astype(numpy_helper.to_array(t).dtype), t.name))
-        protos.append(p)
-    return protos
-
-
 def _zoo_workload(name: str, B: int, n: int, device, folder: str) -> _Workload:
     from onnxfuse.exporters.zoo import ZOO
 
-    mods = _modules(name, B)
+    mods = zoo_modules(name, B)
     t0 = time.perf_counter()
-    protos = _protos(name, mods, n, folder)
+    protos = zoo_protos(name, mods, n, folder)
     export_s = time.perf_counter() - t0
-    x, y = _batch(name, n, device)
+    x, y = zoo_batch(name, n, device)
     seq = [m.to(device).train() for m in mods]
     return _Workload(name, "zoo", protos, seq, lambda: copy.deepcopy(seq[0]), x, y, "input",
                      ZOO[name].task == "lm", export_s)
 
 
-@dataclass
-class _OnnxFile:
-    """An ONNX file given to --models, checked once: its graph as read, its one data input and what to feed it."""
-
-    path: str
-    proto: object  # onnx.ModelProto
-    input_name: str
-    input_shape: list[int]  # at the batch it is measured at
-    high: int | None  # an int64 input: token ids below this (its embedding table's rows); None: a float input
-    label_shape: list[int]  # the output's shape without its last axis (the classes)
-    classes: int
-    fixed_batch: bool  # the graph's batch axis is a number, not a symbol: measured at that batch, no dense mode
-
-
-def _is_file(name: str) -> bool:
-    from onnxfuse.exporters.zoo import ZOO
-
-    return name not in ZOO and (name.lower().endswith(".onnx") or os.path.exists(name))
-
-
-def _bn_statistics(proto) -> set[str]:
-    return {n.input[i] for n in proto.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)
-            if len(n.input) > i}
-
-
-def _file_protos(f: _OnnxFile, B: int) -> list:
-    """Model 0: the file's weights; model b > 0: every trained float weight plus Gaussian noise of 1 % of that
-    weight's standard deviation, drawn from seed b (BatchNorm statistics and non-finite constants stay)."""
-    from onnx import numpy_helper
-
-    from onnxfuse.source import weight_names
-
-    trained = weight_names(f.proto) - _bn_statistics(f.proto)
-    protos = [copy.deepcopy(f.proto)]
-    for b in range(1, B):
-        rng = np.random.default_rng(b)
-        p = copy.deepcopy(f.proto)
-        for t in p.graph.initializer:
-            if t.name not in trained:
-                continue
-            w = numpy_helper.to_array(t)
-            if w.size and np.isfinite(w).all():
-                noise = rng.standard_normal(w.shape) * (0.01 * float(w.std()))
-                t.CopyFrom(numpy_helper.from_array((w + noise).astype(w.dtype), t.name))
-        protos.append(p)
-    return protos
-
-
-def _file_batch(f: _OnnxFile, device):
-    import torch
-
-    x = torch.randint(0, f.high, f.input_shape) if f.high is not None else torch.randn(f.input_shape)
-    return x.to(device), torch.randint(0, f.classes, f.label_shape).to(device)
-
-
-def _load_file(path: str, batch: int) -> _OnnxFile:
-    """Read and check an ONNX file for the bench: one data input (float, or int64 ids that index an embedding
-    initializer), one output whose last axis holds classes, torch eager runs it, B = 2 perturbed copies fuse.
-    Every failure is one ConfigError naming the file."""
-    import onnx
-    import torch
-
-    from onnxfuse import fuse_models
-    from onnxfuse.errors import OnnxFuseError
-    from onnxfuse.source import load_source
-
-    from .losses import get_loss
-    from .torch_graph import OnnxModule
-
-    try:
-        src = load_source(path, label=path)
-    except OnnxFuseError as e:
-        raise ConfigError(f"--models: {e}") from e
-    ins, outs = [i.name for i in src.inputs], [o.name for o in src.outputs]
-    if len(ins) != 1 or len(outs) != 1:
-        raise ConfigError(f"--models: {path} has {len(ins)} data input(s) ({', '.join(ins)}) and {len(outs)} "
-                          f"output(s) ({', '.join(outs)}); onnxfuse bench takes a model with one of each (the batch "
-                          "and the class scores)")
-    name, shape, dtype = ins[0], src.shapes.get(ins[0]), src.dtypes.get(ins[0])
-    if not shape or any(not isinstance(d, int) for d in shape[1:]):
-        raise ConfigError(f"--models: {path}: input '{name}' has shape {shape}; the bench needs the batch axis first "
-                          "and static sizes after it")
-    fixed = isinstance(shape[0], int)
-    input_shape = [shape[0] if fixed else batch] + shape[1:]
-    inits = {t.name: t for t in src.model.graph.initializer}
-    if dtype == onnx.TensorProto.FLOAT:
-        high = None
-    elif dtype == onnx.TensorProto.INT64:
-        tables = [int(inits[n.input[0]].dims[0]) for n in src.model.graph.node
-                  if n.op_type == "Gather" and n.input[1] == name and n.input[0] in inits]
-        if not tables:
-            raise ConfigError(f"--models: {path}: input '{name}' is int64 but indexes no embedding initializer (a "
-                              "Gather from a weight), so the range of its values is unknown; the bench feeds float "
-                              "inputs or token ids read by an embedding")
-        high = min(tables)
-    else:
-        raise ConfigError(f"--models: {path}: input '{name}' is {onnx.TensorProto.DataType.Name(dtype)}; the bench "
-                          "feeds float32 inputs or int64 token ids")
-    proto = onnx.load(path)
-    # run model 0 once in torch eager: an op onnxfuse's converter lacks shows now, and the output's shape gives
-    # the labels
-    try:
-        with torch.no_grad():
-            out = OnnxModule(copy.deepcopy(proto))(
-                torch.randint(0, high, input_shape) if high is not None else torch.randn(input_shape))[0]
-    except (OnnxFuseError, RuntimeError) as e:
-        raise ConfigError(f"--models: {path}: running it in torch eager failed: "
-                          f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from e
-    if out.dim() < 2 or not out.is_floating_point():
-        raise ConfigError(f"--models: {path}: output '{outs[0]}' is {out.dtype} of shape {list(out.shape)}; the bench "
-                          "trains cross-entropy over the output's last axis, which needs float scores [N, .., classes]")
-    f = _OnnxFile(path, proto, name, input_shape, high, list(out.shape[:-1]), int(out.shape[-1]), fixed)
-    try:
-        fa = fuse_models(_file_protos(f, 2), labels=["model_0", "model_1"])
-    except OnnxFuseError as e:
-        raise ConfigError(f"--models: {path} does not fuse: {(str(e).strip().splitlines() or [''])[0]}") from e
-    try:
-        get_loss("cross-entropy", class_axis=-1).check_output(fa.spec.outputs[0]["shape"] or [], outs[0])
-    except ConfigError as e:
-        raise ConfigError(f"--models: {path}: {e}") from e
-    return f
-
-
-def _file_workload(f: _OnnxFile, B: int, device) -> _Workload:
+def _file_workload(f: OnnxFile, B: int, device) -> _Workload:
     """Model b's torch module is its ONNX graph in torch eager by onnxfuse's converter (initializers as
     nn.Parameters): there is no other torch version of a file."""
     from .torch_graph import OnnxModule
 
-    protos = _file_protos(f, B)
+    protos = file_protos(f, B)
     mods = [OnnxModule(copy.deepcopy(p)).to(device).train() for p in protos]
-    x, y = _file_batch(f, device)
+    x, y = file_batch(f, device)
     return _Workload(f.path, "onnx", protos, mods, lambda: OnnxModule(copy.deepcopy(protos[0])).to(device).train(),
                      x, y, f.input_name, True)
 
 
-def _left_out(name: str, f: _OnnxFile | None) -> dict[str, str]:
+def _left_out(name: str, f: OnnxFile | None) -> dict[str, str]:
     """The modes model ``name`` cannot run, each with why."""
     from .hfta_models import HFTA_MODELS
 
@@ -301,7 +129,7 @@ def _left_out(name: str, f: _OnnxFile | None) -> dict[str, str]:
     return out
 
 
-def _plan(models: Sequence[str], modes: list[str], files: dict[str, _OnnxFile], notes: list[str]
+def _plan(models: Sequence[str], modes: list[str], files: dict[str, OnnxFile], notes: list[str]
           ) -> dict[str, list[str]]:
     """The modes each model runs; a note for each mode left out and for what an ONNX file's modes run."""
     plan = {}
@@ -474,20 +302,17 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    times: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, float] = {m: 0.0 for m in modes}
-    for r in range(rounds):
-        for mode in (modes if r % 2 == 0 else modes[::-1]):  # no mode always runs first
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            sync()
-            t = time.perf_counter()
-            for _ in range(steps):
-                steppers[mode]()
-            sync()
-            times[mode].append(time.perf_counter() - t)
-            if device.type == "cuda":
-                peaks[mode] = max(peaks[mode], _peak_mib(device))
+
+    def reset_peak(mode: str) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def read_peak(mode: str) -> None:
+        peaks[mode] = max(peaks[mode], _peak_mib(device))
+
+    cuda = device.type == "cuda"
+    times = interleaved_rounds({m: steppers[m] for m in modes}, rounds, steps, sync,
+                               reset_peak if cuda else None, read_peak if cuda else None)
     samples = B * n * steps
     result = {}
     for mode in modes:
@@ -518,7 +343,7 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
     from onnxfuse.exporters.zoo import ZOO
 
     for name in models:
-        if name not in ZOO and not _is_file(name):
+        if name not in ZOO and not is_onnx_file(name):
             raise ConfigError(f"--models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}, or give the path "
                               "of an .onnx file")
     for mode in modes:
@@ -655,7 +480,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
         modes = [m for m in modes if m not in _ORT_MODES]
     measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
-    files = {name: _load_file(name, batch) for name in models if _is_file(name)}  # all checked before measuring
+    files = {name: load_onnx_file(name, batch) for name in models if is_onnx_file(name)}  # all checked before measuring
     plan = _plan(models, measured, files, notes)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}

@@ -143,6 +143,7 @@ def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: d
 
     from .optim import make_optimizer
     from .runtime import make_trainer
+    from .workloads import interleaved_rounds
 
     B = len(models)
     gen = np.random.default_rng(0)
@@ -161,14 +162,9 @@ def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: d
             steppers[form] = trainer
             for _ in range(warmup):
                 trainer.step(feeds)
-        times: dict[str, list[float]] = {f: [] for f in forms}
-        for r in range(rounds):
-            for form in (forms if r % 2 == 0 else forms[::-1]):
-                t = time.perf_counter()
-                for _ in range(steps):
-                    steppers[form].step(feeds)  # returns the losses on the host: the step has finished
-                times[form].append((time.perf_counter() - t) / steps)
-    return {f: statistics.median(v) for f, v in times.items()}
+        # the losses each step returns are on the host: the step has finished
+        times = interleaved_rounds({f: (lambda t=t: t.step(feeds)) for f, t in steppers.items()}, rounds, steps)
+    return {f: statistics.median(v) / steps for f, v in times.items()}
 
 
 def _load(path: str) -> dict:

@@ -49,10 +49,9 @@ from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from onnxfuse._units import parse_size
-from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.errors import ConfigError
 
 __all__ = ["ArrayPlan", "PlanRow", "Probe", "MemoryEstimate", "plan_array", "recommend_B", "choose_B",
            "fit_line", "measure_arrays", "estimate_step_memory", "parse_memory", "default_memory_budget",
@@ -183,41 +182,25 @@ def _zoo_proto(name: str, batch: int, folder: str) -> tuple[onnx.ModelProto, np.
     from onnxfuse.exporters import export_module
     from onnxfuse.exporters.zoo import ZOO
 
-    e = ZOO[name]
-    shape = (batch,) + tuple(e.input_shape[1:])
-    gen = torch.Generator().manual_seed(0)
-    x = (torch.randint(0, e.input_high, shape, generator=gen) if e.input_dtype == "int64"
-         else torch.randn(shape, generator=gen))
+    from .workloads import zoo_batch
+
+    x = zoo_batch(name, batch, torch.device("cpu"))[0]
     torch.manual_seed(0)
-    proto = export_module(e.factory(), os.path.join(folder, f"{name}.onnx"), example_inputs=(x,))
+    proto = export_module(ZOO[name].factory(), os.path.join(folder, f"{name}.onnx"), example_inputs=(x,))
     return proto, x.numpy()
 
 
 def _file_proto(path: str, batch: int) -> tuple[onnx.ModelProto, np.ndarray]:
-    try:
-        proto = onnx.load(path)
-    except Exception as e:
-        raise InputFileError(f"MODEL '{path}' is not a readable ONNX file ({e})") from e
-    inits = {t.name for t in proto.graph.initializer}
-    data = [vi for vi in proto.graph.input if vi.name not in inits]
-    if len(data) != 1:
-        raise ConfigError(f"MODEL '{path}' has {len(data)} data inputs ({', '.join(v.name for v in data)}); the "
-                          "planner feeds exactly one (a classifier's or language model's input)")
-    t = data[0].type.tensor_type
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-    if not dims or any(d is None for d in dims[1:]):
-        raise ConfigError(f"MODEL '{path}': input '{data[0].name}' has shape {dims}; the planner needs every dim "
-                          "but the batch (dim 0) static: export with a fixed example shape")
-    shape = [batch] + dims[1:]
-    rng = np.random.default_rng(0)
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-    if np.issubdtype(dtype, np.integer):  # token ids: below the rows of the embedding the input indexes
-        rows = [numpy_helper.to_array(i).shape[0] for n in proto.graph.node if n.op_type == "Gather"
-                and n.input[1] == data[0].name for i in proto.graph.initializer if i.name == n.input[0]]
-        x = rng.integers(0, rows[0] if rows else 1, shape).astype(dtype)
-    else:
-        x = rng.standard_normal(shape).astype(dtype)
-    return proto, x
+    """The file as `onnxfuse bench` checks and feeds it (training/workloads.py), at ``batch`` samples."""
+    import torch
+
+    from .workloads import file_batch, load_onnx_file
+
+    f = load_onnx_file(path, batch, flag="MODEL")
+    if f.fixed_batch and f.input_shape[0] != batch:
+        raise ConfigError(f"MODEL '{path}': its batch axis is fixed at {f.input_shape[0]}; pass --batch "
+                          f"{f.input_shape[0]} or export it with a dynamic batch")
+    return f.proto, file_batch(f, torch.device("cpu"))[0].numpy()
 
 
 def _workload(model: str, batch: int, folder: str) -> _Workload:
