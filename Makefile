@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.onnxfuse-installed
 # torch first, pinned: a plain range resolves to a multi-GB CUDA build on Linux; 2.13.0 here is a CPU build.
 # Elsewhere, e.g.: make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 # EXTRA=cpu: both runtimes (Python 3.10-3.12); EXTRA=torch: the torch runtime alone (any Python torch supports,
-# e.g. make demo PYTHON=python3.13 EXTRA=torch TORCH=torch)
+# e.g. make demo PYTHON=python3.13 EXTRA=torch TORCH=torch). The sweep extra (Ray, TensorBoard, Optuna) always.
 TORCH  ?= torch==2.13.0
 EXTRA  ?= cpu
 
@@ -21,7 +21,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[$(EXTRA),dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRA),sweep,dev]"
 	@touch $(STAMP)
 
 install: $(STAMP)

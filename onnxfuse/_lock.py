@@ -49,9 +49,11 @@ def _describe(info: dict) -> str:
 
 
 @contextlib.contextmanager
-def array_lock(array_dir: str | os.PathLike, command: str, lock_name: str) -> Iterator[None]:
+def array_lock(array_dir: str | os.PathLike, command: str, lock_name: str, what: str = "array folder"
+               ) -> Iterator[None]:
     """Hold the folder's lock, the file ``lock_name`` in it, for ``command`` (a word for messages: train, split,
-    ...); raise :class:`ArrayBusyError` naming the holder when another process holds it. The folder must exist."""
+    ...); raise :class:`ArrayBusyError` naming the holder when another process holds it. The folder must exist.
+    ``what`` names the kind of folder in messages (a sweep folder is locked the same way)."""
     global _warned
     key = os.path.realpath(os.fspath(array_dir))
     if fcntl is None:  # pragma: no cover
@@ -81,8 +83,8 @@ def array_lock(array_dir: str | os.PathLike, command: str, lock_name: str) -> It
         except BlockingIOError:
             info = _holder(fd)
             os.close(fd)
-            raise ArrayBusyError(f"array folder '{array_dir}' is in use by {_describe(info)}; one command at a "
-                                 "time per array folder: wait for it to end, or stop it") from None
+            raise ArrayBusyError(f"{what} '{array_dir}' is in use by {_describe(info)}; one command at a "
+                                 f"time per {what}: wait for it to end, or stop it") from None
         try:  # the holder before us removes the file as it releases it: lock the file that is there now
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
                 break
@@ -91,7 +93,7 @@ def array_lock(array_dir: str | os.PathLike, command: str, lock_name: str) -> It
         os.close(fd)
     previous = _holder(fd)
     if previous.get("pid"):
-        log.info("array folder '%s': %s ended without releasing its lock (killed?); taking over", array_dir,
+        log.info("%s '%s': %s ended without releasing its lock (killed?); taking over", what, array_dir,
                  _describe(previous))
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)

@@ -212,6 +212,32 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from .sweep import run_sweep
+    from .sweep.report import table
+
+    if args.resume and (args.spec or args.output):
+        raise ConfigError("--resume SWEEP_DIR continues a sweep with the spec in its folder; give neither SPEC.yaml "
+                          "nor -o")
+    if not args.resume and (not args.spec or not args.output):
+        raise ConfigError("give a sweep spec and where to write it: onnxfuse sweep SPEC.yaml -o SWEEP_DIR (or "
+                          "--resume SWEEP_DIR)")
+    folder = args.resume or args.output
+    try:
+        res = run_sweep(None if args.resume else args.spec, folder, resume=bool(args.resume), address=args.address,
+                        runtime=args.runtime, num_cpus=args.cpus, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"onnxfuse: interrupted; finished arrays are kept: `onnxfuse sweep --resume {folder}` runs the rest",
+              file=sys.stderr)
+        return 130
+    print(table(res.rows, limit=args.top))
+    done = sum(r["status"] not in ("failed", "not run") for r in res.rows)
+    print(f"{done} of {len(res.rows)} trials have results ({len(res.ran)} arrays trained now, "
+          f"{len(res.failed)} failed), best first by {res.metric}: {os.path.join(res.path, 'results.csv')}, "
+          f"report.md, report.png; curves: tensorboard --logdir {os.path.join(res.path, 'trials')}")
+    return 5 if res.failed else 0
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """The settings of a run, shared by `train` and `check` (which checks the run these flags describe)."""
     p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it")
@@ -335,6 +361,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--threads", type=int, default=0, help="CPU threads (0: the runtime's default)")
     pl.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
     pl.set_defaults(func=cmd_plan)
+    sw = sub.add_parser("sweep", help="run a hyper-parameter sweep: trials grouped into fused arrays by graph "
+                        "identity, trained on Ray (a local one by default); see docs/sweep.example.yaml")
+    sw.add_argument("spec", nargs="?", metavar="SPEC.yaml", help="the sweep spec")
+    sw.add_argument("-o", "--output", metavar="SWEEP_DIR", help="where the sweep's files go (a new or empty folder)")
+    sw.add_argument("--resume", metavar="SWEEP_DIR", help="continue the sweep in SWEEP_DIR: run only the arrays "
+                    "with no result (or a failed one)")
+    sw.add_argument("--address", help="a running Ray cluster (e.g. HEAD_IP:6379, or auto); default: start a "
+                    "local Ray on this machine")
+    sw.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all of this machine's)")
+    sw.add_argument("--runtime", choices=RUNTIME_CHOICES, help="what trains the arrays (default: the spec's)")
+    sw.add_argument("--top", type=int, default=20, help="trials shown in the table (all are in results.csv)")
+    sw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sw.set_defaults(func=cmd_sweep)
     from .placement._cli import add_place_parser
     add_place_parser(sub)
     return p

@@ -32,7 +32,8 @@ from onnxfuse.errors import ConfigError
 from .settings import OPTIMIZERS, RUN_SETTINGS, check_halving, is_per_model_list, normalize_config, \
     per_model_keys
 
-__all__ = ["load_config", "normalize_config", "expand_per_model", "total_steps", "config_to_train_settings"]
+__all__ = ["load_config", "normalize_config", "expand_per_model", "total_steps", "config_to_train_settings",
+           "settings_from_config", "read_config_file"]
 
 
 def _fail(where: str, msg: str) -> ConfigError:
@@ -78,25 +79,30 @@ def _read_toml(path: str, text: str) -> Any:
         raise _fail(f"{path}: ", f"malformed TOML: {e}; fix the syntax there") from None
 
 
-def load_config(path: str | os.PathLike) -> dict:
-    """Read a run configuration (``.yaml``/``.yml``, or ``.toml`` on Python >= 3.11) and return it normalized
-    and validated (see :func:`normalize_config`). Relative paths in it are relative to the file's folder."""
+def read_config_file(path: str | os.PathLike, what: str = "config file",
+                     example: str = "docs/run.example.yaml") -> Any:
+    """The mapping a ``.yaml``/``.yml`` (or ``.toml`` on Python >= 3.11) file holds, unvalidated; every problem
+    reading it is one ConfigError line naming the file (``what`` and ``example`` word the messages)."""
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".yaml", ".yml", ".toml"):
-        raise ConfigError(f"config file '{path}' must end in .yaml, .yml or .toml")
+        raise ConfigError(f"{what} '{path}' must end in .yaml, .yml or .toml")
     if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' does not exist; check the path (docs/run.example.yaml is an "
-                          "example)")
+        raise ConfigError(f"{what} '{path}' does not exist; check the path ({example} is an example)")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file '{path}' cannot be read ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"{what} '{path}' cannot be read ({type(e).__name__}: {e})") from None
     raw = _read_toml(path, text) if ext == ".toml" else _read_yaml(path, text)
-    if raw is None:
-        raw = {}
-    return normalize_config(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+    return {} if raw is None else raw
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    """Read a run configuration (``.yaml``/``.yml``, or ``.toml`` on Python >= 3.11) and return it normalized
+    and validated (see :func:`normalize_config`). Relative paths in it are relative to the file's folder."""
+    path = os.fspath(path)
+    return normalize_config(read_config_file(path), source=path, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 # ---------------------------------------------------------------- per-model expansion
@@ -214,7 +220,12 @@ def config_to_train_settings(cfg: dict, array_dir: str | os.PathLike) -> tuple[d
         _build_array(cfg["model"], array_dir)
         logging.getLogger("onnxfuse.train").info("built the array in %s from model.factory %s", array_dir,
                                                  cfg["model"]["factory"])
-    B = array.load_spec().B
+    return settings_from_config(cfg, array.load_spec().B)
+
+
+def settings_from_config(cfg: dict, B: int) -> tuple[dict, str | None, str | None]:
+    """The ``TrainConfig`` settings, training data and eval data of a normalized config for an array of B models
+    (its per-model settings expanded to B values)."""
     c = expand_per_model(cfg, B)
     opt, loss, data = c["optimizer"], c["loss"], c["data"]
     # every TrainConfig setting from its key in the file (settings.RUN_SETTINGS), the optimizer's hyper-parameters

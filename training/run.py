@@ -33,7 +33,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -613,7 +613,8 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
 
 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
-                eval_data=None, resume: bool = False, overrides: dict | None = None) -> TrainResult:
+                eval_data=None, resume: bool = False, overrides: dict | None = None,
+                on_step: Callable[[int, int], None] | None = None) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
     there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
@@ -623,15 +624,17 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     When its first step has trained, a fresh run becomes the folder's current run (``run.json``): the previous
     run's outputs move to ``runs/<its id>/``. ``resume``: continue the current run from its newest checkpoint,
     with its saved settings unless ``config`` is given (``overrides`` changes single settings, e.g. more steps);
-    settings other than ``RESUMABLE`` and the data must be the run's own."""
+    settings other than ``RESUMABLE`` and the data must be the run's own. ``on_step(step, total)`` is called
+    after every step (a sweep reports progress with it)."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("train"):
-        return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides)
+        return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step)
 
 
 def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config: TrainConfig | None,
-           progress: bool, eval_data, resume: bool, overrides: dict | None) -> TrainResult:
+           progress: bool, eval_data, resume: bool, overrides: dict | None,
+           on_step: Callable[[int, int], None] | None = None) -> TrainResult:
     from tqdm import tqdm
 
     ckpt, saved = _resume_point(array_dir) if resume else (None, None)
@@ -719,6 +722,8 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                                     + f"{samples / max(el - elapsed0, 1e-9):,.0f} samples/s"
                                     + (f" | {len(run.status)} stopped" if run.status else ""))
                 bar.update(1)
+                if on_step is not None:
+                    on_step(run.step, total)
             if eval_ds is not None and run.last_eval_step != run.step:
                 _evaluate(run, eval_ds, metrics, time.perf_counter() - t0)
         except Exception as e:

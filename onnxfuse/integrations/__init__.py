@@ -1,0 +1,1 @@
+"""Bridges to other tools' APIs (each imports its tool only when used): ``onnxfuse.integrations.optuna``."""

@@ -1,0 +1,116 @@
+"""The sweep folder: the one module that knows what lives where in it. Everything in it is written by the driver
+(the process running `onnxfuse sweep`); workers send their results back through Ray, so the folder needs no
+storage shared with them.
+
+    spec.json                    the spec the sweep runs (a resumed sweep reads it, not the YAML file again)
+    plan.json                    the trials (id, parameters), the arrays (id, trials, settings), how B was chosen
+    models/<trial>.onnx          each trial's model as exported, with its initial weights
+    arrays/<array>/result.json   an array's outcome, written last: its presence means the array is done
+    arrays/<array>/metrics.csv   the array's metrics (model = the trial's place in the array)
+    trials/<trial>/              model.onnx + model.safetensors (its trained weights, split out of the array),
+                                 metrics.csv, and TensorBoard event files (one run per trial)
+    status.json                  live: every array done / running (pid, node, step) / queued / failed
+    results.csv, report.md       every trial, best first by the spec's metric
+    report.png                   the best trials' curves
+    .onnxfuse-sweep.lock         one driver at a time (see ``onnxfuse/_lock.py``)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterator
+
+from .._io import atomic_write_bytes
+from .._lock import array_lock
+from ..errors import InputFileError
+
+__all__ = ["SweepDir"]
+
+SPEC, PLAN, STATUS, RESULTS, REPORT_MD, REPORT_PNG = ("spec.json", "plan.json", "status.json", "results.csv",
+                                                     "report.md", "report.png")
+MODELS, ARRAYS, TRIALS = "models", "arrays", "trials"
+RESULT, METRICS = "result.json", "metrics.csv"
+TRIAL_ONNX, TRIAL_WEIGHTS = "model.onnx", "model.safetensors"
+LOCK = ".onnxfuse-sweep.lock"
+
+
+class SweepDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def _join(self, *names: str) -> str:
+        return os.path.join(self.path, *names)
+
+    spec_path = property(lambda self: self._join(SPEC))
+    plan_path = property(lambda self: self._join(PLAN))
+    status_path = property(lambda self: self._join(STATUS))
+    results_path = property(lambda self: self._join(RESULTS))
+    report_md_path = property(lambda self: self._join(REPORT_MD))
+    report_png_path = property(lambda self: self._join(REPORT_PNG))
+
+    def model_path(self, trial: str) -> str:
+        return self._join(MODELS, f"{trial}.onnx")
+
+    def array_path(self, array: str) -> str:
+        return self._join(ARRAYS, array)
+
+    def result_path(self, array: str) -> str:
+        return self._join(ARRAYS, array, RESULT)
+
+    def array_metrics_path(self, array: str) -> str:
+        return self._join(ARRAYS, array, METRICS)
+
+    def trial_path(self, trial: str) -> str:
+        return self._join(TRIALS, trial)
+
+    def trial_file(self, trial: str, name: str) -> str:
+        """``name``: TRIAL_ONNX, TRIAL_WEIGHTS or METRICS."""
+        return self._join(TRIALS, trial, name)
+
+    def relative(self, path: str) -> str:
+        return os.path.relpath(path, self.path)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def is_sweep(self) -> bool:
+        return os.path.isfile(self.spec_path)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator["SweepDir"]:
+        os.makedirs(self.path, exist_ok=True)
+        with array_lock(self.path, "sweep", LOCK, what="sweep folder"):
+            yield self
+
+    def write_json(self, path: str, record) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(record, indent=1, default=_plain) + "\n").encode())
+
+    def read_json(self, path: str, what: str):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise InputFileError(f"'{self.path}' has no {os.path.basename(path)}: it is not a sweep folder that "
+                                 f"got past planning; start it with `onnxfuse sweep SPEC.yaml -o {self.path}`") \
+                from None
+        except (OSError, ValueError) as e:
+            raise InputFileError(f"{what} '{path}' is damaged ({type(e).__name__}); delete it to plan again, or "
+                                 "start the sweep in a new folder") from None
+
+    def result(self, array: str) -> dict | None:
+        """An array's result, None while it has none (a damaged one counts as none: the array runs again)."""
+        try:
+            with open(self.result_path(array), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+
+def _plain(v):
+    """numpy scalars in records."""
+    if hasattr(v, "item"):
+        return v.item()
+    raise TypeError(f"{type(v).__name__} is not JSON")

@@ -1,0 +1,173 @@
+"""Planning a sweep, as passes over its trials: export -> group -> size -> arrays.
+
+* export: every trial's model is built (``torch.manual_seed(seed)``, then the factory with ``model.args`` and the
+  trial's ``model.*`` values) and exported once to ``models/<trial>.onnx``; trials with the same factory arguments
+  and seed share one export (the file is copied).
+* group: trials whose graphs the identity check (``onnxfuse.identity.check_identical``, the check fusion makes)
+  finds identical up to weights, and whose array-wide settings are equal, form a group. The spec's labels are not
+  trusted: two ``model.width`` values that give one graph share a group, and a factory that builds different
+  graphs for one value splits it.
+* size: each group is cut into the fewest arrays of at most B models, of nearly equal sizes (7 trials at B = 4:
+  4 + 3). B is ``arrays.size``, or with ``auto`` what the array-sizing planner (``training/plan.py``) recommends
+  for the group's model, capped by ``arrays.max_size``; the driver runs that planner on a worker.
+* arrays: each array's run settings, its per-model settings one value per trial, checked by
+  ``normalize_config`` before anything trains.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Callable
+
+from ..errors import ConfigError, NotFusibleError
+from .layout import SweepDir
+from .spec import SweepSpec
+
+__all__ = ["plan_sweep", "array_sizes", "Sizer"]
+
+log = logging.getLogger("onnxfuse.sweep")
+
+# (the group's first model file, its array settings for B = 1) -> (B, how it was chosen)
+Sizer = Callable[[str, dict], tuple[int, str]]
+
+
+def array_sizes(n: int, B: int) -> list[int]:
+    """n trials in the fewest arrays of at most B models, of sizes differing by at most one (largest first)."""
+    k = -(-n // B)
+    base, extra = divmod(n, k)
+    return [base + 1] * extra + [base] * (k - extra)
+
+
+def _factory(spec: SweepSpec):
+    from onnxfuse.exporters import load_factory
+
+    mod, _, attr = spec.model.factory.rpartition(":")
+    if mod.endswith(".py") and not os.path.isabs(mod):
+        mod = os.path.join(spec.base_dir, mod)
+    return load_factory(f"{mod}:{attr}" if mod else spec.model.factory)
+
+
+def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress: bool) -> None:
+    """``models/<trial>.onnx`` for every trial that has none yet (a resumed plan keeps what was exported)."""
+    import torch
+    from tqdm import tqdm
+
+    from onnxfuse.exporters.torch_export import export_module
+
+    factory = None
+    done: dict[str, str] = {}  # (factory args, seed) -> a file exported for them
+    os.makedirs(os.path.dirname(sweep.model_path("x")), exist_ok=True)
+    for t in tqdm(trials, desc="exporting trials", unit="trial", disable=not progress, leave=False):
+        path = sweep.model_path(t["id"])
+        args = {**spec.model.args, **t["args"]}
+        key = json.dumps([args, t["seed"]], sort_keys=True, default=str)
+        if os.path.exists(path):
+            done.setdefault(key, path)
+            continue
+        tmp = path + ".tmp"
+        if key in done:
+            shutil.copyfile(done[key], tmp)
+        else:
+            factory = factory or _factory(spec)
+            torch.manual_seed(t["seed"])
+            try:
+                module = factory(**args)
+            except TypeError as e:
+                raise ConfigError(f"{spec.source}: trial {t['id']}: {spec.model.factory}(**{args}) failed: {e}; "
+                                  "model.* keys and model.args must be the factory's arguments") from None
+            if not isinstance(module, torch.nn.Module):
+                raise ConfigError(f"{spec.source}: {spec.model.factory} returned {type(module).__name__}, not a "
+                                  "torch.nn.Module")
+            export_module(module, tmp, input_shape=spec.model.input_shape)
+        os.replace(tmp, path)
+        done[key] = path
+
+
+def group_trials(trials: list[dict], sweep: SweepDir) -> list[list[dict]]:
+    """Trials in groups: one graph up to weights (the identity check) and the same array-wide settings. Each new
+    trial is compared with the first trial of every group with its settings; the first match takes it."""
+    from onnxfuse.identity import check_identical
+    from onnxfuse.source import load_source
+
+    groups: list[tuple[str, object, list[dict]]] = []  # (settings key, first trial's source, trials)
+    for t in trials:
+        key = json.dumps(t["array_values"], sort_keys=True, default=str)
+        src = load_source(sweep.model_path(t["id"]), t["id"])
+        for gkey, first, members in groups:
+            if gkey != key:
+                continue
+            try:
+                check_identical([first, src])
+            except NotFusibleError:
+                continue
+            members.append(t)
+            break
+        else:
+            groups.append((key, src, [t]))
+    return [members for _, _, members in groups]
+
+
+def _array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> tuple[dict, str, str | None]:
+    """(TrainConfig settings, training data, eval data) of one array of ``trials``."""
+    from onnxfuse.training.config import settings_from_config
+
+    values = dict(trials[0]["array_values"])
+    for key in trials[0]["per_model"]:
+        values[key] = [t["per_model"][key] for t in trials]
+    ids = ", ".join(t["id"] for t in trials)
+    cfg = spec.normalized(values, f" (trials {ids})")
+    settings, data, eval_data = settings_from_config(cfg, len(trials))
+    if runtime:
+        settings["runtime"] = runtime
+    if not settings.get("threads"):  # the CPUs Ray gives the array
+        settings["threads"] = max(1, int(spec.cpus))
+    return settings, data, eval_data
+
+
+def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Sizer | None, runtime: str | None,
+               progress: bool = True) -> dict:
+    """The plan of a sweep of the trials ``params`` ({space key: value} each): exported, grouped and cut into
+    arrays (see the module docstring). Every array's settings are checked before this returns."""
+    width = max(3, len(str(len(params) - 1)))
+    trials = []
+    for i, p in enumerate(params):
+        tid = f"t{i:0{width}d}"
+        spec.check_params(p, f"{spec.source}: trial {tid}: ")
+        kinds = {k: spec.kind(k) for k in p}
+        trials.append({"id": tid, "params": p,
+                       "args": {k[6:]: v for k, v in p.items() if kinds[k] == "model"},
+                       "seed": p.get("seed", spec.model.seed),
+                       "per_model": {k: v for k, v in p.items() if kinds[k] == "per-model"},
+                       "array_values": {k: v for k, v in p.items() if kinds[k] == "array"}})
+    export_trials(spec, trials, sweep, progress)
+    groups = group_trials(trials, sweep)
+    arrays, group_records = [], []
+    for g, members in enumerate(groups):
+        if spec.sections.arrays.size == "auto":
+            settings, _, _ = _array_settings(spec, members[:1], runtime)
+            if size_of is None:
+                raise ConfigError(f"{spec.source}: arrays.size auto needs the planner: give arrays.size a number")
+            B, why = size_of(sweep.model_path(members[0]["id"]), settings)
+            B = max(1, min(B, spec.sections.arrays.max_size))
+        else:
+            B, why = spec.sections.arrays.size, "arrays.size"
+        sizes = array_sizes(len(members), B)
+        group_records.append({"group": g, "trials": [t["id"] for t in members], "B": B, "B_from": why,
+                              "array_values": members[0]["array_values"]})
+        start = 0
+        for n in sizes:
+            part = members[start:start + n]
+            start += n
+            settings, data, eval_data = _array_settings(spec, part, runtime)
+            arrays.append({"id": "", "group": g, "trials": [t["id"] for t in part], "settings": settings,
+                           "data": data, "eval_data": eval_data,
+                           "per_model_inputs": list(spec.model.per_model_inputs)})
+    awidth = max(2, len(str(len(arrays) - 1)))
+    for k, a in enumerate(arrays):
+        a["id"] = f"a{k:0{awidth}d}"
+    log.info("planned %d trials in %d group(s) of identical graphs and %d arrays", len(trials), len(groups),
+             len(arrays))
+    return {"trials": trials, "groups": group_records, "arrays": arrays, "metric": spec.metric,
+            "direction": spec.direction}

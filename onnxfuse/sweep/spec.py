@@ -1,0 +1,277 @@
+"""The sweep spec: one YAML file (``docs/sweep.example.yaml`` documents every key).
+
+A spec is a run configuration (``docs/run.example.yaml``: data, loss, optimizer, schedule, steps, ...) that every
+trial shares, without its ``model`` and ``grid`` sections, plus the sections of a sweep:
+
+    model       factory, input_shape, args (fixed factory keyword arguments), seed (the models' init seed),
+                per_model_inputs
+    search      method (grid | random), samples and seed (random), space: {key: [values] | {low, high, log, int}}
+    metric      eval_loss | eval_accuracy | train_loss (what the report sorts by and Optuna optimizes)
+    arrays      size (a number, or auto: the array-sizing planner, run on a worker), max_size
+    resources   cpus, gpus per array (Ray resources; a fraction of a GPU shares it)
+    retries     how often a failed array is run again (default 1)
+
+What a search-space key changes decides where the trials it tells apart can train:
+
+    model.<arg>      a factory argument: may change the graph (trials are grouped by the graph identity check,
+                     never by this label)
+    seed             the model's init seed (torch.manual_seed before the factory): only the weights
+    per-model keys   the optimizer's per-model hyper-parameters, clip_grad_norm, schedule.<param>: fused, each
+                     model of an array with its own value (settings.per_model_keys)
+    any other key    a run setting every model of an array shares (batch_size, steps, loss.label_smoothing, ...):
+                     trials that differ in it train in different arrays
+
+The sweep-only sections are pydantic models (their errors become one ConfigError line naming the key); the run
+part is checked by ``training.settings.normalize_config``, once for every distinct set of array-wide values.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, \
+    ValidationError
+
+from ..errors import ConfigError
+
+__all__ = ["SweepSpec", "load_spec", "parse_spec", "METRICS", "SWEEP_SECTIONS"]
+
+# metric -> (the direction that is better, the column of the trial results it reads)
+METRICS = {"eval_loss": "minimize", "eval_accuracy": "maximize", "train_loss": "minimize"}
+EXAMPLE = "docs/sweep.example.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSection(_Strict):
+    factory: str
+    input_shape: list[PositiveInt] = Field(min_length=1)
+    args: dict[str, Any] = {}
+    seed: int = 0
+    per_model_inputs: list[str] = []
+
+
+class Range(_Strict):
+    """A continuous (or integer) range a random search samples from: uniform, or log-uniform with ``log``."""
+    low: float
+    high: float
+    log: bool = False
+    integer: bool = Field(False, alias="int")
+
+    def sample(self, rng: np.random.Generator) -> float | int:
+        if self.log:
+            v = math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        else:
+            v = rng.uniform(self.low, self.high)
+        return int(round(v)) if self.integer else float(v)
+
+
+class SearchSection(_Strict):
+    method: Literal["grid", "random"] = "grid"
+    samples: PositiveInt | None = None
+    seed: int = 0
+    space: dict[str, Union[list, Range]] = Field(min_length=1)
+
+
+class ArraysSection(_Strict):
+    size: PositiveInt | Literal["auto"] = "auto"
+    max_size: PositiveInt = 16
+
+
+class ResourcesSection(_Strict):
+    cpus: PositiveFloat = 1.0
+    gpus: NonNegativeFloat | None = None  # default: 1 when the run's device is cuda, else 0
+
+
+class SweepSections(_Strict):
+    model: ModelSection
+    search: SearchSection | None = None
+    metric: Literal["eval_loss", "eval_accuracy", "train_loss"] | None = None
+    arrays: ArraysSection = ArraysSection()
+    resources: ResourcesSection = ResourcesSection()
+    retries: NonNegativeInt = 1
+
+
+SWEEP_SECTIONS = tuple(SweepSections.model_fields)
+
+
+def _pydantic_error(e: ValidationError, where: str) -> ConfigError:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[", "literal[")))
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    if err["type"] == "missing":
+        msg = "is required"
+    value = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+    return ConfigError(f"{where}{loc}: {msg}{value}; see {EXAMPLE}")
+
+
+@dataclass
+class SweepSpec:
+    """A parsed, checked sweep spec. ``run`` is the raw run mapping (every trial's shared settings); ``source``
+    names the file in messages, ``base_dir`` is the folder its relative paths are relative to."""
+    sections: SweepSections
+    run: dict
+    source: str
+    base_dir: str
+
+    @property
+    def model(self) -> ModelSection:
+        return self.sections.model
+
+    @property
+    def metric(self) -> str:
+        return self.sections.metric or ("eval_loss" if self._has_eval() else "train_loss")
+
+    @property
+    def direction(self) -> str:
+        return METRICS[self.metric]
+
+    @property
+    def device(self) -> str:
+        return str(self.run.get("device", "cpu"))
+
+    @property
+    def gpus(self) -> float:
+        g = self.sections.resources.gpus
+        return (1.0 if self.device.startswith("cuda") else 0.0) if g is None else g
+
+    @property
+    def cpus(self) -> float:
+        return self.sections.resources.cpus
+
+    def _has_eval(self) -> bool:
+        data = self.run.get("data") or {}
+        return bool(data.get("eval") or data.get("eval_fraction"))
+
+    def as_dict(self) -> dict:
+        """What a sweep folder keeps of the spec (``parse_spec`` reads it back)."""
+        return {**self.sections.model_dump(by_alias=True, exclude_none=True), **copy.deepcopy(self.run)}
+
+    # ---------------------------------------------------------------------------------------------- keys
+    def per_model_keys(self) -> list[str]:
+        from onnxfuse.training.settings import per_model_keys
+
+        cfg = self.normalized()
+        return per_model_keys(cfg["optimizer"]["name"], cfg["schedule"])
+
+    def kind(self, key: str) -> str:
+        """``model``, ``seed``, ``per-model`` or ``array`` (see the module docstring)."""
+        if key.startswith("model."):
+            return "model"
+        if key == "seed":
+            return "seed"
+        return "per-model" if key in self.per_model_keys() else "array"
+
+    def normalized(self, array_values: dict | None = None, what: str = "") -> dict:
+        """The run part with ``array_values`` ({dotted key: value}) set, normalized and checked."""
+        from onnxfuse.training.settings import normalize_config
+
+        raw = copy.deepcopy(self.run)
+        for key, value in (array_values or {}).items():
+            set_dotted(raw, key, value)
+        return normalize_config(raw, source=f"{self.source}{what}", base_dir=self.base_dir)
+
+    # ---------------------------------------------------------------------------------------------- trials
+    def trials(self) -> list[dict]:
+        """Every trial's parameters {space key: value}, in order: the grid's product (the first key varies
+        slowest), or ``search.samples`` draws from a generator seeded with ``search.seed``."""
+        search = self.sections.search
+        if search is None:
+            raise ConfigError(f"{self.source}: search is required (search.space: the values to try); see {EXAMPLE}")
+        space = search.space
+        if search.method == "grid":
+            ranged = [k for k, v in space.items() if isinstance(v, Range)]
+            if ranged:
+                raise ConfigError(f"{self.source}: search.space.{ranged[0]} is a range, which a grid cannot "
+                                  "enumerate; give a list of values, or use search.method: random")
+            if search.samples is not None:
+                raise ConfigError(f"{self.source}: search.samples applies to method random; a grid tries every "
+                                  "combination of search.space")
+            return [dict(zip(space, combo)) for combo in itertools.product(*space.values())]
+        if search.samples is None:
+            raise ConfigError(f"{self.source}: search.method random needs search.samples (how many trials)")
+        rng = np.random.default_rng(search.seed)
+        return [{k: (v.sample(rng) if isinstance(v, Range) else v[int(rng.integers(len(v)))])
+                 for k, v in space.items()} for _ in range(search.samples)]
+
+    def check_params(self, params: dict, where: str) -> None:
+        """A trial's keys: known, and of a kind the sweep can vary."""
+        for key, value in params.items():
+            if key in ("model.seed",):
+                raise ConfigError(f"{where}{key}: the init seed is the search key 'seed'")
+            if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{where}seed must be an integer, got {value!r}")
+            if key == "grid" or key.startswith("grid."):
+                raise ConfigError(f"{where}{key}: a sweep has no grid; put the values in search.space")
+            if key.startswith("data.order"):
+                raise ConfigError(f"{where}{key}: a sweep trains every trial on the shared batch order")
+
+
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    section, _, leaf = key.partition(".")
+    if leaf:
+        sub = raw.get(section)
+        if isinstance(sub, str):  # `loss: mse`, `optimizer: sgd`
+            sub = {"name": sub}
+        raw[section] = {**(sub or {}), leaf: value}
+    else:
+        raw[section] = value
+
+
+def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> SweepSpec:
+    """Check a spec mapping (as read from the file) and return it parsed; bad input is one ConfigError line."""
+    where = f"{source}: "
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}a sweep spec is a mapping of settings (key: value); see {EXAMPLE}")
+    sweep = {k: raw[k] for k in SWEEP_SECTIONS if k in raw}
+    run = {k: v for k, v in raw.items() if k not in SWEEP_SECTIONS}
+    if "model" not in sweep:
+        raise ConfigError(f"{where}model is required (model.factory and model.input_shape); see {EXAMPLE}")
+    if "grid" in run:
+        raise ConfigError(f"{where}grid: a sweep puts the values to try in search.space")
+    try:
+        sections = SweepSections.model_validate(sweep)
+    except ValidationError as e:
+        raise _pydantic_error(e, where) from None
+    spec = SweepSpec(sections, run, source, base_dir or os.getcwd())
+    cfg = spec.normalized()  # the shared run settings alone: their errors name the key
+    if cfg["data"]["train"] is None:
+        raise ConfigError(f"{where}data.train is required (a .npz file or sklearn:<name>)")
+    if cfg["data"]["order"] != "shared":
+        raise ConfigError(f"{where}data.order {cfg['data']['order']}: a sweep trains every trial on the shared "
+                          "batch order (per-model orders would tie a trial's batches to its place in an array)")
+    if spec.metric.startswith("eval") and not spec._has_eval():
+        raise ConfigError(f"{where}metric {spec.metric} needs held-out data: set data.eval or data.eval_fraction")
+    if spec.device.startswith("cuda") and spec.gpus == 0:
+        raise ConfigError(f"{where}device {spec.device} needs resources.gpus > 0 (a fraction shares one GPU)")
+    if sections.search is not None:
+        spec.check_params({k: None for k in sections.search.space if k != "seed"}, where + "search.space.")
+        for key in sections.search.space:
+            if spec.kind(key) == "per-model":
+                continue
+            if spec.kind(key) == "array":  # each value, with the rest of the run settings
+                for v in _values(sections.search.space[key]):
+                    spec.normalized({key: v}, f" (search.space {key} = {v!r})")
+    return spec
+
+
+def _values(v) -> list:
+    return v if isinstance(v, list) else [v.low, v.high]
+
+
+def load_spec(path: str | os.PathLike) -> SweepSpec:
+    """Read and check a sweep spec file (``.yaml``/``.yml``, or ``.toml`` on Python >= 3.11)."""
+    from onnxfuse.training.config import read_config_file
+
+    path = os.fspath(path)
+    raw = read_config_file(path, "sweep spec", EXAMPLE)
+    return parse_spec(raw, path, os.path.dirname(os.path.abspath(path)))

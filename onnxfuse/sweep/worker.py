@@ -1,0 +1,120 @@
+"""One array of a sweep, where it runs: fuse the trials' models, train the array, split it into one checkpoint per
+trial, and hand everything back as data (the driver writes it). It works in a temporary folder of its own, so a
+worker needs no storage shared with the driver; it runs the same in a Ray task and in the driver's process.
+
+Each trial's status: ``finished``; ``diverged`` (its loss or update became non-finite; it was frozen at its last
+finite state, ``on_diverge: freeze``); ``stopped`` (dropped by the run's own successive halving, or the whole run
+stopped by ``on_diverge: stop``). Its metrics are the last evaluation's (``eval_loss``, ``eval_accuracy``) and
+its last finite training loss (``train_loss``).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import socket
+import tempfile
+import time
+from typing import Callable
+
+from ..array import ArrayDir
+from .layout import TRIAL_ONNX, TRIAL_WEIGHTS
+
+__all__ = ["run_array", "node_of_this_process", "RESULT_COLUMNS"]
+
+RESULT_COLUMNS = ("status", "steps", "train_loss", "eval_loss", "eval_accuracy")
+Report = Callable[[dict], None]
+
+
+def node_of_this_process() -> dict:
+    """Where this code runs: host name, pid, and the Ray node's id when it runs in Ray."""
+    where = {"host": socket.gethostname(), "pid": os.getpid(), "node": ""}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            where["node"] = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return where
+
+
+def _num(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Report | None = None,
+              attempt: int = 1) -> dict:
+    """Train one planned array (``job``: an entry of plan.json's arrays) from its trials' exported models
+    (``models``: trial id -> ONNX bytes) on ``data``/``eval_data`` (a source name or a dict of arrays). ``report``
+    receives progress events: {"array", "attempt", "pid", "node", "step", "total"}."""
+    from onnxfuse.passes import fuse_models, save_array
+    from onnxfuse.split import model_steps, split_array
+    from onnxfuse.training import TrainConfig, train_array
+    from onnxfuse.training.run import TrainingStopped
+
+    where = node_of_this_process()
+    t0 = time.perf_counter()
+    last = [0.0]
+
+    def tell(step: int, total: int) -> None:
+        now = time.perf_counter()
+        if report is not None and (step in (0, total) or now - last[0] > 0.5):
+            last[0] = now
+            try:
+                report({"array": job["id"], "attempt": attempt, **where, "step": step, "total": total})
+            except Exception:  # progress is never worth a failed array
+                pass
+
+    trials = job["trials"]
+    tell(0, 0)
+    with tempfile.TemporaryDirectory(prefix=f"onnxfuse-sweep-{job['id']}-") as tmp:
+        paths = []
+        for tid in trials:
+            paths.append(os.path.join(tmp, f"{tid}.onnx"))
+            with open(paths[-1], "wb") as f:
+                f.write(models[tid])
+        array_dir = os.path.join(tmp, "array")
+        save_array(fuse_models(paths, labels=trials, per_model_inputs=job["per_model_inputs"]), array_dir)
+        config = TrainConfig.from_dict(job["settings"])
+        stopped = ""
+        try:
+            train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell)
+        except TrainingStopped as e:
+            stopped = str(e)
+        split_dir = os.path.join(tmp, "split")
+        split_array(array_dir, split_dir)
+        array = ArrayDir(array_dir)
+        state = array.trained()
+        with open(array.metrics_path, encoding="utf-8") as f:
+            metrics_csv = f.read()
+        rows = list(csv.DictReader(io.StringIO(metrics_csv)))
+        out = {"array": job["id"], "attempt": attempt, **where, "steps": state.steps, "stopped": stopped,
+               "metrics_csv": metrics_csv, "trials": {}}
+        for b, tid in enumerate(trials):
+            mine = [r for r in rows if r["model"] == str(b)]
+            train = [_num(r["loss"]) for r in mine if r["split"] == "train" and math.isfinite(_num(r["loss"]))]
+            evals = [r for r in mine if r["split"] == "eval"]
+            st = state.status.get(str(b))
+            status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
+                ("stopped" if stopped else "finished")
+            files = {}
+            for name, src in ((TRIAL_ONNX, f"model_{b}.onnx"), (TRIAL_WEIGHTS, f"model_{b}.safetensors")):
+                with open(os.path.join(split_dir, src), "rb") as f:
+                    files[name] = f.read()
+            out["trials"][tid] = {
+                "status": status, "steps": model_steps(st, state.steps),
+                "train_loss": train[-1] if train else math.nan,
+                "eval_loss": _num(evals[-1]["loss"]) if evals else math.nan,
+                "eval_accuracy": _num(evals[-1]["accuracy"]) if evals else math.nan,
+                "metrics": [{k: r[k] for k in ("step", "split", "loss", "accuracy", "lr", "elapsed_s", "status")}
+                            for r in mine],
+                "files": files}
+    out["elapsed_s"] = time.perf_counter() - t0
+    tell(out["steps"], out["steps"])
+    return out
+
