@@ -1,0 +1,368 @@
+"""`onnxfuse sweep`: the spec, grouping by graph identity, the arrays on a real Ray (local with 2 CPUs, and a
+two-node cluster from Ray's own test utility), every trial's weights against torch.optim training it alone,
+killed workers and drivers, and the Optuna helper."""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.exporters import zoo
+from onnxfuse.sweep import parse_spec, run_sweep
+from onnxfuse.sweep.planning import array_sizes, plan_sweep
+from onnxfuse.sweep.layout import SweepDir
+
+from conftest import rel_err
+
+SHAPE = [8, 3, 4, 4]  # zoo.MLP(in_features=48)
+LRS = [0.02, 0.005, 0.001]
+
+
+def data_file(folder, n=120, seed=0):
+    rng = np.random.default_rng(seed)
+    path = folder / "data.npz"
+    np.savez(path, input=rng.standard_normal([n] + SHAPE[1:]).astype(np.float32), labels=rng.integers(0, 10, n))
+    return path
+
+
+def base_spec(folder, steps=8, **over) -> dict:
+    raw = {"model": {"factory": "onnxfuse.exporters.zoo:MLP", "input_shape": SHAPE, "args": {"in_features": 48}},
+           "search": {"space": {"model.hidden": [16, 32], "optimizer.lr": LRS, "seed": [0, 1]}},
+           "arrays": {"size": 4}, "data": {"train": str(data_file(folder)), "eval_fraction": 0.25, "seed": 3},
+           "loss": "cross-entropy", "optimizer": {"name": "adamw"}, "steps": steps, "batch_size": 16,
+           "eval_every": 4}
+    raw.update(over)
+    return raw
+
+
+def write_spec(folder, raw) -> str:
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def rows(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def torch_alone(hidden, seed, lr, batches):
+    """The trial trained by itself: its model as the factory builds it, torch.optim.AdamW, its batches."""
+    torch.manual_seed(seed)
+    mod = zoo.MLP(in_features=48, hidden=hidden)
+    opt = torch.optim.AdamW(mod.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(mod.train()(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        opt.step()
+    return {k: v.detach().numpy() for k, v in mod.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------------- the spec
+def test_grid_and_random_trials(tmp_path):
+    spec = parse_spec(base_spec(tmp_path))
+    trials = spec.trials()
+    assert len(trials) == 12 and trials[0] == {"model.hidden": 16, "optimizer.lr": 0.02, "seed": 0}
+    assert trials[1]["seed"] == 1 and trials[-1] == {"model.hidden": 32, "optimizer.lr": 0.001, "seed": 1}
+    assert [spec.kind(k) for k in trials[0]] == ["model", "per-model", "seed"]
+    assert spec.kind("batch_size") == "array" and spec.metric == "eval_loss" and spec.direction == "minimize"
+    raw = base_spec(tmp_path, search={"method": "random", "samples": 5, "seed": 7, "space": {
+        "optimizer.lr": {"low": 1e-4, "high": 1e-1, "log": True}, "model.hidden": {"low": 8, "high": 64, "int": True}}})
+    a, b = parse_spec(raw).trials(), parse_spec(copy.deepcopy(raw)).trials()
+    assert a == b and len(a) == 5  # seeded
+    assert all(1e-4 <= t["optimizer.lr"] <= 1e-1 and isinstance(t["model.hidden"], int) for t in a)
+    assert len({t["optimizer.lr"] for t in a}) == 5
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.pop("model"), "model is required"),
+    (lambda r: r["model"].pop("input_shape"), "model.input_shape: is required"),
+    (lambda r: r.update(searhc={}), "unknown key 'searhc'"),
+    (lambda r: r["arrays"].update(size=0), "arrays.size"),
+    (lambda r: r.update(metric="accuracy"), "metric"),
+    (lambda r: r["search"].update(space={"optimizer.lr": {"low": 0.1, "high": 1}}), "a range, which a grid cannot"),
+    (lambda r: r["search"].update(method="random"), "needs search.samples"),
+    (lambda r: r.update(grid={"optimizer.lr": [0.1]}), "search.space"),
+    (lambda r: r["data"].update(order="per-model"), "shared batch order"),
+    (lambda r: (r["data"].pop("eval_fraction"), r.update(metric="eval_accuracy")), "metric eval_accuracy needs"),
+    (lambda r: r.update(device="cuda", resources={"gpus": 0}), "needs resources.gpus"),
+    (lambda r: r["search"]["space"].update(batch_size=[16, 0]), "batch_size = 0"),
+    (lambda r: r["search"]["space"].update(stepz=[1]), "unknown key 'stepz'"),
+    (lambda r: r.update(optimizer={"name": "adamw", "momentum": 0.9}), "optimizer.momentum"),
+])
+def test_bad_specs_are_one_line_errors(tmp_path, change, message):
+    raw = base_spec(tmp_path)
+    change(raw)
+    with pytest.raises(ConfigError) as e:
+        parse_spec(raw, "spec.yaml").trials()
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_array_sizes():
+    assert array_sizes(6, 4) == [3, 3] and array_sizes(7, 4) == [4, 3] and array_sizes(8, 4) == [4, 4]
+    assert array_sizes(1, 4) == [1] and array_sizes(5, 1) == [1] * 5 and array_sizes(9, 4) == [3, 3, 3]
+
+
+def test_groups_come_from_the_graphs_not_the_labels(tmp_path):
+    """A factory argument that leaves the graph alone shares an array; one that changes it never does; trials
+    that differ in an array-wide setting (batch_size) never share one either."""
+    (tmp_path / "models.py").write_text(
+        "from onnxfuse.exporters.zoo import MLP\n"
+        "def make(hidden=16, label='a'):\n"
+        "    return MLP(in_features=48, hidden=hidden)\n")
+    raw = base_spec(tmp_path, search={"space": {"model.label": ["a", "b"], "model.hidden": [16, 32],
+                                                "optimizer.lr": [0.01, 0.001]}}, arrays={"size": 8})
+    raw["model"] = {"factory": "models.py:make", "input_shape": SHAPE}
+    spec = parse_spec(raw, "spec.yaml", str(tmp_path))
+    sweep = SweepDir(tmp_path / "sw")
+    plan = plan_sweep(spec, spec.trials(), sweep, None, None, progress=False)
+    groups = [g["trials"] for g in plan["groups"]]
+    hidden = {t["id"]: t["params"]["model.hidden"] for t in plan["trials"]}
+    assert len(groups) == 2 and all(len(g) == 4 and len({hidden[t] for t in g}) == 1 for g in groups)
+    assert [len(a["trials"]) for a in plan["arrays"]] == [4, 4]
+    a0 = plan["arrays"][0]
+    assert a0["settings"]["lr"] == [plan["trials"][int(t[1:])]["params"]["optimizer.lr"] for t in a0["trials"]]
+    # the same with two batch sizes: four groups
+    raw["search"]["space"]["batch_size"] = [8, 16]
+    spec = parse_spec(raw, "spec.yaml", str(tmp_path))
+    plan = plan_sweep(spec, spec.trials(), SweepDir(tmp_path / "sw2"), None, None, progress=False)
+    assert len(plan["groups"]) == 4 and sorted({a["settings"]["batch_size"] for a in plan["arrays"]}) == [8, 16]
+
+
+# ------------------------------------------------------------------------------------------ a sweep on Ray
+@pytest.fixture(scope="module")
+def sweep12(tmp_path_factory):
+    """12 trials (2 architectures x 3 learning rates x 2 seeds) at B <= 4 on a local Ray with 2 CPUs."""
+    folder = tmp_path_factory.mktemp("sweep12")
+    raw = base_spec(folder)
+    res = run_sweep(write_spec(folder, raw), folder / "out", num_cpus=2, progress=False)
+    return folder, raw, res
+
+
+def test_sweep_forms_arrays_and_every_trial_trains_as_alone(sweep12):
+    from onnxfuse.training.data import BatchSampler
+    from onnxfuse.training.datasets import split_holdout
+    from safetensors.numpy import load_file
+
+    folder, raw, res = sweep12
+    out = SweepDir(folder / "out")
+    plan = json.load(open(out.plan_path))
+    assert len(plan["groups"]) == 2 and res.arrays == 4 and len(res.ran) == 4 and not res.failed
+    assert sorted(len(a["trials"]) for a in plan["arrays"]) == [3, 3, 3, 3]
+    table = rows(out.results_path)
+    assert len(table) == 12 and all(r["status"] == "finished" and r["steps"] == "8" for r in table)
+    losses = [float(r["eval_loss"]) for r in table]
+    assert losses == sorted(losses)  # best first
+    train, _ = split_holdout(dict(np.load(raw["data"]["train"])), 0.25, 3)
+    sampler = BatchSampler(len(train["labels"]), 16, True, 3)
+    batches = [(train["input"][i], train["labels"][i]) for i in (sampler.next() for _ in range(8))]
+    for t in plan["trials"]:
+        p = t["params"]
+        got = load_file(out.trial_file(t["id"], "model.safetensors"))
+        ref = torch_alone(p["model.hidden"], p["seed"], p["optimizer.lr"], batches)
+        assert sorted(got) == sorted(ref)
+        for k, v in ref.items():
+            assert rel_err(got[k], v) < 1e-4, (t["id"], k)
+
+
+def test_sweep_files(sweep12):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder, _, res = sweep12
+    out = SweepDir(folder / "out")
+    t = res.rows[0]["trial"]
+    curve = rows(out.trial_file(t, "metrics.csv"))
+    assert [r["step"] for r in curve if r["split"] == "eval"] == ["4", "8"]
+    ev = EventAccumulator(out.trial_path(t))
+    ev.Reload()
+    assert [s.step for s in ev.Scalars("eval/loss")] == [4, 8]
+    assert ev.Scalars("eval/loss")[-1].value == pytest.approx(float(res.rows[0]["eval_loss"]), rel=1e-6)
+    assert len(ev.Scalars("train/loss")) == 8
+    import onnx
+
+    onnx.checker.check_model(onnx.load(out.trial_file(t, "model.onnx")))
+    assert os.path.getsize(out.report_png_path) > 10_000 and "12 trials in 4 arrays" in open(out.report_md_path).read()
+    status = json.load(open(out.status_path))
+    assert status["done"] == 4 and status["queued"] == status["running"] == status["failed"] == 0
+
+
+def test_sweep_cli_errors(tmp_path, capsys, sweep12):
+    from onnxfuse.cli import main
+
+    folder, raw, _ = sweep12
+    spec = write_spec(tmp_path, raw)
+    for argv, message in ((["sweep", spec], "-o SWEEP_DIR"),
+                          (["sweep", spec, "-o", str(folder / "out")], "continue it with --resume"),
+                          (["sweep", "--resume", str(tmp_path)], "not a sweep folder"),
+                          (["sweep", spec, "--resume", str(folder / "out")], "give neither"),
+                          (["sweep", str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "o")], "does not exist")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    # resuming a finished sweep trains nothing
+    assert main(["sweep", "--resume", str(folder / "out"), "--cpus", "2", "-q"]) == 0
+    assert "0 arrays trained now" in capsys.readouterr().out
+
+
+def test_a_failing_array_is_retried_once_and_loses_no_other_result(tmp_path, capsys):
+    """batch_size 200 > the 90 training samples: that array fails in its worker, twice; the others finish."""
+    from onnxfuse.cli import main
+
+    raw = base_spec(tmp_path, search={"space": {"batch_size": [16, 200], "optimizer.lr": [0.01, 0.001]}})
+    assert main(["sweep", write_spec(tmp_path, raw), "-o", str(tmp_path / "out"), "--cpus", "2", "-q"]) == 5
+    out = SweepDir(tmp_path / "out")
+    table = {r["trial"]: r for r in rows(out.results_path)}
+    bad = [r for r in table.values() if r["status"] == "failed"]
+    assert len(bad) == 2 and all(r["attempts"] == "2" and "fewer than one batch" in r["error"] for r in bad)
+    assert sum(r["status"] == "finished" for r in table.values()) == 2
+    assert "2 of 4 trials have results" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------- killing workers and drivers
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out.update(kids)
+        todo.extend(kids)
+    return out
+
+
+def _wait_status(out: SweepDir, proc, ok, timeout=120) -> dict:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            st = json.load(open(out.status_path))
+        except (OSError, ValueError):
+            st = None
+        if st and ok(st):
+            return st
+        time.sleep(0.1)
+    raise AssertionError("the sweep never reached the state waited for")
+
+
+def _start(spec, out, *flags):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "onnxfuse", "sweep", spec, "-o", str(out), "-q", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_a_killed_worker_is_retried_and_every_result_is_there(tmp_path):
+    raw = base_spec(tmp_path, steps=1500, search={"space": {"optimizer.lr": LRS, "seed": [0, 1]}},
+                    arrays={"size": 3}, eval_every=500)
+    out = SweepDir(tmp_path / "out")
+    proc = _start(write_spec(tmp_path, raw), out.path, "--cpus", "2")
+    try:
+        st = _wait_status(out, proc, lambda s: any(a["state"] == "running" and a.get("step", 0) > 0
+                                                  for a in s["arrays"].values()))
+        victim, info = next((k, a) for k, a in st["arrays"].items() if a["state"] == "running" and a.get("step"))
+        os.kill(info["pid"], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert f"array {victim} failed (attempt 1" in stderr
+    result = json.load(open(out.result_path(victim)))
+    assert result["state"] == "done" and result["attempts"] == 2 and result["pid"] != info["pid"]
+    table = rows(out.results_path)
+    assert len(table) == 6 and all(r["status"] == "finished" and r["steps"] == "1500" for r in table)
+
+
+def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path):
+    raw = base_spec(tmp_path, steps=400, arrays={"size": 3}, eval_every=200)
+    out = SweepDir(tmp_path / "out")
+    proc = _start(write_spec(tmp_path, raw), out.path, "--cpus", "1")
+    try:
+        _wait_status(out, proc, lambda s: s["done"] >= 1 and s["running"] >= 1 and s["done"] < 4)
+        family = _descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+    finally:
+        proc.kill()
+    for pid in family:  # Ray's processes of the killed driver's own local cluster (its agents outlive it)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    done = {a: open(out.result_path(a), "rb").read() for a in sorted(os.listdir(os.path.join(out.path, "arrays")))
+            if os.path.exists(out.result_path(a))}
+    assert 1 <= len(done) < 4
+    res = run_sweep(None, out.path, resume=True, num_cpus=2, progress=False)
+    assert sorted(res.ran) == sorted(set(json.load(open(out.plan_path))["arrays"][k]["id"] for k in range(4)) - set(done))
+    for a, before in done.items():  # not trained again: the very same result
+        assert open(out.result_path(a), "rb").read() == before
+    table = rows(out.results_path)
+    assert len(table) == 12 and all(r["status"] == "finished" for r in table)
+
+
+# ----------------------------------------------------------------------------------- a two-node Ray cluster
+def test_sweep_on_a_two_node_cluster(tmp_path):
+    """Ray's own test-cluster utility: a head node and a second node, one CPU each, on this machine."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        raw = base_spec(tmp_path, steps=40, arrays={"size": 3}, eval_every=20)
+        res = run_sweep(write_spec(tmp_path, raw), tmp_path / "out", address=cluster.address, progress=False)
+        assert not ray.is_initialized()  # run_sweep connected, and disconnected
+    finally:
+        cluster.shutdown()
+    out = SweepDir(tmp_path / "out")
+    nodes = {json.load(open(out.result_path(a)))["node"] for a in res.ran}
+    assert len(res.ran) == 4 and len(nodes) == 2
+    assert len(res.rows) == 12 and all(r["status"] == "finished" for r in res.rows)
+
+
+# -------------------------------------------------------------------------------------------------- Optuna
+def test_optuna_study_runs_as_arrays(tmp_path):
+    import optuna
+
+    from onnxfuse.integrations.optuna import optimize
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    raw = base_spec(tmp_path, search={"method": "random", "samples": 1, "space": {
+        "optimizer.lr": {"low": 1e-3, "high": 3e-2, "log": True}, "model.hidden": [16, 32]}})
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0))
+    results = optimize(study, parse_spec(raw, "spec", str(tmp_path)), n_trials=8, out_dir=tmp_path / "study",
+                       batch=4, num_cpus=2, progress=False)
+    assert len(results) == 2 and len(study.trials) == 8
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    for res, trials in zip(results, (study.trials[:4], study.trials[4:])):
+        plan = json.load(open(os.path.join(res.path, "plan.json")))
+        assert len(plan["arrays"]) < 4  # fused: fewer arrays than trials
+        by_id = {r["trial"]: r for r in res.rows}
+        for i, t in enumerate(trials):
+            row = by_id[t.user_attrs["onnxfuse.trial"]]
+            assert row["trial"] == f"t{i:03d}" and t.value == pytest.approx(row["eval_loss"])
+            assert t.params["optimizer.lr"] == row["optimizer.lr"]
+    with pytest.raises(ConfigError, match="direction"):
+        optimize(optuna.create_study(direction="maximize"), parse_spec(raw, "spec", str(tmp_path)), 1, tmp_path / "x")
+
+
+def test_resume_refuses_a_folder_that_is_no_sweep(tmp_path):
+    with pytest.raises(InputFileError, match="not a sweep folder"):
+        run_sweep(None, tmp_path, resume=True)
