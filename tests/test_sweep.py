@@ -289,9 +289,12 @@ def test_a_killed_worker_is_retried_and_every_result_is_there(tmp_path):
     assert len(table) == 6 and all(r["status"] == "finished" and r["steps"] == "1500" for r in table)
 
 
-def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path):
-    raw = base_spec(tmp_path, steps=400, arrays={"size": 3}, eval_every=200)
+@pytest.mark.parametrize("halving", [False, True])
+def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path, halving):
+    """Killed while the arrays (with halving: of the first rung) are half done; --resume runs only the rest."""
+    raw = base_spec(tmp_path, steps=400, arrays={"size": 3}, eval_every=200, **({"halving": [200]} if halving else {}))
     out = SweepDir(tmp_path / "out")
+    record = out.segment_path if halving else (lambda a, k: out.result_path(a))
     proc = _start(write_spec(tmp_path, raw), out.path, "--cpus", "1")
     try:
         _wait_status(out, proc, lambda s: s["done"] >= 1 and s["running"] >= 1 and s["done"] < 4)
@@ -305,15 +308,18 @@ def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    done = {a: open(out.result_path(a), "rb").read() for a in sorted(os.listdir(os.path.join(out.path, "arrays")))
-            if os.path.exists(out.result_path(a))}
+    arrays = [a["id"] for a in json.load(open(out.plan_path))["arrays"]]
+    done = {a: open(record(a, 0), "rb").read() for a in arrays if os.path.exists(record(a, 0))}
     assert 1 <= len(done) < 4
     res = run_sweep(None, out.path, resume=True, num_cpus=2, progress=False)
-    assert sorted(res.ran) == sorted(set(json.load(open(out.plan_path))["arrays"][k]["id"] for k in range(4)) - set(done))
-    for a, before in done.items():  # not trained again: the very same result
-        assert open(out.result_path(a), "rb").read() == before
+    if not halving:
+        assert sorted(res.ran) == sorted(set(arrays) - set(done))
+    for a, before in done.items():  # not trained again: the very same record
+        assert open(record(a, 0), "rb").read() == before
     table = rows(out.results_path)
-    assert len(table) == 12 and all(r["status"] == "finished" for r in table)
+    assert len(table) == 12 and all(r["status"] in ("finished", "stopped") for r in table)
+    if halving:
+        assert sorted(int(r["steps"]) for r in table) == [200] * 6 + [400] * 6
 
 
 # ----------------------------------------------------------------------------------- a two-node Ray cluster
@@ -366,3 +372,46 @@ def test_optuna_study_runs_as_arrays(tmp_path):
 def test_resume_refuses_a_folder_that_is_no_sweep(tmp_path):
     with pytest.raises(InputFileError, match="not a sweep folder"):
         run_sweep(None, tmp_path, resume=True)
+
+
+# --------------------------------------------------------------------------- successive halving across arrays
+def test_successive_halving_across_arrays(tmp_path):
+    """8 trials in 4 arrays of 2; rungs at steps 4 and 8 keep the best half of the trials still training, by eval
+    loss at the rung, whatever array they are in. A survivor equals its trial trained alone for all 12 steps; a
+    trial stopped at a rung equals it trained alone up to that rung."""
+    from onnxfuse.training.data import BatchSampler
+    from onnxfuse.training.datasets import split_holdout
+    from safetensors.numpy import load_file
+
+    raw = base_spec(tmp_path, steps=12, halving=[4, 8], search={"space": {"model.hidden": [16, 32],
+                                                                          "optimizer.lr": [0.03, 0.01, 0.003, 0.001]}},
+                    arrays={"size": 2})
+    res = run_sweep(write_spec(tmp_path, raw), tmp_path / "out", num_cpus=2, progress=False)
+    out = SweepDir(tmp_path / "out")
+    plan = json.load(open(out.plan_path))
+    assert plan["halving"] == {"steps": [4, 8], "keep": 0.5} and res.arrays == 4
+    decisions = json.load(open(out.halving_path))
+    assert [len(d["survivors"]) for d in decisions] == [4, 2]
+    # each rung's decision, from the trials' own eval curves
+    evals = {t["id"]: {int(r["step"]): float(r["loss"]) for r in rows(out.trial_file(t["id"], "metrics.csv"))
+                       if r["split"] == "eval"} for t in plan["trials"]}
+    alive = sorted(evals)
+    for d in decisions:
+        best = sorted(alive, key=lambda t: (evals[t][d["step"]], t))[:len(alive) // 2]
+        assert d["survivors"] == sorted(best)
+        alive = sorted(best)
+    steps = {r["trial"]: int(r["steps"]) for r in res.rows}
+    status = {r["trial"]: r["status"] for r in res.rows}
+    assert sorted(steps.values()) == [4, 4, 4, 4, 8, 8, 12, 12]
+    assert all(status[t] == ("finished" if steps[t] == 12 else "stopped") for t in steps)
+    train, _ = split_holdout(dict(np.load(raw["data"]["train"])), 0.25, 3)
+    sampler = BatchSampler(len(train["labels"]), 16, True, 3)
+    batches = [(train["input"][i], train["labels"][i]) for i in (sampler.next() for _ in range(12))]
+    for t in plan["trials"]:
+        p = t["params"]
+        got = load_file(out.trial_file(t["id"], "model.safetensors"))
+        ref = torch_alone(p["model.hidden"], 0, p["optimizer.lr"], batches[:steps[t["id"]]])
+        for k, v in ref.items():
+            assert rel_err(got[k], v) < 1e-4, (t["id"], k)
+    assert not [f for a in os.listdir(os.path.join(out.path, "arrays"))
+                for f in os.listdir(out.array_path(a)) if f.endswith(".tar")]  # no segment folder left

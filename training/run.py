@@ -614,7 +614,8 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
                 eval_data=None, resume: bool = False, overrides: dict | None = None,
-                on_step: Callable[[int, int], None] | None = None) -> TrainResult:
+                on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
+                keep: Sequence[int] | None = None) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
     there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
@@ -625,16 +626,24 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     run's outputs move to ``runs/<its id>/``. ``resume``: continue the current run from its newest checkpoint,
     with its saved settings unless ``config`` is given (``overrides`` changes single settings, e.g. more steps);
     settings other than ``RESUMABLE`` and the data must be the run's own. ``on_step(step, total)`` is called
-    after every step (a sweep reports progress with it)."""
+    after every step (a sweep reports progress with it).
+
+    For a sweep's successive halving across arrays: ``stop_at`` ends the run at that step with a checkpoint there
+    (its schedules still span every step, so ``resume`` continues exactly); ``keep`` (with ``resume``) keeps only
+    those models (original indices), the others dropped at the checkpoint's step."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
+    if keep is not None and not resume:
+        raise ConfigError("keep applies to a resumed run (the models to continue)")
     with ArrayDir(array_dir).locked("train"):
-        return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step)
+        return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step,
+                      stop_at, keep)
 
 
 def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config: TrainConfig | None,
            progress: bool, eval_data, resume: bool, overrides: dict | None,
-           on_step: Callable[[int, int], None] | None = None) -> TrainResult:
+           on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
+           keep: Sequence[int] | None = None) -> TrainResult:
     from tqdm import tqdm
 
     ckpt, saved = _resume_point(array_dir) if resume else (None, None)
@@ -675,6 +684,18 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         # a fresh run's outputs begin once its first step has trained (see below): until then a failure leaves
         # the folder as it was
         metrics = _Metrics(metrics_path, run_id, run.step) if ckpt is not None else None
+        if keep is not None:
+            positions = [i for i, b in enumerate(run.models) if b in set(keep)]
+            if not positions:
+                raise ConfigError(f"keep: none of models {sorted(keep)} is in the array (its models: {run.models})")
+            if len(positions) < len(run.models):
+                before = list(run.models)
+                run.keep(positions, "dropped")
+                sampler.keep(positions)
+                metrics.write([{"step": run.step, "model": b, "split": "train", "loss": "", "accuracy": "",
+                                "lr": "", "elapsed_s": f"{elapsed0:.4f}", "status": "dropped"}
+                               for b in before if b not in run.models])
+        end = total if stop_at is None else min(stop_at, total)
         data_record = {"_data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else None,
                        "_eval_data": os.fspath(eval_data) if isinstance(eval_data, (str, os.PathLike)) else None}
         run.config_record = {**config.as_dict(), **data_record}  # what a checkpoint needs to resume by itself
@@ -683,7 +704,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         t0 = time.perf_counter() - elapsed0
         samples, stopped = 0, None
         try:
-            while run.step < total:
+            while run.step < end:
                 run.step += 1
                 values = run.schedules.values(run.active)
                 losses = run.trainer.step(_batch(train_ds, sampler.next(), run), values)
@@ -726,6 +747,9 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                     on_step(run.step, total)
             if eval_ds is not None and run.last_eval_step != run.step:
                 _evaluate(run, eval_ds, metrics, time.perf_counter() - t0)
+            if stop_at is not None and not stopped and run.step < total and \
+                    not os.path.isdir(run.array.checkpoint_path(run.step)):  # where a resumed run continues
+                _checkpoint(run, sampler, time.perf_counter() - t0)
         except Exception as e:
             user = _as_run_error(e, array_dir, run_id, metrics is not None)
             if user is None:

@@ -18,6 +18,7 @@ and writes every result into the sweep folder as it arrives.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Callable
 from ..errors import ConfigError, InputFileError
 from .layout import SweepDir
 from .planning import plan_sweep
-from .report import collect, failed_result, write_array_result, write_report
+from .report import collect, end_after_rung, failed_result, write_array_result, write_report
 from .spec import SweepSpec, load_spec, parse_spec
 
 __all__ = ["run_sweep", "SweepResult"]
@@ -52,12 +53,12 @@ def _one_line(e: BaseException) -> str:
     return (text or type(e).__name__)[:500]
 
 
-def _array_task(job: dict, models: dict, data, eval_data, queue, attempt: int) -> dict:
+def _array_task(job: dict, models: dict, data, eval_data, queue, attempt: int, segment: dict | None) -> dict:
     """The body of an array's Ray task."""
     from .worker import run_array
 
     return run_array(job, models, data, eval_data, report=queue.put_nowait if queue is not None else None,
-                     attempt=attempt)
+                     attempt=attempt, segment=segment)
 
 
 def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
@@ -121,18 +122,15 @@ def _data_ref(source):
 
 
 class _Progress:
-    """status.json and the bar: every array done / running / queued / failed."""
+    """status.json and the bar: every array of the current segment done / running / queued / failed."""
 
-    def __init__(self, sweep: SweepDir, plan: dict, show: bool):
+    def __init__(self, sweep: SweepDir, jobs: list[dict], done: list[str], segment: str, show: bool):
         from tqdm import tqdm
 
-        self.sweep = sweep
-        self.state: dict[str, dict] = {}
-        for a in plan["arrays"]:
-            res = sweep.result(a["id"])
-            self.state[a["id"]] = {"state": "done" if res and res["state"] == "done" else "queued",
-                                   "trials": len(a["trials"])}
-        self.bar = tqdm(total=len(plan["arrays"]), initial=self.count("done"), unit="array", desc="sweep",
+        self.sweep, self.segment = sweep, segment
+        self.state: dict[str, dict] = {aid: {"state": "done"} for aid in done}
+        self.state.update({j["id"]: {"state": "queued", "trials": len(j["trials"])} for j in jobs})
+        self.bar = tqdm(total=len(self.state), initial=len(done), unit="array", desc=f"sweep{segment}",
                         disable=not show, dynamic_ncols=True)
         self.write()
 
@@ -146,7 +144,7 @@ class _Progress:
 
     def set(self, aid: str, state: str, **info) -> None:
         before = self.state[aid]["state"]
-        self.state[aid] = {"state": state, "trials": self.state[aid]["trials"], **info}
+        self.state[aid] = {"state": state, "trials": self.state[aid].get("trials"), **info}
         if state in ("done", "failed") and before not in ("done", "failed"):
             self.bar.update(1)
 
@@ -157,80 +155,150 @@ class _Progress:
         self.bar.set_postfix_str(", ".join(f"{v} {k}" for k, v in counts.items()) +
                                  (f" | {', '.join(running)}" if running else ""))
         self.sweep.write_json(self.sweep.status_path, {"updated": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                       **counts, "arrays": self.state})
+                                                       "segment": self.segment.strip(" ()"), **counts,
+                                                       "arrays": self.state})
 
     def close(self) -> None:
         self.bar.close()
 
 
-def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tuple[list[str], list[str]]:
-    import ray
-    from ray.util.queue import Empty, Queue
+class _Runner:
+    """Ray tasks for arrays: submitted, retried, their progress shown and their results written as they come."""
 
-    todo = [a for a in plan["arrays"] if (sweep.result(a["id"]) or {}).get("state") != "done"]
-    if len(todo) < len(plan["arrays"]):
-        log.info("%d of %d arrays are done already; running %d", len(plan["arrays"]) - len(todo),
-                 len(plan["arrays"]), len(todo))
-    if not todo:
-        return [], []
-    params = {t["id"]: t["params"] for t in plan["trials"]}
-    queue = Queue(actor_options={"num_cpus": 0})
-    task = ray.remote(_array_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=0,
-                                           scheduling_strategy="SPREAD")
-    data = {}
-    for a in todo:
-        for src in (a["data"], a["eval_data"]):
-            if src not in data:
-                data[src] = _data_ref(src)
-    pending = {}
+    def __init__(self, sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool):
+        import ray
+        from ray.util.queue import Queue
 
-    def submit(job: dict, attempt: int) -> None:
+        self.sweep, self.spec, self.show = sweep, spec, progress
+        self.params = {t["id"]: t["params"] for t in plan["trials"]}
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self.task = ray.remote(_array_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=0,
+                                                    scheduling_strategy="SPREAD")
+        self.data: dict = {}
+        self.ran: list[str] = []
+        self.failed: list[str] = []
+
+    def _submit(self, pending: dict, job: dict, seg: dict | None, k: int | None, attempt: int) -> None:
         models = {}
         for tid in job["trials"]:
-            with open(sweep.model_path(tid), "rb") as f:
+            with open(self.sweep.model_path(tid), "rb") as f:
                 models[tid] = f.read()
-        ref = task.remote(job, models, data[job["data"]], data[job["eval_data"]], queue, attempt)
-        pending[ref] = (job, attempt)
+        sent = seg
+        if seg is not None and k:  # the array's folder where the previous segment stopped
+            with open(self.sweep.state_path(job["id"], k - 1), "rb") as f:
+                sent = {**seg, "state": f.read()}
+        for src in (job["data"], job["eval_data"]):
+            if src not in self.data:
+                self.data[src] = _data_ref(src)
+        ref = self.task.remote(job, models, self.data[job["data"]], self.data[job["eval_data"]], self.queue,
+                               attempt, sent)
+        pending[ref] = (job, seg, k, attempt)
 
-    bar = _Progress(sweep, plan, progress)
-    ran, failed = [], []
-    try:
-        for job in todo:
-            submit(job, 1)
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-            while True:
-                try:
-                    bar.event(queue.get_nowait())
-                except Empty:
-                    break
-            for ref in ready:
-                job, attempt = pending.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except Exception as e:  # the task raised, or its worker or node died
-                    why = _one_line(e)
-                    if attempt <= spec.sections.retries:
-                        log.warning("array %s failed (attempt %d: %s); running it again", job["id"], attempt, why)
-                        bar.set(job["id"], "queued", attempt=attempt + 1)
-                        submit(job, attempt + 1)
-                    else:
-                        log.error("array %s failed %d time(s), its trials have no result: %s", job["id"], attempt,
-                                  why)
-                        failed_result(sweep, job, attempt, why)
-                        bar.set(job["id"], "failed", attempts=attempt, error=why)
-                        failed.append(job["id"])
-                    continue
-                rec = write_array_result(sweep, job, out, attempt, params)
-                bar.set(job["id"], "done", attempts=attempt, host=rec["host"], node=rec["node"],
-                        elapsed_s=round(rec["elapsed_s"], 2))
-                ran.append(job["id"])
-            bar.write()
-    finally:
-        bar.close()
-        for ref in pending:
-            ray.cancel(ref, force=True)
-    return ran, failed
+    def run(self, work: list[tuple[dict, dict | None]], k: int | None, done: list[str], label: str) -> None:
+        """Run every (job, segment) of ``work``; ``k``: the segment's index (None: the whole run)."""
+        import ray
+        from ray.util.queue import Empty
+
+        pending: dict = {}
+        bar = _Progress(self.sweep, [j for j, _ in work], done, label, self.show)
+        try:
+            for job, seg in work:
+                self._submit(pending, job, seg, k, 1)
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+                while True:
+                    try:
+                        bar.event(self.queue.get_nowait())
+                    except Empty:
+                        break
+                for ref in ready:
+                    job, seg, k, attempt = pending.pop(ref)
+                    try:
+                        out = ray.get(ref)
+                    except Exception as e:  # the task raised, or its worker or node died
+                        why = _one_line(e)
+                        if attempt <= self.spec.sections.retries:
+                            log.warning("array %s failed (attempt %d: %s); running it again", job["id"], attempt,
+                                        why)
+                            bar.set(job["id"], "queued", attempt=attempt + 1)
+                            self._submit(pending, job, seg, k, attempt + 1)
+                        else:
+                            log.error("array %s failed %d time(s), its trials have no result: %s", job["id"],
+                                      attempt, why)
+                            failed_result(self.sweep, job, attempt, why)
+                            bar.set(job["id"], "failed", attempts=attempt, error=why)
+                            self.failed.append(job["id"])
+                        continue
+                    last = seg is None or seg.get("until") is None
+                    rec = write_array_result(self.sweep, job, out, attempt, self.params, None if last else k)
+                    bar.set(job["id"], "done", attempts=attempt, host=rec["host"], node=rec["node"],
+                            elapsed_s=round(rec["elapsed_s"], 2))
+                    if job["id"] not in self.ran:
+                        self.ran.append(job["id"])
+                bar.write()
+        finally:
+            bar.close()
+            for ref in pending:
+                ray.cancel(ref, force=True)
+
+
+def _survivors(sweep: SweepDir, plan: dict, alive: list[str], k: int) -> list[str]:
+    """Rung k's decision: of the trials still training in the arrays ``alive``, the best ``halving.keep`` by the
+    plan's metric at the rung (diverged ones last, ties by trial id), at least one."""
+    metric, sign = plan["metric"], (1 if plan["direction"] == "minimize" else -1)
+    cands = []
+    for aid in alive:
+        rec = sweep.read_json(sweep.segment_path(aid, k), "a segment record")
+        for tid, t in rec["trials"].items():
+            if t["status"] in ("finished", "diverged"):
+                v = t.get(metric)
+                ok = t["status"] == "finished" and v is not None and math.isfinite(v)
+                cands.append(((0, sign * v) if ok else (1, 0.0), tid))
+    n = max(1, math.ceil(len(cands) * plan["halving"]["keep"]))
+    return sorted(tid for _, tid in sorted(cands)[:n])
+
+
+def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tuple[list[str], list[str]]:
+    arrays = {a["id"]: a for a in plan["arrays"]}
+    alive = {aid: None for aid in arrays if (sweep.result(aid) or {}).get("state") != "done"}
+    if len(alive) < len(arrays):
+        log.info("%d of %d arrays are done already; running %d", len(arrays) - len(alive), len(arrays), len(alive))
+    if not alive:
+        return [], []
+    runner = _Runner(sweep, spec, plan, progress)
+    rungs = (plan.get("halving") or {}).get("steps", [])
+    if not rungs:
+        runner.run([(arrays[aid], None) for aid in alive], None, [a for a in arrays if a not in alive], "")
+        return runner.ran, runner.failed
+    decisions = sweep.read_json(sweep.halving_path, "halving.json") if os.path.exists(sweep.halving_path) else []
+    for k in range(len(rungs) + 1):
+        until = rungs[k] if k < len(rungs) else None
+        todo = [aid for aid in alive if until is None or not os.path.exists(sweep.segment_path(aid, k))]
+        label = f" (rung {k + 1} of {len(rungs)}: to step {until})" if until else " (after the last rung)"
+        runner.run([(arrays[aid], {"until": until, "keep": alive[aid]}) for aid in todo], k,
+                   [aid for aid in alive if aid not in todo], label)
+        alive = {aid: keep for aid, keep in alive.items() if aid not in runner.failed}
+        if until is None or not alive:
+            break
+        if k >= len(decisions):  # (a resumed sweep keeps the decisions made before)
+            decisions.append({"step": until, "survivors": _survivors(sweep, plan, list(alive), k)})
+            sweep.write_json(sweep.halving_path, decisions)
+        log.info("rung %d (step %d): %d trials go on: %s", k + 1, until, len(decisions[k]["survivors"]),
+                 ", ".join(decisions[k]["survivors"]))
+        alive = _going(sweep, arrays, alive, k, decisions)
+    return runner.ran, runner.failed
+
+
+def _going(sweep: SweepDir, arrays: dict, alive: dict, k: int, decisions: list) -> dict:
+    """The arrays that go on after rung k, each with the places of its survivors; the others end there."""
+    kept, going = set(decisions[k]["survivors"]), {}
+    for aid in alive:
+        keep = [i for i, tid in enumerate(arrays[aid]["trials"]) if tid in kept]
+        if keep:
+            going[aid] = keep
+        elif (sweep.result(aid) or {}).get("state") != "done":
+            end_after_rung(sweep, arrays[aid], k)
+    return going
 
 
 def _ray_sizer(spec: SweepSpec) -> Callable[[str, dict], tuple[int, str]]:

@@ -7,6 +7,9 @@ storage shared with them.
     models/<trial>.onnx          each trial's model as exported, with its initial weights
     arrays/<array>/result.json   an array's outcome, written last: its presence means the array is done
     arrays/<array>/metrics.csv   the array's metrics (model = the trial's place in the array)
+    arrays/<array>/segment_<k>.json, state_<k>.tar   with successive halving: the array's results at rung k, and
+                                 its folder there (where the next segment goes on from)
+    halving.json                 with successive halving: each rung's survivors
     trials/<trial>/              model.onnx + model.safetensors (its trained weights, split out of the array),
                                  metrics.csv, and TensorBoard event files (one run per trial)
     status.json                  live: every array done / running (pid, node, step) / queued / failed
@@ -30,7 +33,7 @@ __all__ = ["SweepDir"]
 SPEC, PLAN, STATUS, RESULTS, REPORT_MD, REPORT_PNG = ("spec.json", "plan.json", "status.json", "results.csv",
                                                      "report.md", "report.png")
 MODELS, ARRAYS, TRIALS = "models", "arrays", "trials"
-RESULT, METRICS = "result.json", "metrics.csv"
+RESULT, METRICS, HALVING = "result.json", "metrics.csv", "halving.json"
 TRIAL_ONNX, TRIAL_WEIGHTS = "model.onnx", "model.safetensors"
 LOCK = ".onnxfuse-sweep.lock"
 
@@ -60,6 +63,14 @@ class SweepDir:
 
     def result_path(self, array: str) -> str:
         return self._join(ARRAYS, array, RESULT)
+
+    def segment_path(self, array: str, k: int) -> str:
+        return self._join(ARRAYS, array, f"segment_{k}.json")
+
+    def state_path(self, array: str, k: int | str) -> str:
+        return self._join(ARRAYS, array, f"state_{k}.tar")
+
+    halving_path = property(lambda self: self._join(HALVING))
 
     def array_metrics_path(self, array: str) -> str:
         return self._join(ARRAYS, array, METRICS)

@@ -169,5 +169,12 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
         a["id"] = f"a{k:0{awidth}d}"
     log.info("planned %d trials in %d group(s) of identical graphs and %d arrays", len(trials), len(groups),
              len(arrays))
+    halving = None
+    if spec.halving:
+        steps = {a["settings"]["steps"] for a in arrays}
+        if max(steps) <= spec.halving[-1]:
+            raise ConfigError(f"{spec.source}: halving step {spec.halving[-1]} is not before the last of "
+                              f"{max(steps)} steps; halving steps must be < steps")
+        halving = {"steps": spec.halving, "keep": spec.halving_keep}
     return {"trials": trials, "groups": group_records, "arrays": arrays, "metric": spec.metric,
-            "direction": spec.direction}
+            "direction": spec.direction, "halving": halving}

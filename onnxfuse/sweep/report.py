@@ -16,7 +16,7 @@ import shutil
 from .layout import METRICS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
 from .worker import RESULT_COLUMNS
 
-__all__ = ["write_array_result", "failed_result", "collect", "write_report", "table"]
+__all__ = ["write_array_result", "end_after_rung", "failed_result", "collect", "write_report", "table"]
 
 log = logging.getLogger("onnxfuse.sweep")
 TRIAL_METRICS = ("step", "split", "loss", "accuracy", "lr", "elapsed_s", "status")
@@ -55,9 +55,47 @@ def _float(text) -> float:
         return math.nan
 
 
-def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, params: dict[str, dict]) -> dict:
-    """Write a finished array's trials (weights, metrics, event files), its metrics, then its result.json (last:
-    its presence marks the array done). Returns the result record."""
+def _record(job: dict, out: dict, attempts: int) -> dict:
+    return {"array": job["id"], "state": "done", "attempts": attempts,
+            **{k: out[k] for k in ("host", "node", "pid", "steps", "elapsed_s", "stopped")},
+            "trials": {tid: {k: t[k] for k in RESULT_COLUMNS} for tid, t in out["trials"].items()}}
+
+
+def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, params: dict[str, dict],
+                       segment: int | None = None) -> dict:
+    """Write an array's trials (weights, metrics, event files) and its metrics as they are now, then its
+    result.json (last: its presence marks the array done); with ``segment`` k (successive halving), its folder as
+    ``state_<k>.tar`` and ``segment_<k>.json`` instead: the array stopped at rung k. Returns the record."""
+    _write_trials(sweep, job, out, params)
+    record = _record(job, out, attempts)
+    if segment is None:
+        sweep.write_json(sweep.result_path(job["id"]), record)
+        for old in glob.glob(sweep.state_path(job["id"], "*")):  # the segments' folders: no segment follows
+            os.remove(old)
+    else:
+        from .._io import atomic_write_bytes
+
+        atomic_write_bytes(sweep.state_path(job["id"], segment), out["state"])
+        sweep.write_json(sweep.segment_path(job["id"], segment), record)
+        if segment > 0 and os.path.exists(sweep.state_path(job["id"], segment - 1)):
+            os.remove(sweep.state_path(job["id"], segment - 1))
+    return record
+
+
+def end_after_rung(sweep: SweepDir, job: dict, segment: int) -> dict:
+    """An array none of whose trials survived rung ``segment``: its result is its state there, every trial that
+    was still training stopped."""
+    record = sweep.read_json(sweep.segment_path(job["id"], segment), "a segment record")
+    for t in record["trials"].values():
+        if t["status"] == "finished":
+            t["status"] = "stopped"
+    sweep.write_json(sweep.result_path(job["id"]), record)
+    if os.path.exists(sweep.state_path(job["id"], segment)):
+        os.remove(sweep.state_path(job["id"], segment))
+    return record
+
+
+def _write_trials(sweep: SweepDir, job: dict, out: dict, params: dict[str, dict]) -> None:
     for tid, t in out["trials"].items():
         folder = sweep.trial_path(tid)
         if os.path.isdir(folder):  # an earlier attempt's, from a driver killed while writing
@@ -74,11 +112,6 @@ def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, par
     os.makedirs(sweep.array_path(job["id"]), exist_ok=True)
     with open(sweep.array_metrics_path(job["id"]), "w", encoding="utf-8") as f:
         f.write(out["metrics_csv"])
-    record = {"array": job["id"], "state": "done", "attempts": attempts,
-              **{k: out[k] for k in ("host", "node", "pid", "steps", "elapsed_s", "stopped")},
-              "trials": {tid: {k: t[k] for k in RESULT_COLUMNS} for tid, t in out["trials"].items()}}
-    sweep.write_json(sweep.result_path(job["id"]), record)
-    return record
 
 
 def failed_result(sweep: SweepDir, job: dict, attempts: int, error: str) -> dict:

@@ -10,6 +10,9 @@ trial shares, without its ``model`` and ``grid`` sections, plus the sections of 
     arrays      size (a number, or auto: the array-sizing planner, run on a worker), max_size
     resources   cpus, gpus per array (Ray resources; a fraction of a GPU shares it)
     retries     how often a failed array is run again (default 1)
+    halving     the run setting, sweep-wide: at each of these steps every array stops, the best ``halving_keep``
+                of all trials still training (by the metric at that step) go on, the others stop there; an array
+                goes on with its survivors (re-fused, with their optimizer state), an array with none ends
 
 What a search-space key changes decides where the trials it tells apart can train:
 
@@ -30,7 +33,7 @@ import copy
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 import numpy as np
@@ -122,6 +125,8 @@ class SweepSpec:
     run: dict
     source: str
     base_dir: str
+    halving: list[int] = field(default_factory=list)  # sweep-wide successive halving: the rung steps
+    halving_keep: float = 0.5
 
     @property
     def model(self) -> ModelSection:
@@ -154,7 +159,8 @@ class SweepSpec:
 
     def as_dict(self) -> dict:
         """What a sweep folder keeps of the spec (``parse_spec`` reads it back)."""
-        return {**self.sections.model_dump(by_alias=True, exclude_none=True), **copy.deepcopy(self.run)}
+        halving = {"halving": self.halving, "halving_keep": self.halving_keep} if self.halving else {}
+        return {**self.sections.model_dump(by_alias=True, exclude_none=True), **copy.deepcopy(self.run), **halving}
 
     # ---------------------------------------------------------------------------------------------- keys
     def per_model_keys(self) -> list[str]:
@@ -244,6 +250,12 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
         raise _pydantic_error(e, where) from None
     spec = SweepSpec(sections, run, source, base_dir or os.getcwd())
     cfg = spec.normalized()  # the shared run settings alone: their errors name the key
+    if cfg["halving"]:  # across the sweep, not within each array
+        if cfg["steps"] is None:
+            raise ConfigError(f"{where}halving in a sweep needs steps (not epochs): the rungs are steps of every "
+                              "array")
+        spec.halving, spec.halving_keep = list(cfg["halving"]), cfg["halving_keep"]
+        spec.run = {k: v for k, v in run.items() if k not in ("halving", "halving_keep")}
     if cfg["data"]["train"] is None:
         raise ConfigError(f"{where}data.train is required (a .npz file or sklearn:<name>)")
     if cfg["data"]["order"] != "shared":

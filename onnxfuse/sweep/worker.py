@@ -14,6 +14,7 @@ import io
 import math
 import os
 import socket
+import tarfile
 import tempfile
 import time
 from typing import Callable
@@ -47,11 +48,32 @@ def _num(text: str) -> float:
         return math.nan
 
 
+def _pack(folder: str) -> bytes:
+    """An array folder as tar bytes (without onnxruntime's scratch artifacts, which every run rebuilds)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(folder, arcname="array", filter=lambda ti: None if "/artifacts" in ti.name else ti)
+    return buf.getvalue()
+
+
+def _unpack(state: bytes, tmp: str) -> str:
+    with tarfile.open(fileobj=io.BytesIO(state), mode="r") as tar:
+        try:
+            tar.extractall(tmp, filter="data")
+        except TypeError:  # a Python without extraction filters (before 3.10.12 / 3.11.4)
+            tar.extractall(tmp)
+    return os.path.join(tmp, "array")
+
+
 def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Report | None = None,
-              attempt: int = 1) -> dict:
+              attempt: int = 1, segment: dict | None = None) -> dict:
     """Train one planned array (``job``: an entry of plan.json's arrays) from its trials' exported models
     (``models``: trial id -> ONNX bytes) on ``data``/``eval_data`` (a source name or a dict of arrays). ``report``
-    receives progress events: {"array", "attempt", "pid", "node", "step", "total"}."""
+    receives progress events: {"array", "attempt", "pid", "node", "step", "total"}.
+
+    ``segment`` (successive halving across arrays): {"until": the rung step to stop at, or None for the end;
+    "state": the array folder a previous segment returned (None: fuse afresh); "keep": the models (places in the
+    array) to go on with}. A segment that stops at a rung returns the array folder as ``state``."""
     from onnxfuse.passes import fuse_models, save_array
     from onnxfuse.split import model_steps, split_array
     from onnxfuse.training import TrainConfig, train_array
@@ -78,12 +100,17 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
             paths.append(os.path.join(tmp, f"{tid}.onnx"))
             with open(paths[-1], "wb") as f:
                 f.write(models[tid])
-        array_dir = os.path.join(tmp, "array")
-        save_array(fuse_models(paths, labels=trials, per_model_inputs=job["per_model_inputs"]), array_dir)
+        seg = segment or {}
+        if seg.get("state") is None:
+            array_dir = os.path.join(tmp, "array")
+            save_array(fuse_models(paths, labels=trials, per_model_inputs=job["per_model_inputs"]), array_dir)
+        else:
+            array_dir = _unpack(seg["state"], tmp)
         config = TrainConfig.from_dict(job["settings"])
         stopped = ""
         try:
-            train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell)
+            train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell,
+                        resume=seg.get("state") is not None, keep=seg.get("keep"), stop_at=seg.get("until"))
         except TrainingStopped as e:
             stopped = str(e)
         split_dir = os.path.join(tmp, "split")
@@ -102,18 +129,21 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
             st = state.status.get(str(b))
             status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
                 ("stopped" if stopped else "finished")
+            steps = st["step"] if st and st["status"] == "dropped" else model_steps(st, state.steps)
             files = {}
             for name, src in ((TRIAL_ONNX, f"model_{b}.onnx"), (TRIAL_WEIGHTS, f"model_{b}.safetensors")):
                 with open(os.path.join(split_dir, src), "rb") as f:
                     files[name] = f.read()
             out["trials"][tid] = {
-                "status": status, "steps": model_steps(st, state.steps),
+                "status": status, "steps": steps,
                 "train_loss": train[-1] if train else math.nan,
                 "eval_loss": _num(evals[-1]["loss"]) if evals else math.nan,
                 "eval_accuracy": _num(evals[-1]["accuracy"]) if evals else math.nan,
                 "metrics": [{k: r[k] for k in ("step", "split", "loss", "accuracy", "lr", "elapsed_s", "status")}
                             for r in mine],
                 "files": files}
+        if seg.get("until") is not None:
+            out["state"] = _pack(array_dir)
     out["elapsed_s"] = time.perf_counter() - t0
     tell(out["steps"], out["steps"])
     return out
