@@ -1,5 +1,5 @@
 """The package's shape: no import cycles, and each layer imports only the layers below it
-(exporters -> core -> runtimes / placement -> CLI; see docs/architecture.md).
+(exporters -> core -> runtimes / placement -> sweep -> integrations -> CLI; see docs/architecture.md).
 
 Imports are read from the source (``ast``), function-level ones included, ``if TYPE_CHECKING:`` blocks excluded
 (they never run). ``from package import name`` counts as an import of ``package.name`` when that is a module."""
@@ -13,7 +13,8 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 PACKAGES = {"onnxfuse": "onnxfuse", "onnxfuse.rules": "onnxfuse/rules", "onnxfuse.legalize": "onnxfuse/legalize",
             "onnxfuse.placement": "onnxfuse/placement", "onnxfuse.training": "training",
-            "onnxfuse.exporters": "exporters"}
+            "onnxfuse.exporters": "exporters", "onnxfuse.sweep": "onnxfuse/sweep",
+            "onnxfuse.integrations": "onnxfuse/integrations"}
 
 
 def _modules() -> dict[str, str]:
@@ -120,16 +121,19 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if module in ("onnxfuse.cli", "onnxfuse.__main__") or module.endswith("._cli"):
         return "cli"
-    if len(parts) > 1 and parts[1] in ("training", "placement", "exporters"):
+    if len(parts) > 1 and parts[1] in ("training", "placement", "exporters", "sweep", "integrations"):
         return parts[1]
     return "core"
 
 
 # what each layer may import (besides itself); the CLI may import everything
 ALLOWED = {"core": {"core"}, "exporters": {"core"}, "training": {"core", "exporters"},
-           "placement": {"core"}, "cli": {"core", "exporters", "training", "placement", "cli"}}
-# third-party packages only the layers that run or export may import
-RUNTIMES = {"torch": {"exporters", "training"}, "onnxruntime": {"training", "placement", "cli"}}
+           "placement": {"core"}, "sweep": {"core", "exporters", "training"},
+           "integrations": {"core", "sweep"},
+           "cli": {"core", "exporters", "training", "placement", "sweep", "cli"}}
+# third-party packages only the layers that run or export (or distribute) may import
+RUNTIMES = {"torch": {"exporters", "training", "sweep"}, "onnxruntime": {"training", "placement", "cli"},
+            "ray": {"sweep", "integrations"}, "optuna": {"integrations"}}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

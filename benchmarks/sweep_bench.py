@@ -1,0 +1,76 @@
+"""One sweep, two ways, side by side: every trial its own Ray task (arrays.size 1, what a plain Ray Tune or a
+job-per-trial sweep does) against trials fused into arrays (arrays.size B). Same spec otherwise, same local Ray;
+the two are run in interleaved rounds and the medians reported.
+
+    python benchmarks/sweep_bench.py --model DigitsCNN --trials-per-arch 8 --steps 100 --B 8 --cpus 2 --rounds 2
+
+Wall time is the whole `run_sweep` call (Ray start, export, planning, training, writing the results); "arrays"
+is the time from the first array submitted to the last result, as the driver's status shows it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def spec(model: str, per_arch: int, steps: int, size: int, cpus: int) -> dict:
+    lrs = [0.03, 0.01, 0.003, 0.001, 0.0003, 0.0001, 0.02, 0.005][:max(1, per_arch // 2)]
+    return {"model": {"factory": f"onnxfuse.exporters.zoo:{model}", "input_shape": [32, 1, 8, 8]},
+            "search": {"space": {"model.width": [8, 16], "optimizer.lr": lrs, "seed": [0, 1]}},
+            "arrays": {"size": size}, "resources": {"cpus": 1},
+            "data": {"train": "sklearn:digits", "eval_fraction": 0.2}, "optimizer": {"name": "adamw"},
+            "steps": steps, "batch_size": 32, "eval_every": steps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="DigitsCNN")
+    ap.add_argument("--trials-per-arch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--cpus", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-o", "--output", default="sweep-bench.json")
+    args = ap.parse_args()
+
+    from onnxfuse.sweep import parse_spec, run_sweep
+
+    runs: dict[int, list[dict]] = {1: [], args.B: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for size in (1, args.B) if r % 2 == 0 else (args.B, 1):
+                s = parse_spec(spec(args.model, args.trials_per_arch, args.steps, size, args.cpus), "bench")
+                out = os.path.join(tmp, f"r{r}_B{size}")
+                t0 = time.perf_counter()
+                res = run_sweep(s, out, num_cpus=args.cpus, progress=False)
+                wall = time.perf_counter() - t0
+                results = [json.load(open(os.path.join(out, "arrays", a, "result.json")))
+                           for a in sorted(os.listdir(os.path.join(out, "arrays")))]
+                train = sum(x["elapsed_s"] for x in results)
+                best = min(float(x["eval_loss"]) for x in res.rows)
+                runs[size].append({"wall_s": wall, "array_s_sum": train, "arrays": res.arrays,
+                                   "trials": len(res.rows), "best_eval_loss": best})
+                print(f"round {r} arrays.size {size}: {res.arrays} arrays, {wall:.1f} s wall, "
+                      f"{train:.1f} s summed array time", flush=True)
+    med = {size: {k: statistics.median(x[k] for x in v) for k in ("wall_s", "array_s_sum")}
+           for size, v in runs.items()}
+    print(f"\n| arrays.size | arrays | wall (median) | summed array time (median) |\n|---|---:|---:|---:|")
+    for size, v in runs.items():
+        print(f"| {size} | {v[0]['arrays']} | {med[size]['wall_s']:.1f} s | {med[size]['array_s_sum']:.1f} s |")
+    print(f"\nfused (B = {args.B}) / one trial per task: wall {med[args.B]['wall_s'] / med[1]['wall_s']:.2f}x, "
+          f"summed array time {med[args.B]['array_s_sum'] / med[1]['array_s_sum']:.2f}x "
+          f"({runs[1][0]['trials']} trials, {args.model}, {args.steps} steps, {args.cpus} CPUs)")
+    with open(args.output, "w") as f:
+        json.dump({"args": vars(args), "runs": {str(k): v for k, v in runs.items()}, "median": med}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
