@@ -69,6 +69,26 @@ def torch_alone(hidden, seed, lr, batches):
     return {k: v.detach().numpy() for k, v in mod.state_dict().items()}
 
 
+def check_trials_as_alone(out: SweepDir, plan: dict, raw: dict, steps: dict[str, int]) -> None:
+    """Every trial's split weights against torch.optim training it alone for its ``steps`` on the batches the
+    sweep drew (the spec's held-out split and shuffle seed: 0.25, 3; batch 16)."""
+    from safetensors.numpy import load_file
+
+    from onnxfuse.training.data import BatchSampler
+    from onnxfuse.training.datasets import split_holdout
+
+    train, _ = split_holdout(dict(np.load(raw["data"]["train"])), 0.25, 3)
+    sampler = BatchSampler(len(train["labels"]), 16, True, 3)
+    batches = [(train["input"][i], train["labels"][i]) for i in (sampler.next() for _ in range(max(steps.values())))]
+    for t in plan["trials"]:
+        p = t["params"]
+        got = load_file(out.trial_file(t["id"], "model.safetensors"))
+        ref = torch_alone(p["model.hidden"], p.get("seed", 0), p["optimizer.lr"], batches[:steps[t["id"]]])
+        assert sorted(got) == sorted(ref)
+        for k, v in ref.items():
+            assert rel_err(got[k], v) < 1e-4, (t["id"], k)
+
+
 # ------------------------------------------------------------------------------------------------- the spec
 def test_grid_and_random_trials(tmp_path):
     spec = parse_spec(base_spec(tmp_path))
@@ -151,10 +171,6 @@ def sweep12(tmp_path_factory):
 
 
 def test_sweep_forms_arrays_and_every_trial_trains_as_alone(sweep12):
-    from onnxfuse.training.data import BatchSampler
-    from onnxfuse.training.datasets import split_holdout
-    from safetensors.numpy import load_file
-
     folder, raw, res = sweep12
     out = SweepDir(folder / "out")
     plan = json.load(open(out.plan_path))
@@ -164,16 +180,7 @@ def test_sweep_forms_arrays_and_every_trial_trains_as_alone(sweep12):
     assert len(table) == 12 and all(r["status"] == "finished" and r["steps"] == "8" for r in table)
     losses = [float(r["eval_loss"]) for r in table]
     assert losses == sorted(losses)  # best first
-    train, _ = split_holdout(dict(np.load(raw["data"]["train"])), 0.25, 3)
-    sampler = BatchSampler(len(train["labels"]), 16, True, 3)
-    batches = [(train["input"][i], train["labels"][i]) for i in (sampler.next() for _ in range(8))]
-    for t in plan["trials"]:
-        p = t["params"]
-        got = load_file(out.trial_file(t["id"], "model.safetensors"))
-        ref = torch_alone(p["model.hidden"], p["seed"], p["optimizer.lr"], batches)
-        assert sorted(got) == sorted(ref)
-        for k, v in ref.items():
-            assert rel_err(got[k], v) < 1e-4, (t["id"], k)
+    check_trials_as_alone(out, plan, raw, {t["id"]: 8 for t in plan["trials"]})
 
 
 def test_sweep_files(sweep12):
@@ -379,10 +386,6 @@ def test_successive_halving_across_arrays(tmp_path):
     """8 trials in 4 arrays of 2; rungs at steps 4 and 8 keep the best half of the trials still training, by eval
     loss at the rung, whatever array they are in. A survivor equals its trial trained alone for all 12 steps; a
     trial stopped at a rung equals it trained alone up to that rung."""
-    from onnxfuse.training.data import BatchSampler
-    from onnxfuse.training.datasets import split_holdout
-    from safetensors.numpy import load_file
-
     raw = base_spec(tmp_path, steps=12, halving=[4, 8], search={"space": {"model.hidden": [16, 32],
                                                                           "optimizer.lr": [0.03, 0.01, 0.003, 0.001]}},
                     arrays={"size": 2})
@@ -404,14 +407,17 @@ def test_successive_halving_across_arrays(tmp_path):
     status = {r["trial"]: r["status"] for r in res.rows}
     assert sorted(steps.values()) == [4, 4, 4, 4, 8, 8, 12, 12]
     assert all(status[t] == ("finished" if steps[t] == 12 else "stopped") for t in steps)
-    train, _ = split_holdout(dict(np.load(raw["data"]["train"])), 0.25, 3)
-    sampler = BatchSampler(len(train["labels"]), 16, True, 3)
-    batches = [(train["input"][i], train["labels"][i]) for i in (sampler.next() for _ in range(12))]
-    for t in plan["trials"]:
-        p = t["params"]
-        got = load_file(out.trial_file(t["id"], "model.safetensors"))
-        ref = torch_alone(p["model.hidden"], 0, p["optimizer.lr"], batches[:steps[t["id"]]])
-        for k, v in ref.items():
-            assert rel_err(got[k], v) < 1e-4, (t["id"], k)
+    check_trials_as_alone(out, plan, raw, steps)
     assert not [f for a in os.listdir(os.path.join(out.path, "arrays"))
                 for f in os.listdir(out.array_path(a)) if f.endswith(".tar")]  # no segment folder left
+
+
+def test_auto_array_size_comes_from_the_planner_on_a_worker(tmp_path):
+    raw = base_spec(tmp_path, steps=4, arrays={"size": "auto", "max_size": 2},
+                    search={"space": {"optimizer.lr": LRS}})
+    res = run_sweep(write_spec(tmp_path, raw), tmp_path / "out", num_cpus=2, progress=False)
+    plan = json.load(open(SweepDir(tmp_path / "out").plan_path))
+    (group,) = plan["groups"]
+    assert group["B_from"].startswith("planner on ") and 1 <= group["B"] <= 2
+    assert [len(a["trials"]) for a in plan["arrays"]] == ([2, 1] if group["B"] == 2 else [1, 1, 1])
+    assert len(res.rows) == 3 and all(r["status"] == "finished" for r in res.rows)
