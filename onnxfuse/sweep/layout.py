@@ -26,14 +26,14 @@ from typing import Iterator
 
 from .._io import atomic_write_bytes
 from .._lock import array_lock
+from ..array import METRICS, REPORT_PNG  # an array's metrics and plot: the sweep's are named alike
 from ..errors import InputFileError
 
 __all__ = ["SweepDir"]
 
-SPEC, PLAN, STATUS, RESULTS, REPORT_MD, REPORT_PNG = ("spec.json", "plan.json", "status.json", "results.csv",
-                                                     "report.md", "report.png")
+SPEC, PLAN, STATUS, RESULTS, REPORT_MD = "spec.json", "plan.json", "status.json", "results.csv", "report.md"
 MODELS, ARRAYS, TRIALS = "models", "arrays", "trials"
-RESULT, METRICS, HALVING = "result.json", "metrics.csv", "halving.json"
+RESULT, HALVING = "result.json", "halving.json"
 TRIAL_ONNX, TRIAL_WEIGHTS = "model.onnx", "model.safetensors"
 LOCK = ".onnxfuse-sweep.lock"
 
