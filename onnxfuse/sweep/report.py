@@ -125,12 +125,13 @@ def collect(sweep: SweepDir, plan: dict) -> list[dict]:
     """One row per trial, best first by the plan's metric; trials without a finite metric last, in id order."""
     metric, sign = plan["metric"], (1 if plan["direction"] == "minimize" else -1)
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
+    trials = {t["id"]: t for t in plan["trials"]}
     rows = []
     for a in plan["arrays"]:
         res = sweep.result(a["id"]) or {"state": "not run", "trials": {}}
         for tid in a["trials"]:
             t = res["trials"].get(tid, {"status": res["state"]})
-            trial = next(x for x in plan["trials"] if x["id"] == tid)
+            trial = trials[tid]
             done = res["state"] == "done"
             rows.append({"trial": tid, "array": a["id"], **{k: trial["params"].get(k, "") for k in keys},
                          "status": t["status"], metric: t.get(metric, math.nan),
@@ -193,6 +194,7 @@ def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -
           "```", table(rows), "```", ""]
     atomic_write_bytes(sweep.report_md_path, "\n".join(md).encode())
     top = [r["trial"] for r in rows[:best] if r["status"] not in ("failed", "not run")]
+    trials = {t["id"]: t for t in plan["trials"]}
     if not top:
         return
     import matplotlib
@@ -202,7 +204,7 @@ def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for tid in top:
-        params = next(t["params"] for t in plan["trials"] if t["id"] == tid)
+        params = trials[tid]["params"]
         label = f"{tid} " + ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
         for ax, split in zip(axes, ("train", "eval")):
             x, y = _curves(sweep, tid, split)

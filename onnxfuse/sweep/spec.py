@@ -30,6 +30,7 @@ part is checked by ``training.settings.normalize_config``, once for every distin
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import os
@@ -163,11 +164,16 @@ class SweepSpec:
         return {**self.sections.model_dump(by_alias=True, exclude_none=True), **copy.deepcopy(self.run), **halving}
 
     # ---------------------------------------------------------------------------------------------- keys
-    def per_model_keys(self) -> list[str]:
+    @functools.cached_property
+    def _per_model_keys(self) -> tuple[str, ...]:
         from onnxfuse.training.settings import per_model_keys
 
         cfg = self.normalized()
-        return per_model_keys(cfg["optimizer"]["name"], cfg["schedule"])
+        return tuple(per_model_keys(cfg["optimizer"]["name"], cfg["schedule"]))
+
+    def per_model_keys(self) -> list[str]:
+        """The keys every model of an array may have its own value of (``settings.per_model_keys``)."""
+        return list(self._per_model_keys)
 
     def kind(self, key: str) -> str:
         """``model``, ``seed``, ``per-model`` or ``array`` (see the module docstring)."""
