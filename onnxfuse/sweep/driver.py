@@ -22,11 +22,10 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..errors import ConfigError, InputFileError
 from .layout import SweepDir
-from .planning import plan_sweep
+from .planning import Sizer, plan_sweep
 from .report import collect, end_after_rung, failed_result, write_array_result, write_report
 from .spec import SweepSpec, load_spec, parse_spec
 
@@ -301,16 +300,20 @@ def _going(sweep: SweepDir, arrays: dict, alive: dict, k: int, decisions: list) 
     return going
 
 
-def _ray_sizer(spec: SweepSpec) -> Callable[[str, dict], tuple[int, str]]:
+def _ray_sizer(spec: SweepSpec) -> Sizer:
+    """The array-sizing planner for every group at once, each a Ray task with an array's resources."""
     import ray
 
     task = ray.remote(_plan_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=1)
 
-    def size_of(model_path: str, settings: dict) -> tuple[int, str]:
-        with open(model_path, "rb") as f:
-            model = f.read()
-        log.info("sizing arrays: the planner trains %s at B = 1, 2, 4 on a worker", os.path.basename(model_path))
-        return ray.get(task.remote(model, settings, spec.sections.arrays.max_size))
+    def size_of(groups: list[tuple[str, dict]]) -> list[tuple[int, str]]:
+        refs = []
+        for model_path, settings in groups:
+            with open(model_path, "rb") as f:
+                refs.append(task.remote(f.read(), settings, spec.sections.arrays.max_size))
+        log.info("sizing arrays: the planner trains each of %d group(s)' model at B = 1, 2, 4 on a worker",
+                 len(groups))
+        return ray.get(refs)
 
     return size_of
 
@@ -351,9 +354,10 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
         try:
             if os.path.exists(sweep.plan_path):
                 plan = sweep.read_json(sweep.plan_path, "the sweep's plan")
-                if runtime:
+                if runtime:  # for the arrays not started: one past a rung goes on as it began
                     for a in plan["arrays"]:
-                        a["settings"]["runtime"] = runtime
+                        if not os.path.exists(sweep.segment_path(a["id"], 0)):
+                            a["settings"]["runtime"] = runtime
             else:
                 plan = plan_sweep(spec, params, sweep, _ray_sizer(spec) if spec.sections.arrays.size == "auto"
                                   else None, runtime, progress)

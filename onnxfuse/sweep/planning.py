@@ -29,8 +29,8 @@ __all__ = ["plan_sweep", "array_sizes", "Sizer"]
 
 log = logging.getLogger("onnxfuse.sweep")
 
-# (the group's first model file, its array settings for B = 1) -> (B, how it was chosen)
-Sizer = Callable[[str, dict], tuple[int, str]]
+# [(a group's first model file, its array settings for B = 1)] -> [(B, how it was chosen)], one per group
+Sizer = Callable[[list[tuple[str, dict]]], list[tuple[int, str]]]
 
 
 def array_sizes(n: int, B: int) -> list[int]:
@@ -143,16 +143,15 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
                        "array_values": {k: v for k, v in p.items() if kinds[k] == "array"}})
     export_trials(spec, trials, sweep, progress)
     groups = group_trials(trials, sweep)
+    if spec.sections.arrays.size == "auto":
+        if size_of is None:
+            raise ConfigError(f"{spec.source}: arrays.size auto needs the planner: give arrays.size a number")
+        chosen = size_of([(sweep.model_path(m[0]["id"]), _array_settings(spec, m[:1], runtime)[0]) for m in groups])
+        chosen = [(max(1, min(B, spec.sections.arrays.max_size)), why) for B, why in chosen]
+    else:
+        chosen = [(spec.sections.arrays.size, "arrays.size")] * len(groups)
     arrays, group_records = [], []
-    for g, members in enumerate(groups):
-        if spec.sections.arrays.size == "auto":
-            settings, _, _ = _array_settings(spec, members[:1], runtime)
-            if size_of is None:
-                raise ConfigError(f"{spec.source}: arrays.size auto needs the planner: give arrays.size a number")
-            B, why = size_of(sweep.model_path(members[0]["id"]), settings)
-            B = max(1, min(B, spec.sections.arrays.max_size))
-        else:
-            B, why = spec.sections.arrays.size, "arrays.size"
+    for g, (members, (B, why)) in enumerate(zip(groups, chosen)):
         sizes = array_sizes(len(members), B)
         group_records.append({"group": g, "trials": [t["id"] for t in members], "B": B, "B_from": why,
                               "array_values": members[0]["array_values"]})
