@@ -421,3 +421,18 @@ def test_auto_array_size_comes_from_the_planner_on_a_worker(tmp_path):
     assert group["B_from"].startswith("planner on ") and 1 <= group["B"] <= 2
     assert [len(a["trials"]) for a in plan["arrays"]] == ([2, 1] if group["B"] == 2 else [1, 1, 1])
     assert len(res.rows) == 3 and all(r["status"] == "finished" for r in res.rows)
+
+
+def test_a_sweep_that_fails_before_its_plan_leaves_nothing(tmp_path, capsys):
+    """A factory argument the factory does not take: one line naming the trial; the -o folder is left as it was
+    (absent), so the fixed spec runs there."""
+    from onnxfuse.cli import main
+
+    raw = base_spec(tmp_path, steps=2, search={"space": {"model.hiden": [16]}})
+    out = tmp_path / "out"
+    assert main(["sweep", write_spec(tmp_path, raw), "-o", str(out), "--cpus", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "trial t000" in err and "hiden" in err and err.count("\n") == 1, err
+    assert not out.exists()
+    raw["search"]["space"] = {"model.hidden": [16]}
+    assert main(["sweep", write_spec(tmp_path, raw), "-o", str(out), "--cpus", "1", "-q"]) == 0

@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, InputFileError
+from ..errors import ArrayBusyError, ConfigError, InputFileError
 from .layout import SweepDir
 from .planning import Sizer, plan_sweep
 from .report import collect, end_after_rung, failed_result, write_array_result, write_report
@@ -342,6 +343,23 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
         params = trials if trials is not None else spec.trials()
         if not params:
             raise ConfigError(f"{spec.source}: the search gives no trials")
+    created = not os.path.exists(sweep.path)
+    try:
+        return _run(sweep, spec, resume, address, runtime, num_cpus, progress, None if resume else params)
+    except ArrayBusyError:  # another driver's folder now
+        raise
+    except BaseException:
+        if not resume and not os.path.exists(sweep.plan_path):  # it failed before its plan: leave nothing
+            for name in os.listdir(sweep.path) if os.path.isdir(sweep.path) else ():
+                path = os.path.join(sweep.path, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if created and os.path.isdir(sweep.path):
+                os.rmdir(sweep.path)
+        raise
+
+
+def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | None, runtime: str | None,
+         num_cpus: int | None, progress: bool, params: list[dict] | None) -> SweepResult:
     with sweep.locked():
         if resume:
             saved = sweep.read_json(sweep.spec_path, "the sweep's spec")
