@@ -83,7 +83,7 @@ def check_trials_as_alone(out: SweepDir, plan: dict, raw: dict, steps: dict[str,
     for t in plan["trials"]:
         p = t["params"]
         got = load_file(out.trial_file(t["id"], "model.safetensors"))
-        ref = torch_alone(p["model.hidden"], p.get("seed", 0), p["optimizer.lr"], batches[:steps[t["id"]]])
+        ref = torch_alone(p.get("model.hidden", 64), p.get("seed", 0), p["optimizer.lr"], batches[:steps[t["id"]]])
         assert sorted(got) == sorted(ref)
         for k, v in ref.items():
             assert rel_err(got[k], v) < 1e-4, (t["id"], k)
@@ -384,17 +384,18 @@ def test_resume_refuses_a_folder_that_is_no_sweep(tmp_path):
 # --------------------------------------------------------------------------- successive halving across arrays
 def test_successive_halving_across_arrays(tmp_path):
     """8 trials in 4 arrays of 2; rungs at steps 4 and 8 keep the best half of the trials still training, by eval
-    loss at the rung, whatever array they are in. A survivor equals its trial trained alone for all 12 steps; a
-    trial stopped at a rung equals it trained alone up to that rung."""
-    raw = base_spec(tmp_path, steps=12, halving=[4, 8], search={"space": {"model.hidden": [16, 32],
-                                                                          "optimizer.lr": [0.03, 0.01, 0.003, 0.001]}},
-                    arrays={"size": 2})
+    loss at the rung, whatever array they are in, and re-fuse the survivors into the fewest arrays of 2. A survivor
+    equals its trial trained alone for all 12 steps; a trial stopped at a rung equals it trained alone up to
+    that rung."""
+    raw = base_spec(tmp_path, steps=12, halving=[4, 8], arrays={"size": 2},
+                    search={"space": {"seed": [0, 1, 2, 3], "optimizer.lr": [0.03, 0.0003]}})
     res = run_sweep(write_spec(tmp_path, raw), tmp_path / "out", num_cpus=2, progress=False)
     out = SweepDir(tmp_path / "out")
     plan = json.load(open(out.plan_path))
     assert plan["halving"] == {"steps": [4, 8], "keep": 0.5} and res.arrays == 4
     decisions = json.load(open(out.halving_path))
     assert [len(d["survivors"]) for d in decisions] == [4, 2]
+    assert [[len(a["trials"]) for a in d["arrays"]] for d in decisions] == [[2, 2], [2]]
     # each rung's decision, from the trials' own eval curves
     evals = {t["id"]: {int(r["step"]): float(r["loss"]) for r in rows(out.trial_file(t["id"], "metrics.csv"))
                        if r["split"] == "eval"} for t in plan["trials"]}
@@ -403,13 +404,17 @@ def test_successive_halving_across_arrays(tmp_path):
         best = sorted(alive, key=lambda t: (evals[t][d["step"]], t))[:len(alive) // 2]
         assert d["survivors"] == sorted(best)
         alive = sorted(best)
+    # survivors of different arrays were fused into one (each array of the first rung held one lr-0.03 trial)
+    assert any(len({src for src, _ in a["sources"].values()}) == 2 for d in decisions for a in d["arrays"])
     steps = {r["trial"]: int(r["steps"]) for r in res.rows}
     status = {r["trial"]: r["status"] for r in res.rows}
     assert sorted(steps.values()) == [4, 4, 4, 4, 8, 8, 12, 12]
     assert all(status[t] == ("finished" if steps[t] == 12 else "stopped") for t in steps)
+    assert all(len([r for r in rows(out.trial_file(t, "metrics.csv")) if r["split"] == "train"]) == steps[t]
+               for t in steps)  # every curve whole, across the arrays it trained in
     check_trials_as_alone(out, plan, raw, steps)
     assert not [f for a in os.listdir(os.path.join(out.path, "arrays"))
-                for f in os.listdir(out.array_path(a)) if f.endswith(".tar")]  # no segment folder left
+                for f in os.listdir(out.array_path(a)) if f.endswith(".tar")]  # no rung folder left
 
 
 def test_auto_array_size_comes_from_the_planner_on_a_worker(tmp_path):

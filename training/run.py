@@ -33,7 +33,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -42,7 +42,7 @@ from onnxfuse._io import atomic_dir
 from onnxfuse.array import ArrayDir, complete_lines
 from onnxfuse.errors import ConfigError, DataError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError, \
     TrainingStoppedError, as_user_error
-from onnxfuse.passes import fuse_models
+from onnxfuse.passes import fuse_models, fused_initial_weights
 from onnxfuse.split import model_steps, split_weights
 from onnxfuse.weights import ArraySpec
 
@@ -56,7 +56,7 @@ from .trainer import FusedTrainer, load_array
 from .verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
 __all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER",
-           "RESUMABLE", "settings_hash"]
+           "RESUMABLE", "settings_hash", "checkpoint_models", "seed_run", "CheckpointModels"]
 
 log = logging.getLogger("onnxfuse.train")
 METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run"]
@@ -614,8 +614,7 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
                 eval_data=None, resume: bool = False, overrides: dict | None = None,
-                on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
-                keep: Sequence[int] | None = None) -> TrainResult:
+                on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
     there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
@@ -628,22 +627,18 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     settings other than ``RESUMABLE`` and the data must be the run's own. ``on_step(step, total)`` is called
     after every step (a sweep reports progress with it).
 
-    For a sweep's successive halving across arrays: ``stop_at`` ends the run at that step with a checkpoint there
-    (its schedules still span every step, so ``resume`` continues exactly); ``keep`` (with ``resume``) keeps only
-    those models (original indices), the others dropped at the checkpoint's step."""
+    ``stop_at`` ends the run at that step with a checkpoint there (its schedules still span every step, so
+    ``resume`` continues exactly): a sweep's successive halving stops every array at each rung."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
-    if keep is not None and not resume:
-        raise ConfigError("keep applies to a resumed run (the models to continue)")
     with ArrayDir(array_dir).locked("train"):
         return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step,
-                      stop_at, keep)
+                      stop_at)
 
 
 def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config: TrainConfig | None,
            progress: bool, eval_data, resume: bool, overrides: dict | None,
-           on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
-           keep: Sequence[int] | None = None) -> TrainResult:
+           on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None) -> TrainResult:
     from tqdm import tqdm
 
     ckpt, saved = _resume_point(array_dir) if resume else (None, None)
@@ -684,17 +679,6 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         # a fresh run's outputs begin once its first step has trained (see below): until then a failure leaves
         # the folder as it was
         metrics = _Metrics(metrics_path, run_id, run.step) if ckpt is not None else None
-        if keep is not None:
-            positions = [i for i, b in enumerate(run.models) if b in set(keep)]
-            if not positions:
-                raise ConfigError(f"keep: none of models {sorted(keep)} is in the array (its models: {run.models})")
-            if len(positions) < len(run.models):
-                before = list(run.models)
-                run.keep(positions, "dropped")
-                sampler.keep(positions)
-                metrics.write([{"step": run.step, "model": b, "split": "train", "loss": "", "accuracy": "",
-                                "lr": "", "elapsed_s": f"{elapsed0:.4f}", "status": "dropped"}
-                               for b in before if b not in run.models])
         end = total if stop_at is None else min(stop_at, total)
         data_record = {"_data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else None,
                        "_eval_data": os.fspath(eval_data) if isinstance(eval_data, (str, os.PathLike)) else None}
@@ -811,6 +795,51 @@ def _checkpoint(run: _Run, sampler: BatchSampler, elapsed: float) -> None:
                                                "config": _jsonable(run.config_record), "run": run.run_record})
     run.array.prune_checkpoints(run.config.keep_checkpoints)
     log.info("checkpoint at step %d: %s", run.step, path)
+
+
+@dataclass
+class CheckpointModels:
+    """Every model of an array at its current run's newest checkpoint, one by one (original index -> ...)."""
+    record: dict  # the checkpoint's state.json: step, sampler, run (id, settings and data hashes), ...
+    states: dict[int, dict[str, np.ndarray]]  # state_dicts
+    optimizer: dict[int, dict[str, np.ndarray]]  # each model's slice of every optimizer buffer
+    status: dict[int, dict]  # a diverged model's {"status", "step"}
+
+
+def checkpoint_models(array_dir: str | os.PathLike) -> CheckpointModels:
+    """The models of the array in ``array_dir`` as its newest checkpoint holds them, each on its own: what
+    :func:`seed_run` puts together again in another array (a sweep's successive halving re-fuses the survivors
+    of several arrays into one)."""
+    array_dir = os.fspath(array_dir)
+    path, st = _resume_point(array_dir)
+    weights, opt_state, _ = ArrayDir.read_state(path, "train the array again")
+    models = st["models"]
+    states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
+    return CheckpointModels(st, dict(zip(models, states)),
+                            {b: {k: v[i] for k, v in opt_state.items()} for i, b in enumerate(models)},
+                            {int(k): v for k, v in st["status"].items() if int(k) in models})
+
+
+def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Sequence[Mapping[str, np.ndarray]],
+             status: Sequence[dict | None], template: dict) -> None:
+    """Make the array in ``array_dir`` (fused from models as :func:`checkpoint_models` gave them: its initial
+    weights are their current ones) a run that ``train_array(..., resume=True)`` continues, at the step of the
+    checkpoint record ``template`` (its sampler position and data hash: every source array trained on the same
+    data and batches), with model b's optimizer state ``optimizer[b]`` and its diverged ``status[b]``."""
+    array = ArrayDir(array_dir)
+    fused, spec = array.load()
+    weights = fused_initial_weights(fused)
+    opt_state = {k: np.stack([o[k] for o in optimizer]) for k in optimizer[0]} if optimizer and optimizer[0] else {}
+    run_record = {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), "settings_hash": settings_hash(config),
+                  "data_hash": template["run"]["data_hash"]}
+    st = {k: template[k] for k in ("step", "trainer_steps", "sampler", "elapsed_s")}
+    st.update(models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
+              status={str(b): s for b, s in enumerate(status) if s}, config=_jsonable(config.as_dict()),
+              run=run_record)
+    with atomic_dir(array.checkpoint_path(st["step"])) as tmp:
+        ArrayDir.write_state(tmp, weights, opt_state, spec, {})
+        ArrayDir.write_checkpoint_record(tmp, st)
+    array.write_run({**run_record, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()})
 
 
 def _write_trained(run: _Run, folder: str, elapsed: float, stopped: str | None) -> None:

@@ -12,6 +12,9 @@ and writes every result into the sweep folder as it arrives.
   the array is recorded as failed and the sweep goes on. A finished array's result is on disk before the next
   result is waited for, so no failure loses it.
 * Resume: ``--resume`` reads the folder's spec and plan and runs only the arrays with no result, or a failed one.
+* Successive halving (``halving`` in the spec): every array runs to the rung and stops there with a checkpoint
+  (its folder comes back as ``state_<k>.tar``); the driver ranks every trial still training, and forms the next
+  rung's arrays from each group's survivors; their tasks re-fuse them from the folders they were in.
 * Progress: tasks report their step through a Ray queue (``ray.util.queue``); ``status.json`` lists every array as
   done, running (attempt, host, pid, node, step), queued or failed, and a bar shows the counts.
 """
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from ..errors import ArrayBusyError, ConfigError, InputFileError
 from .layout import SweepDir
 from .planning import Sizer, plan_sweep
-from .report import collect, end_after_rung, failed_result, write_array_result, write_report
+from .report import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
 from .spec import SweepSpec, load_spec, parse_spec
 
 __all__ = ["run_sweep", "SweepResult"]
@@ -184,9 +187,13 @@ class _Runner:
             with open(self.sweep.model_path(tid), "rb") as f:
                 models[tid] = f.read()
         sent = seg
-        if seg is not None and k:  # the array's folder where the previous segment stopped
-            with open(self.sweep.state_path(job["id"], k - 1), "rb") as f:
-                sent = {**seg, "state": f.read()}
+        if job.get("sources"):  # the folders of the arrays its trials were in at the last rung
+            states = {}
+            for aid, _ in job["sources"].values():
+                if aid not in states:
+                    with open(self.sweep.state_path(aid, k - 1), "rb") as f:
+                        states[aid] = f.read()
+            sent = {**seg, "sources": job["sources"], "states": states}
         for src in (job["data"], job["eval_data"]):
             if src not in self.data:
                 self.data[src] = _data_ref(src)
@@ -242,12 +249,12 @@ class _Runner:
                 ray.cancel(ref, force=True)
 
 
-def _survivors(sweep: SweepDir, plan: dict, alive: list[str], k: int) -> list[str]:
-    """Rung k's decision: of the trials still training in the arrays ``alive``, the best ``halving.keep`` by the
-    plan's metric at the rung (diverged ones last, ties by trial id), at least one."""
+def _survivors(sweep: SweepDir, plan: dict, arrays: list[str], k: int) -> list[str]:
+    """Rung k's decision: of the trials still training in ``arrays``, the best ``halving.keep`` by the plan's
+    metric at the rung (diverged ones last, ties by trial id), at least one."""
     metric, sign = plan["metric"], (1 if plan["direction"] == "minimize" else -1)
     cands = []
-    for aid in alive:
+    for aid in arrays:
         rec = sweep.read_json(sweep.segment_path(aid, k), "a segment record")
         for tid, t in rec["trials"].items():
             if t["status"] in ("finished", "diverged"):
@@ -258,47 +265,73 @@ def _survivors(sweep: SweepDir, plan: dict, alive: list[str], k: int) -> list[st
     return sorted(tid for _, tid in sorted(cands)[:n])
 
 
+def _next_arrays(spec: SweepSpec, plan: dict, arrays: list[dict], survivors: list[str], k: int) -> list[dict]:
+    """The arrays that go on after rung k: each group's survivors, wherever they trained, re-fused into the
+    fewest arrays of at most the group's B (``sources``: where each trial is, [array, place])."""
+    from .planning import array_settings, array_sizes
+
+    where = {tid: [a["id"], i] for a in arrays for i, tid in enumerate(a["trials"])}
+    trials = {t["id"]: t for t in plan["trials"]}
+    runtime = {tid: a["settings"].get("runtime") for a in arrays for tid in a["trials"]}
+    out = []
+    for g in plan["groups"]:
+        mine = [tid for tid in g["trials"] if tid in survivors]
+        start = 0
+        for n in array_sizes(len(mine), g["B"]) if mine else []:
+            part = mine[start:start + n]
+            start += n
+            settings, data, eval_data = array_settings(spec, [trials[t] for t in part], runtime[part[0]])
+            out.append({"id": f"r{k + 1}a{len(out):02d}", "group": g["group"], "trials": part, "settings": settings,
+                        "data": data, "eval_data": eval_data, "per_model_inputs": list(spec.model.per_model_inputs),
+                        "sources": {t: where[t] for t in part}})
+    return out
+
+
 def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tuple[list[str], list[str]]:
-    arrays = {a["id"]: a for a in plan["arrays"]}
-    alive = {aid: None for aid in arrays if (sweep.result(aid) or {}).get("state") != "done"}
-    if len(alive) < len(arrays):
-        log.info("%d of %d arrays are done already; running %d", len(arrays) - len(alive), len(arrays), len(alive))
-    if not alive:
-        return [], []
-    runner = _Runner(sweep, spec, plan, progress)
     rungs = (plan.get("halving") or {}).get("steps", [])
+    runner = _Runner(sweep, spec, plan, progress)
     if not rungs:
-        runner.run([(arrays[aid], None) for aid in alive], None, [a for a in arrays if a not in alive], "")
+        todo = [a for a in plan["arrays"] if (sweep.result(a["id"]) or {}).get("state") != "done"]
+        if len(todo) < len(plan["arrays"]):
+            log.info("%d of %d arrays are done already; running %d", len(plan["arrays"]) - len(todo),
+                     len(plan["arrays"]), len(todo))
+        if todo:
+            runner.run([(a, None) for a in todo], None, [a["id"] for a in plan["arrays"] if a not in todo], "")
         return runner.ran, runner.failed
     decisions = sweep.read_json(sweep.halving_path, "halving.json") if os.path.exists(sweep.halving_path) else []
+    arrays = plan["arrays"]
     for k in range(len(rungs) + 1):
         until = rungs[k] if k < len(rungs) else None
-        todo = [aid for aid in alive if until is None or not os.path.exists(sweep.segment_path(aid, k))]
+        # to run: no result, and at a rung no segment record either (a resumed sweep skips what is recorded)
+        todo = [a for a in arrays if (sweep.result(a["id"]) or {}).get("state") != "done" and
+                (until is None or not os.path.exists(sweep.segment_path(a["id"], k)))]
         label = f" (rung {k + 1} of {len(rungs)}: to step {until})" if until else " (after the last rung)"
-        runner.run([(arrays[aid], {"until": until, "keep": alive[aid]}) for aid in todo], k,
-                   [aid for aid in alive if aid not in todo], label)
-        alive = {aid: keep for aid, keep in alive.items() if aid not in runner.failed}
-        if until is None or not alive:
+        if todo:
+            runner.run([(a, {"until": until}) for a in todo], k, [a["id"] for a in arrays if a not in todo], label)
+        if until is None:
             break
+        stopped = [a for a in arrays if os.path.exists(sweep.segment_path(a["id"], k))]
         if k >= len(decisions):  # (a resumed sweep keeps the decisions made before)
-            decisions.append({"step": until, "survivors": _survivors(sweep, plan, list(alive), k)})
+            survivors = _survivors(sweep, plan, [a["id"] for a in stopped], k)
+            decisions.append({"step": until, "survivors": survivors,
+                              "arrays": _next_arrays(spec, plan, stopped, survivors, k)})
             sweep.write_json(sweep.halving_path, decisions)
-        log.info("rung %d (step %d): %d trials go on: %s", k + 1, until, len(decisions[k]["survivors"]),
-                 ", ".join(decisions[k]["survivors"]))
-        alive = _going(sweep, arrays, alive, k, decisions)
+        d = decisions[k]
+        log.info("rung %d (step %d): %d trials go on in %d arrays: %s", k + 1, until, len(d["survivors"]),
+                 len(d["arrays"]), ", ".join(d["survivors"]))
+        moved = {tid: a["id"] for a in d["arrays"] for tid in a["trials"]}
+        for a in stopped:
+            if (sweep.result(a["id"]) or {}).get("state") != "done":
+                close_rung(sweep, a, k, moved)
+        arrays = d["arrays"]
+        if not arrays:
+            break
+    if not runner.failed:  # the rungs' folders: nothing needs them now
+        for a in all_arrays(sweep, plan):
+            for k in range(len(rungs)):
+                if os.path.exists(sweep.state_path(a["id"], k)):
+                    os.remove(sweep.state_path(a["id"], k))
     return runner.ran, runner.failed
-
-
-def _going(sweep: SweepDir, arrays: dict, alive: dict, k: int, decisions: list) -> dict:
-    """The arrays that go on after rung k, each with the places of its survivors; the others end there."""
-    kept, going = set(decisions[k]["survivors"]), {}
-    for aid in alive:
-        keep = [i for i, tid in enumerate(arrays[aid]["trials"]) if tid in kept]
-        if keep:
-            going[aid] = keep
-        elif (sweep.result(aid) or {}).get("state") != "done":
-            end_after_rung(sweep, arrays[aid], k)
-    return going
 
 
 def _ray_sizer(spec: SweepSpec) -> Sizer:

@@ -8,8 +8,9 @@ storage shared with them.
     arrays/<array>/result.json   an array's outcome, written last: its presence means the array is done
     arrays/<array>/metrics.csv   the array's metrics (model = the trial's place in the array)
     arrays/<array>/segment_<k>.json, state_<k>.tar   with successive halving: the array's results at rung k, and
-                                 its folder there (where the next segment goes on from)
-    halving.json                 with successive halving: each rung's survivors
+                                 its folder there (where its survivors go on from; removed at the end)
+    halving.json                 with successive halving: each rung's survivors and the arrays they go on in
+                                 (ids r<k>a<j>)
     trials/<trial>/              model.onnx + model.safetensors (its trained weights, split out of the array),
                                  metrics.csv, and TensorBoard event files (one run per trial)
     status.json                  live: every array done / running (pid, node, step) / queued / failed

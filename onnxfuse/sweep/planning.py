@@ -25,7 +25,7 @@ from ..errors import ConfigError, NotFusibleError
 from .layout import SweepDir
 from .spec import SweepSpec
 
-__all__ = ["plan_sweep", "array_sizes", "Sizer"]
+__all__ = ["plan_sweep", "array_sizes", "array_settings", "Sizer"]
 
 log = logging.getLogger("onnxfuse.sweep")
 
@@ -109,7 +109,7 @@ def group_trials(trials: list[dict], sweep: SweepDir) -> list[list[dict]]:
     return [members for _, _, members in groups]
 
 
-def _array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> tuple[dict, str, str | None]:
+def array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> tuple[dict, str, str | None]:
     """(TrainConfig settings, training data, eval data) of one array of ``trials``."""
     from onnxfuse.training.config import settings_from_config
 
@@ -146,7 +146,7 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
     if spec.sections.arrays.size == "auto":
         if size_of is None:
             raise ConfigError(f"{spec.source}: arrays.size auto needs the planner: give arrays.size a number")
-        chosen = size_of([(sweep.model_path(m[0]["id"]), _array_settings(spec, m[:1], runtime)[0]) for m in groups])
+        chosen = size_of([(sweep.model_path(m[0]["id"]), array_settings(spec, m[:1], runtime)[0]) for m in groups])
         chosen = [(max(1, min(B, spec.sections.arrays.max_size)), why) for B, why in chosen]
     else:
         chosen = [(spec.sections.arrays.size, "arrays.size")] * len(groups)
@@ -159,7 +159,7 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
         for n in sizes:
             part = members[start:start + n]
             start += n
-            settings, data, eval_data = _array_settings(spec, part, runtime)
+            settings, data, eval_data = array_settings(spec, part, runtime)
             arrays.append({"id": "", "group": g, "trials": [t["id"] for t in part], "settings": settings,
                            "data": data, "eval_data": eval_data,
                            "per_model_inputs": list(spec.model.per_model_inputs)})

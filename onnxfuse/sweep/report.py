@@ -16,7 +16,7 @@ import shutil
 from .layout import METRICS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
 from .worker import RESULT_COLUMNS
 
-__all__ = ["write_array_result", "end_after_rung", "failed_result", "collect", "write_report", "table"]
+__all__ = ["write_array_result", "close_rung", "failed_result", "collect", "write_report", "table", "all_arrays"]
 
 log = logging.getLogger("onnxfuse.sweep")
 TRIAL_METRICS = ("step", "split", "loss", "accuracy", "lr", "elapsed_s", "status")
@@ -70,33 +70,40 @@ def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, par
     record = _record(job, out, attempts)
     if segment is None:
         sweep.write_json(sweep.result_path(job["id"]), record)
-        for old in glob.glob(sweep.state_path(job["id"], "*")):  # the segments' folders: no segment follows
-            os.remove(old)
     else:
         from .._io import atomic_write_bytes
 
         atomic_write_bytes(sweep.state_path(job["id"], segment), out["state"])
         sweep.write_json(sweep.segment_path(job["id"], segment), record)
-        if segment > 0 and os.path.exists(sweep.state_path(job["id"], segment - 1)):
-            os.remove(sweep.state_path(job["id"], segment - 1))
     return record
 
 
-def end_after_rung(sweep: SweepDir, job: dict, segment: int) -> dict:
-    """An array none of whose trials survived rung ``segment``: its result is its state there, every trial that
-    was still training stopped."""
+def close_rung(sweep: SweepDir, job: dict, segment: int, moved: dict[str, str]) -> dict:
+    """An array at rung ``segment``, decided: its result is its record there, each trial either gone on
+    (``continued``, ``to`` the array ``moved`` names) or stopped there."""
     record = sweep.read_json(sweep.segment_path(job["id"], segment), "a segment record")
-    for t in record["trials"].values():
-        if t["status"] == "finished":
+    for tid, t in record["trials"].items():
+        if tid in moved:
+            t.update(status="continued", to=moved[tid])
+        elif t["status"] == "finished":
             t["status"] = "stopped"
     sweep.write_json(sweep.result_path(job["id"]), record)
-    if os.path.exists(sweep.state_path(job["id"], segment)):
-        os.remove(sweep.state_path(job["id"], segment))
     return record
+
+
+def _read_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return list(csv.DictReader(f))
 
 
 def _write_trials(sweep: SweepDir, job: dict, out: dict, params: dict[str, dict]) -> None:
     for tid, t in out["trials"].items():
+        if job.get("sources"):  # it went on from a rung: its curve so far comes first
+            first = min((int(r["step"]) for r in t["metrics"]), default=math.inf)
+            t["metrics"] = [r for r in _read_rows(sweep.trial_file(tid, METRICS)) if int(r["step"]) < first] + \
+                t["metrics"]
         folder = sweep.trial_path(tid)
         if os.path.isdir(folder):  # an earlier attempt's, from a driver killed while writing
             shutil.rmtree(folder)
@@ -121,25 +128,35 @@ def failed_result(sweep: SweepDir, job: dict, attempts: int, error: str) -> dict
     return record
 
 
+def all_arrays(sweep: SweepDir, plan: dict) -> list[dict]:
+    """The plan's arrays, then those successive halving formed at each rung (halving.json), in order."""
+    rungs = sweep.read_json(sweep.halving_path, "halving.json") if os.path.exists(sweep.halving_path) else []
+    return plan["arrays"] + [a for d in rungs for a in d["arrays"]]
+
+
 def collect(sweep: SweepDir, plan: dict) -> list[dict]:
-    """One row per trial, best first by the plan's metric; trials without a finite metric last, in id order."""
+    """One row per trial, from the last array it trained in; best first by the plan's metric, trials without a
+    finite metric last, in id order."""
     metric, sign = plan["metric"], (1 if plan["direction"] == "minimize" else -1)
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
     trials = {t["id"]: t for t in plan["trials"]}
-    rows = []
-    for a in plan["arrays"]:
+    last: dict[str, tuple] = {}  # trial -> (array, its result, the trial's entry there)
+    for a in all_arrays(sweep, plan):
         res = sweep.result(a["id"]) or {"state": "not run", "trials": {}}
         for tid in a["trials"]:
             t = res["trials"].get(tid, {"status": res["state"]})
-            trial = trials[tid]
-            done = res["state"] == "done"
-            rows.append({"trial": tid, "array": a["id"], **{k: trial["params"].get(k, "") for k in keys},
-                         "status": t["status"], metric: t.get(metric, math.nan),
-                         **{k: t.get(k, math.nan) for k in RESULT_COLUMNS[1:] if k != metric},
-                         "checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_WEIGHTS)) if done else "",
-                         "onnx": sweep.relative(sweep.trial_file(tid, TRIAL_ONNX)) if done else "",
-                         "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
-                         "attempts": res.get("attempts", 0), "error": res.get("error", "")})
+            if t["status"] != "continued":
+                last[tid] = (a, res, t)
+    rows = []
+    for tid, (a, res, t) in last.items():
+        done = res["state"] == "done"
+        rows.append({"trial": tid, "array": a["id"], **{k: trials[tid]["params"].get(k, "") for k in keys},
+                     "status": t["status"], metric: t.get(metric, math.nan),
+                     **{k: t.get(k, math.nan) for k in RESULT_COLUMNS[1:] if k != metric},
+                     "checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_WEIGHTS)) if done else "",
+                     "onnx": sweep.relative(sweep.trial_file(tid, TRIAL_ONNX)) if done else "",
+                     "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
+                     "attempts": res.get("attempts", 0), "error": res.get("error", "")})
 
     def order(r):
         v = _float(r[metric])

@@ -11,8 +11,8 @@ trial shares, without its ``model`` and ``grid`` sections, plus the sections of 
     resources   cpus, gpus per array (Ray resources; a fraction of a GPU shares it)
     retries     how often a failed array is run again (default 1)
     halving     the run setting, sweep-wide: at each of these steps every array stops, the best ``halving_keep``
-                of all trials still training (by the metric at that step) go on, the others stop there; an array
-                goes on with its survivors (re-fused, with their optimizer state), an array with none ends
+                of all trials still training (by the metric at that step) go on, the others stop there; each
+                group's survivors are re-fused into the fewest arrays (with their optimizer state)
 
 What a search-space key changes decides where the trials it tells apart can train:
 

@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Callable
 
+import numpy as np
+
 from ..array import ArrayDir
 from .layout import TRIAL_ONNX, TRIAL_WEIGHTS
 
@@ -65,6 +67,39 @@ def _unpack(state: bytes, tmp: str) -> str:
     return os.path.join(tmp, "array")
 
 
+def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp: str) -> None:
+    """This array's trials, each with its weights and optimizer state at the last rung (from the arrays the
+    previous segment returned), fused into ``array_dir`` and made a run that resumes there."""
+    import onnx
+    from onnx import numpy_helper
+
+    from onnxfuse.passes import fuse_models, save_array
+    from onnxfuse.training.run import checkpoint_models, seed_run
+
+    sources = {}
+    for aid, state in seg["states"].items():
+        os.makedirs(os.path.join(tmp, f"from_{aid}"))
+        sources[aid] = checkpoint_models(_unpack(state, os.path.join(tmp, f"from_{aid}")))
+    protos, optimizer, status, template = [], [], [], None
+    for tid, path in zip(job["trials"], paths):
+        aid, place = seg["sources"][tid]
+        src = sources[aid]
+        template = template or src.record
+        proto = onnx.load(path)
+        state = src.states[place]
+        for init in proto.graph.initializer:
+            if init.name in state:
+                init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(state[init.name]), init.name))
+        protos.append(proto)
+        optimizer.append(src.optimizer[place])
+        status.append(src.status.get(place))
+    if any(s.record["sampler"] != template["sampler"] or s.record["step"] != template["step"]
+           for s in sources.values()):
+        raise RuntimeError(f"array {job['id']}: its trials' arrays stopped at different steps or batches")
+    save_array(fuse_models(protos, labels=job["trials"], per_model_inputs=job["per_model_inputs"]), array_dir)
+    seed_run(array_dir, config, optimizer, status, template)
+
+
 def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Report | None = None,
               attempt: int = 1, segment: dict | None = None) -> dict:
     """Train one planned array (``job``: an entry of plan.json's arrays) from its trials' exported models
@@ -72,8 +107,9 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     receives progress events: {"array", "attempt", "pid", "node", "step", "total"}.
 
     ``segment`` (successive halving across arrays): {"until": the rung step to stop at, or None for the end;
-    "state": the array folder a previous segment returned (None: fuse afresh); "keep": the models (places in the
-    array) to go on with}. A segment that stops at a rung returns the array folder as ``state``."""
+    "sources": {trial: [array, place]} and "states": {array: its folder as the previous rung's segment returned
+    it}: where each trial of this array was at the last rung (no sources: fuse the exported models afresh)}. A
+    segment that stops at a rung returns the array folder as ``state``."""
     from onnxfuse.passes import fuse_models, save_array
     from onnxfuse.split import model_steps, split_array
     from onnxfuse.training import TrainConfig, train_array
@@ -101,16 +137,17 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
             with open(paths[-1], "wb") as f:
                 f.write(models[tid])
         seg = segment or {}
-        if seg.get("state") is None:
-            array_dir = os.path.join(tmp, "array")
-            save_array(fuse_models(paths, labels=trials, per_model_inputs=job["per_model_inputs"]), array_dir)
-        else:
-            array_dir = _unpack(seg["state"], tmp)
+        array_dir = os.path.join(tmp, "array")
         config = TrainConfig.from_dict(job["settings"])
+        go_on = bool(seg.get("sources"))
+        if go_on:  # the trials where the last rung left them, re-fused into this array
+            _refuse(job, paths, seg, config, array_dir, tmp)
+        else:
+            save_array(fuse_models(paths, labels=trials, per_model_inputs=job["per_model_inputs"]), array_dir)
         stopped = ""
         try:
-            train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell,
-                        resume=seg.get("state") is not None, keep=seg.get("keep"), stop_at=seg.get("until"))
+            train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell, resume=go_on,
+                        stop_at=seg.get("until"))
         except TrainingStopped as e:
             stopped = str(e)
         split_dir = os.path.join(tmp, "split")
