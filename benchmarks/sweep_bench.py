@@ -61,7 +61,7 @@ def main() -> int:
                       f"{train:.1f} s summed array time", flush=True)
     med = {size: {k: statistics.median(x[k] for x in v) for k in ("wall_s", "array_s_sum")}
            for size, v in runs.items()}
-    print(f"\n| arrays.size | arrays | wall (median) | summed array time (median) |\n|---|---:|---:|---:|")
+    print("\n| arrays.size | arrays | wall (median) | summed array time (median) |\n|---|---:|---:|---:|")
     for size, v in runs.items():
         print(f"| {size} | {v[0]['arrays']} | {med[size]['wall_s']:.1f} s | {med[size]['array_s_sum']:.1f} s |")
     print(f"\nfused (B = {args.B}) / one trial per task: wall {med[args.B]['wall_s'] / med[1]['wall_s']:.2f}x, "

@@ -448,6 +448,12 @@ def _data_hash(*datasets: Dataset | None) -> str:
     return h.hexdigest()
 
 
+def _new_run(identity: dict) -> dict:
+    """A new run's record (run.json): a fresh id, ``identity`` (its settings and data hashes), when and by whom."""
+    return {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
+
+
 def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, data) -> dict:
     """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
     record = st.get("run") or {}
@@ -656,8 +662,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     if ckpt is not None:
         record = _check_resumable(ckpt, saved, config, identity, data)
     else:
-        record = {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
+        record = _new_run(identity)
     run_id = record["id"]
     array = ArrayDir(array_dir)
     metrics_path = array.metrics_path
@@ -830,8 +835,8 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
     fused, spec = array.load()
     weights = fused_initial_weights(fused)
     opt_state = {k: np.stack([o[k] for o in optimizer]) for k in optimizer[0]} if optimizer and optimizer[0] else {}
-    run_record = {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), "settings_hash": settings_hash(config),
-                  "data_hash": template["run"]["data_hash"]}
+    record = _new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]})
+    run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
     st = {k: template[k] for k in ("step", "trainer_steps", "sampler", "elapsed_s")}
     st.update(models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
               status={str(b): s for b, s in enumerate(status) if s}, config=_jsonable(config.as_dict()),
@@ -839,7 +844,7 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
     with atomic_dir(array.checkpoint_path(st["step"])) as tmp:
         ArrayDir.write_state(tmp, weights, opt_state, spec, {})
         ArrayDir.write_checkpoint_record(tmp, st)
-    array.write_run({**run_record, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()})
+    array.write_run(record)
 
 
 def _write_trained(run: _Run, folder: str, elapsed: float, stopped: str | None) -> None:

@@ -596,6 +596,12 @@ def _resolve(path: Any, base_dir: str | None) -> Any:
     return os.path.normpath(os.path.join(base_dir, path))
 
 
+def resolve_factory(factory: str, base_dir: str | None) -> str:
+    """``MODULE:FACTORY`` with a ``.py`` file's path made relative to ``base_dir`` (the config file's folder)."""
+    module, _, attr = factory.rpartition(":")
+    return f"{_resolve(module, base_dir)}:{attr}" if module.endswith(".py") else factory
+
+
 def _model(where: str, raw: Any, base_dir: str | None) -> dict | None:
     if raw is None:
         return None
@@ -608,9 +614,7 @@ def _model(where: str, raw: Any, base_dir: str | None) -> dict | None:
     if not isinstance(factory, str) or ":" not in factory:
         raise _fail(f"{where}model.factory = {_show(factory)} must be MODULE:FACTORY, e.g. "
                     "onnxfuse.exporters.zoo:LeNet or my_models.py:make")
-    module, _, attr = factory.rpartition(":")
-    if module.endswith(".py"):
-        factory = f"{_resolve(module, base_dir)}:{attr}"
+    factory = resolve_factory(factory, base_dir)
     count = check_value(Param("count", _POS), m["count"], "model.count", "file", where)
     seeds = m.get("seeds") if m.get("seeds") is not None else list(range(count))
     if not isinstance(seeds, list) or len(seeds) != count:

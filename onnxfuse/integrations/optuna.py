@@ -75,9 +75,9 @@ def optimize(study, spec: str | os.PathLike | SweepSpec, n_trials: int, out_dir:
             params = [suggest(t) for t in asked]
             res = run_sweep(spec, os.path.join(os.fspath(out_dir), f"round_{rnd:03d}"), trials=params,
                             runtime=runtime, progress=progress)
-            rows = {int(r["trial"][1:]): r for r in res.rows}  # trial ids are t<index in params>
-            for i, trial in enumerate(asked):
-                row = rows[i]
+            rows = {r["trial"]: r for r in res.rows}
+            for trial, tid in zip(asked, res.trial_ids):
+                row = rows[tid]
                 value = float(row[spec.metric]) if row[spec.metric] != "" else math.nan
                 for k in ("trial", "array", "status", "checkpoint"):
                     trial.set_user_attr(f"onnxfuse.{k}", row[k])

@@ -32,6 +32,7 @@ from .layout import SweepDir
 from .planning import Sizer, plan_sweep
 from .report import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
 from .spec import SweepSpec, load_spec, parse_spec
+from .worker import number, rank
 
 __all__ = ["run_sweep", "SweepResult"]
 
@@ -46,6 +47,7 @@ class SweepResult:
     ran: list[str] = field(default_factory=list)  # the arrays this call trained
     failed: list[str] = field(default_factory=list)
     metric: str = ""
+    trial_ids: list[str] = field(default_factory=list)  # in the order of the trials given (or the search's)
 
 
 def _one_line(e: BaseException) -> str:
@@ -56,7 +58,7 @@ def _one_line(e: BaseException) -> str:
     return (text or type(e).__name__)[:500]
 
 
-def _array_task(job: dict, models: dict, data, eval_data, queue, attempt: int, segment: dict | None) -> dict:
+def _array_task(job: dict, models: dict, data, eval_data, queue, attempt: int, segment: dict) -> dict:
     """The body of an array's Ray task."""
     from .worker import run_array
 
@@ -109,19 +111,10 @@ def _data_ref(source):
     store (read once, here)."""
     import ray
 
+    from onnxfuse.training.data import load_npz
     from onnxfuse.training.datasets import is_named
 
-    if source is None or is_named(source):
-        return source
-    import numpy as np
-
-    try:
-        with np.load(source, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise InputFileError(f"data file '{source}' cannot be read ({type(e).__name__}: {e}); give a .npz file "
-                             "of arrays or sklearn:<name>") from None
-    return ray.put(arrays)
+    return source if source is None or is_named(source) else ray.put(load_npz(source))
 
 
 class _Progress:
@@ -133,7 +126,8 @@ class _Progress:
         self.sweep, self.segment = sweep, segment
         self.state: dict[str, dict] = {aid: {"state": "done"} for aid in done}
         self.state.update({j["id"]: {"state": "queued", "trials": len(j["trials"])} for j in jobs})
-        self.bar = tqdm(total=len(self.state), initial=len(done), unit="array", desc=f"sweep{segment}",
+        self.bar = tqdm(total=len(self.state), initial=len(done), unit="array",
+                        desc=f"sweep ({segment})" if segment else "sweep",
                         disable=not show, dynamic_ncols=True)
         self.write()
 
@@ -158,7 +152,7 @@ class _Progress:
         self.bar.set_postfix_str(", ".join(f"{v} {k}" for k, v in counts.items()) +
                                  (f" | {', '.join(running)}" if running else ""))
         self.sweep.write_json(self.sweep.status_path, {"updated": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                       "segment": self.segment.strip(" ()"), **counts,
+                                                       "segment": self.segment, **counts,
                                                        "arrays": self.state})
 
     def close(self) -> None:
@@ -181,7 +175,7 @@ class _Runner:
         self.ran: list[str] = []
         self.failed: list[str] = []
 
-    def _submit(self, pending: dict, job: dict, seg: dict | None, k: int | None, attempt: int) -> None:
+    def _submit(self, pending: dict, job: dict, seg: dict, k: int, attempt: int) -> None:
         models = {}
         for tid in job["trials"]:
             with open(self.sweep.model_path(tid), "rb") as f:
@@ -199,10 +193,10 @@ class _Runner:
                 self.data[src] = _data_ref(src)
         ref = self.task.remote(job, models, self.data[job["data"]], self.data[job["eval_data"]], self.queue,
                                attempt, sent)
-        pending[ref] = (job, seg, k, attempt)
+        pending[ref] = (job, seg, attempt)
 
-    def run(self, work: list[tuple[dict, dict | None]], k: int | None, done: list[str], label: str) -> None:
-        """Run every (job, segment) of ``work``; ``k``: the segment's index (None: the whole run)."""
+    def run(self, work: list[tuple[dict, dict]], k: int, done: list[str], label: str) -> None:
+        """Run every (job, segment) of ``work``; ``k``: the segment's index (the rung it runs to, or the end)."""
         import ray
         from ray.util.queue import Empty
 
@@ -219,7 +213,7 @@ class _Runner:
                     except Empty:
                         break
                 for ref in ready:
-                    job, seg, k, attempt = pending.pop(ref)
+                    job, seg, attempt = pending.pop(ref)
                     try:
                         out = ray.get(ref)
                     except Exception as e:  # the task raised, or its worker or node died
@@ -236,8 +230,8 @@ class _Runner:
                             bar.set(job["id"], "failed", attempts=attempt, error=why)
                             self.failed.append(job["id"])
                         continue
-                    last = seg is None or seg.get("until") is None
-                    rec = write_array_result(self.sweep, job, out, attempt, self.params, None if last else k)
+                    rec = write_array_result(self.sweep, job, out, attempt, self.params,
+                                             None if seg["until"] is None else k)
                     bar.set(job["id"], "done", attempts=attempt, host=rec["host"], node=rec["node"],
                             elapsed_s=round(rec["elapsed_s"], 2))
                     if job["id"] not in self.ran:
@@ -252,17 +246,15 @@ class _Runner:
 def _survivors(sweep: SweepDir, plan: dict, arrays: list[str], k: int) -> list[str]:
     """Rung k's decision: of the trials still training in ``arrays``, the best ``halving.keep`` by the plan's
     metric at the rung (diverged ones last, ties by trial id), at least one."""
-    metric, sign = plan["metric"], (1 if plan["direction"] == "minimize" else -1)
     cands = []
     for aid in arrays:
         rec = sweep.read_json(sweep.segment_path(aid, k), "a segment record")
         for tid, t in rec["trials"].items():
             if t["status"] in ("finished", "diverged"):
-                v = t.get(metric)
-                ok = t["status"] == "finished" and v is not None and math.isfinite(v)
-                cands.append(((0, sign * v) if ok else (1, 0.0), tid))
+                value = number(t.get(plan["metric"])) if t["status"] == "finished" else math.nan
+                cands.append(rank(value, plan["direction"], tid))
     n = max(1, math.ceil(len(cands) * plan["halving"]["keep"]))
-    return sorted(tid for _, tid in sorted(cands)[:n])
+    return sorted(tid for *_, tid in sorted(cands)[:n])
 
 
 def _next_arrays(spec: SweepSpec, plan: dict, arrays: list[dict], survivors: list[str], k: int) -> list[dict]:
@@ -288,16 +280,9 @@ def _next_arrays(spec: SweepSpec, plan: dict, arrays: list[dict], survivors: lis
 
 
 def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tuple[list[str], list[str]]:
+    """Every array to the end: without halving, the plan's; with it, each rung's (see the module docstring)."""
     rungs = (plan.get("halving") or {}).get("steps", [])
     runner = _Runner(sweep, spec, plan, progress)
-    if not rungs:
-        todo = [a for a in plan["arrays"] if (sweep.result(a["id"]) or {}).get("state") != "done"]
-        if len(todo) < len(plan["arrays"]):
-            log.info("%d of %d arrays are done already; running %d", len(plan["arrays"]) - len(todo),
-                     len(plan["arrays"]), len(todo))
-        if todo:
-            runner.run([(a, None) for a in todo], None, [a["id"] for a in plan["arrays"] if a not in todo], "")
-        return runner.ran, runner.failed
     decisions = sweep.read_json(sweep.halving_path, "halving.json") if os.path.exists(sweep.halving_path) else []
     arrays = plan["arrays"]
     for k in range(len(rungs) + 1):
@@ -305,7 +290,10 @@ def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tu
         # to run: no result, and at a rung no segment record either (a resumed sweep skips what is recorded)
         todo = [a for a in arrays if (sweep.result(a["id"]) or {}).get("state") != "done" and
                 (until is None or not os.path.exists(sweep.segment_path(a["id"], k)))]
-        label = f" (rung {k + 1} of {len(rungs)}: to step {until})" if until else " (after the last rung)"
+        if len(todo) < len(arrays):
+            log.info("%d of %d arrays are done already; running %d", len(arrays) - len(todo), len(arrays), len(todo))
+        label = "" if not rungs else f"rung {k + 1} of {len(rungs)}: to step {until}" if until else \
+            "after the last rung"
         if todo:
             runner.run([(a, {"until": until}) for a in todo], k, [a["id"] for a in arrays if a not in todo], label)
         if until is None:
@@ -424,5 +412,6 @@ def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | N
                 ray.shutdown()
         rows = collect(sweep, plan)
         write_report(sweep, plan, rows)
-    return SweepResult(sweep.path, rows, len(plan["arrays"]), ran, failed, plan["metric"])
+    return SweepResult(sweep.path, rows, len(plan["arrays"]), ran, failed, plan["metric"],
+                       [t["id"] for t in plan["trials"]])
 

@@ -56,6 +56,8 @@ class SweepDir:
     report_md_path = property(lambda self: self._join(REPORT_MD))
     report_png_path = property(lambda self: self._join(REPORT_PNG))
 
+    models_path = property(lambda self: self._join(MODELS))
+
     def model_path(self, trial: str) -> str:
         return self._join(MODELS, f"{trial}.onnx")
 

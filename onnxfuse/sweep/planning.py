@@ -42,11 +42,9 @@ def array_sizes(n: int, B: int) -> list[int]:
 
 def _factory(spec: SweepSpec):
     from onnxfuse.exporters import load_factory
+    from onnxfuse.training.settings import resolve_factory
 
-    mod, _, attr = spec.model.factory.rpartition(":")
-    if mod.endswith(".py") and not os.path.isabs(mod):
-        mod = os.path.join(spec.base_dir, mod)
-    return load_factory(f"{mod}:{attr}" if mod else spec.model.factory)
+    return load_factory(resolve_factory(spec.model.factory, spec.base_dir))
 
 
 def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress: bool) -> None:
@@ -58,7 +56,7 @@ def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress
 
     factory = None
     done: dict[str, str] = {}  # (factory args, seed) -> a file exported for them
-    os.makedirs(os.path.dirname(sweep.model_path("x")), exist_ok=True)
+    os.makedirs(sweep.models_path, exist_ok=True)
     for t in tqdm(trials, desc="exporting trials", unit="trial", disable=not progress, leave=False):
         path = sweep.model_path(t["id"])
         args = {**spec.model.args, **t["args"]}

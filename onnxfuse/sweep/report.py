@@ -14,12 +14,11 @@ import os
 import shutil
 
 from .layout import METRICS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
-from .worker import RESULT_COLUMNS
+from .worker import RESULT_COLUMNS, TRIAL_METRICS, number, rank
 
 __all__ = ["write_array_result", "close_rung", "failed_result", "collect", "write_report", "table", "all_arrays"]
 
 log = logging.getLogger("onnxfuse.sweep")
-TRIAL_METRICS = ("step", "split", "loss", "accuracy", "lr", "elapsed_s", "status")
 _warned_tb = False
 
 
@@ -40,19 +39,12 @@ def _tensorboard(folder: str, rows: list[dict], hparams: dict) -> None:
         for r in rows:
             step = int(r["step"])
             for col in ("loss", "accuracy", "lr"):
-                v = _float(r.get(col, ""))
+                v = number(r.get(col, ""))
                 if math.isfinite(v):
                     w.add_scalar(f"{r['split']}/{col}", v, step)
         w.add_text("hyper-parameters", "  \n".join(f"{k} = {v}" for k, v in hparams.items()))
     finally:
         w.close()
-
-
-def _float(text) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _record(job: dict, out: dict, attempts: int) -> dict:
@@ -137,7 +129,7 @@ def all_arrays(sweep: SweepDir, plan: dict) -> list[dict]:
 def collect(sweep: SweepDir, plan: dict) -> list[dict]:
     """One row per trial, from the last array it trained in; best first by the plan's metric, trials without a
     finite metric last, in id order."""
-    metric, sign = plan["metric"], (1 if plan["direction"] == "minimize" else -1)
+    metric = plan["metric"]
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
     trials = {t["id"]: t for t in plan["trials"]}
     last: dict[str, tuple] = {}  # trial -> (array, its result, the trial's entry there)
@@ -158,11 +150,7 @@ def collect(sweep: SweepDir, plan: dict) -> list[dict]:
                      "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
                      "attempts": res.get("attempts", 0), "error": res.get("error", "")})
 
-    def order(r):
-        v = _float(r[metric])
-        return (0, sign * v, r["trial"]) if math.isfinite(v) else (1, 0.0, r["trial"])
-
-    return sorted(rows, key=order)
+    return sorted(rows, key=lambda r: rank(number(r[metric]), plan["direction"], r["trial"]))
 
 
 def _fmt(v) -> str:
@@ -191,7 +179,7 @@ def _curves(sweep: SweepDir, tid: str, split: str) -> tuple[list[int], list[floa
     if not os.path.exists(path):
         return [], []
     with open(path, encoding="utf-8") as f:
-        pts = [(int(r["step"]), _float(r["loss"])) for r in csv.DictReader(f) if r["split"] == split]
+        pts = [(int(r["step"]), number(r["loss"])) for r in csv.DictReader(f) if r["split"] == split]
     pts = [(s, v) for s, v in pts if math.isfinite(v)]
     return [s for s, _ in pts], [v for _, v in pts]
 

@@ -22,11 +22,13 @@ from typing import Callable
 import numpy as np
 
 from ..array import ArrayDir
+from ..training.run import METRICS_HEADER
 from .layout import TRIAL_ONNX, TRIAL_WEIGHTS
 
-__all__ = ["run_array", "node_of_this_process", "RESULT_COLUMNS"]
+__all__ = ["run_array", "node_of_this_process", "number", "rank", "RESULT_COLUMNS", "TRIAL_METRICS"]
 
 RESULT_COLUMNS = ("status", "steps", "train_loss", "eval_loss", "eval_accuracy")
+TRIAL_METRICS = tuple(c for c in METRICS_HEADER if c not in ("model", "run"))  # a trial's metrics.csv
 Report = Callable[[dict], None]
 
 
@@ -43,11 +45,18 @@ def node_of_this_process() -> dict:
     return where
 
 
-def _num(text: str) -> float:
+def number(text) -> float:
+    """A number of metrics.csv (NaN for an empty cell)."""
     try:
         return float(text)
-    except ValueError:
+    except (TypeError, ValueError):
         return math.nan
+
+
+def rank(value: float, direction: str, trial: str) -> tuple:
+    """A trial's place in a best-first order: by its metric in ``direction`` (minimize or maximize), a trial
+    without a finite metric last, ties by trial id."""
+    return (0, value if direction == "minimize" else -value, trial) if math.isfinite(value) else (1, 0.0, trial)
 
 
 def _pack(folder: str) -> bytes:
@@ -161,23 +170,21 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
                "metrics_csv": metrics_csv, "trials": {}}
         for b, tid in enumerate(trials):
             mine = [r for r in rows if r["model"] == str(b)]
-            train = [_num(r["loss"]) for r in mine if r["split"] == "train" and math.isfinite(_num(r["loss"]))]
+            train = [number(r["loss"]) for r in mine if r["split"] == "train" and math.isfinite(number(r["loss"]))]
             evals = [r for r in mine if r["split"] == "eval"]
             st = state.status.get(str(b))
             status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
                 ("stopped" if stopped else "finished")
-            steps = st["step"] if st and st["status"] == "dropped" else model_steps(st, state.steps)
             files = {}
             for name, src in ((TRIAL_ONNX, f"model_{b}.onnx"), (TRIAL_WEIGHTS, f"model_{b}.safetensors")):
                 with open(os.path.join(split_dir, src), "rb") as f:
                     files[name] = f.read()
             out["trials"][tid] = {
-                "status": status, "steps": steps,
+                "status": status, "steps": model_steps(st, state.steps),
                 "train_loss": train[-1] if train else math.nan,
-                "eval_loss": _num(evals[-1]["loss"]) if evals else math.nan,
-                "eval_accuracy": _num(evals[-1]["accuracy"]) if evals else math.nan,
-                "metrics": [{k: r[k] for k in ("step", "split", "loss", "accuracy", "lr", "elapsed_s", "status")}
-                            for r in mine],
+                "eval_loss": number(evals[-1]["loss"]) if evals else math.nan,
+                "eval_accuracy": number(evals[-1]["accuracy"]) if evals else math.nan,
+                "metrics": [{k: r[k] for k in TRIAL_METRICS} for r in mine],
                 "files": files}
         if seg.get("until") is not None:
             out["state"] = _pack(array_dir)
