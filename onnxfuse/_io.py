@@ -1,4 +1,5 @@
-"""Writing folders atomically: build in a temporary sibling, then rename, so a failure leaves nothing behind.
+"""Writing folders atomically: build in a temporary sibling, then rename, so a failure leaves nothing behind; and
+reading the files onnxfuse is given, each failure one error naming the file (``load_safetensors``, ``read_onnx``).
 
 The temporary names start with a dot and end in ``.tmp-<random>`` / ``.old-<random>``: a process killed in between
 leaves them, and the next command on an array folder removes them (``ArrayDir.remove_temporaries``)."""
@@ -10,9 +11,12 @@ import shutil
 import tempfile
 from typing import Iterator
 
+import numpy as np
+import onnx
+
 from .errors import InputFileError, as_user_error
 
-__all__ = ["atomic_dir", "check_output_dir", "atomic_write_bytes", "load_safetensors"]
+__all__ = ["atomic_dir", "check_output_dir", "atomic_write_bytes", "load_safetensors", "read_onnx"]
 
 
 def check_output_dir(path: str, overwrite: bool) -> None:
@@ -100,3 +104,135 @@ def load_safetensors(path: str, fix: str) -> dict:
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files
         cause = " ".join(str(e).split())[:120]
         raise InputFileError(f"'{path}' is not readable (truncated or corrupt: {cause}); {fix}") from e
+
+
+def read_onnx(path: str | os.PathLike, fix: str = "re-export it") -> onnx.ModelProto:
+    """The model in the ONNX file ``path`` with its external data read in: the one loader of ONNX files in
+    onnxfuse. Every way the file can be wrong is one InputFileError naming it and ending with ``fix`` (what the
+    caller's user should do, e.g. "re-run `onnxfuse fuse`").
+
+    External data is read only from inside the model's own folder (the real path of the folder the .onnx file is
+    in), symlinks followed: onnx's own loader refuses ``../x.bin`` and absolute locations but follows a symlink
+    wherever it points, so a model could otherwise make onnxfuse read any file its user can read, and
+    ``onnxfuse split`` write it out as weights."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise InputFileError(f"model file '{path}' does not exist; {fix}")
+    if os.path.isdir(path):
+        raise InputFileError(f"'{path}' is a folder, not an ONNX model file; give the .onnx file in it")
+    if os.path.getsize(path) == 0:
+        raise InputFileError(f"'{path}' is empty (0 bytes), not an ONNX model; {fix}")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except OSError as e:
+        raise InputFileError(f"'{path}' cannot be read ({e.strerror or e}); {fix}") from e
+    except Exception as e:  # protobuf's DecodeError, a RuntimeWarning, ...: the bytes are not a ModelProto
+        raise InputFileError(f"'{path}' is not a readable ONNX model: it is not ONNX protobuf, or it is truncated "
+                             f"({_first_line(e)}); {fix}") from e
+    if not model.HasField("graph") or not model.opset_import:
+        # protobuf parses many byte strings (a cut at a field boundary, other protobuf messages) without error
+        raise InputFileError(f"'{path}' is not a readable ONNX model: it parses as protobuf but has no "
+                             f"{'graph' if not model.HasField('graph') else 'opset_import'} (truncated, or not an "
+                             f"ONNX file); {fix}")
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for tensor in _all_tensors(model):
+        if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _read_external(tensor, path, folder, fix)
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    return (" ".join(str(e).split())[:120]) or type(e).__name__
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``graph``: initializers, sparse initializers, node attributes, and those of subgraphs
+    (onnx.external_data_helper's iterators skip sparse tensors, which can be external too)."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    for a in node.attribute:
+        if a.HasField("t"):
+            yield a.t
+        yield from a.tensors
+        for sparse in ([a.sparse_tensor] if a.HasField("sparse_tensor") else []) + list(a.sparse_tensors):
+            yield from (sparse.values, sparse.indices)
+        for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            yield from _graph_tensors(g)
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+
+
+def _read_external(tensor: onnx.TensorProto, path: str, folder: str, fix: str) -> None:
+    """Read ``tensor``'s external data into ``raw_data``, in place, after checking that it lies inside ``folder``
+    (symlinks followed) and is as long as the tensor needs."""
+    info = {e.key: e.value for e in tensor.external_data}
+    location = info.get("location", "")
+    where = f"'{path}': tensor '{tensor.name}' has its data in external file '{location}'"
+    try:  # os.path.join drops `folder` for an absolute location; realpath then resolves `..` and every symlink
+        target = os.path.realpath(os.path.join(folder, location))
+    except ValueError as e:  # a NUL byte in the location
+        raise InputFileError(f"{where}, which is not a valid path ({e}); {fix}") from e
+    if os.path.commonpath([folder, target]) != folder:
+        link = os.path.normpath(location)
+        if os.path.isabs(location) or link == os.pardir or link.startswith(os.pardir + os.sep):
+            how = (f"copy the data file into '{folder}' and set the tensor's location to its name there "
+                   "(relative to the model's folder)")
+        else:  # a symlink (in the location's path) leads out of the folder
+            how = (f"replace the symlink by a copy of '{target}', or inline the data: "
+                   f"onnx.save(onnx.load('{path}'), '{path}', save_as_external_data=False)")
+        resolves = "" if target == location else f" (it resolves to '{target}')"
+        raise InputFileError(f"{where}{resolves}, which is outside the model's folder '{folder}'; onnxfuse reads "
+                             f"external data only from inside it. To fix this, {how}; or {fix}")
+    if not os.path.exists(target):
+        raise InputFileError(f"{where}, which does not exist (looked for '{target}'); put the data file next to "
+                             f"the model, or {fix}")
+    if not os.path.isfile(target):  # a folder, or a FIFO or device that reading could block on forever
+        what = "a folder, not a data file" if os.path.isdir(target) else "not a regular file (a FIFO, socket or device)"
+        raise InputFileError(f"{where}, which is {what}; {fix}")
+    try:
+        offset, length = (int(info[k]) if info.get(k) else None for k in ("offset", "length"))
+    except ValueError as e:
+        raise InputFileError(f"{where} at offset '{info.get('offset')}' length '{info.get('length')}', which "
+                             f"are not whole numbers; {fix}") from e
+    offset = offset or 0
+    size = os.path.getsize(target)
+    if offset < 0 or (length is not None and length < 0) or offset + (length or 0) > size:
+        raise InputFileError(f"{where} at offset {offset} length {length}, but that file has {size} bytes "
+                             f"(truncated, or not this model's data file); {fix}")
+    try:
+        with open(target, "rb") as f:  # the resolved path: what was checked is what is read
+            f.seek(offset)
+            data = f.read(length if length is not None else -1)
+    except OSError as e:
+        raise InputFileError(f"{where}, which cannot be read ({e.strerror or e}); {fix}") from e
+    need = _tensor_bytes(tensor)
+    if need is not None and len(data) != need:
+        raise InputFileError(f"{where}: {len(data)} bytes at offset {offset}, but a "
+                             f"{onnx.TensorProto.DataType.Name(tensor.data_type)} tensor of shape "
+                             f"{list(tensor.dims)} needs {need} (truncated, or not this model's data file); {fix}")
+    tensor.raw_data = data
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes of ``tensor``'s raw data, or None where they do not follow from its type (strings, unknown)."""
+    name = onnx.TensorProto.DataType.Name(tensor.data_type) if tensor.data_type in \
+        onnx.TensorProto.DataType.values() else ""
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    if name in ("INT4", "UINT4", "FLOAT4E2M1"):  # two values per byte
+        return (count + 1) // 2
+    if name in ("", "UNDEFINED", "STRING"):
+        return None
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
