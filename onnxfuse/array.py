@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._io import atomic_dir, atomic_write_bytes, load_safetensors
+from ._io import atomic_dir, atomic_write_bytes, load_safetensors, read_onnx
 from ._lock import array_lock
 from .errors import InputFileError
 from .weights import ArraySpec
@@ -234,12 +234,7 @@ class ArrayDir:
         return ArraySpec.load(self.spec_path)
 
     def load_fused(self) -> onnx.ModelProto:
-        if not os.path.exists(self.fused_path):
-            raise InputFileError(f"'{self.fused_path}' is missing; re-run `onnxfuse fuse`")
-        try:
-            return onnx.load(self.fused_path)
-        except Exception as e:
-            raise InputFileError(f"'{self.fused_path}' is not a readable ONNX model; re-run `onnxfuse fuse`") from e
+        return read_onnx(self.fused_path, "re-run `onnxfuse fuse`")
 
     def load(self) -> tuple[onnx.ModelProto, ArraySpec]:
         """The fused model and its spec; a missing folder or file is an InputFileError saying how to make it."""
@@ -249,10 +244,7 @@ class ArrayDir:
 
     def load_source(self, b: int, why: str = "") -> onnx.ModelProto:
         """Model b's graph without its weights (``why``: what needs it, for the message when it is missing)."""
-        path = self.source_path(b)
-        if not os.path.exists(path):
-            raise InputFileError(f"'{path}' is missing; {why + ': ' if why else ''}re-run `onnxfuse fuse`")
-        return onnx.load(path)
+        return read_onnx(self.source_path(b), f"{why + ': ' if why else ''}re-run `onnxfuse fuse`")
 
     def refuse(self, models: Sequence[int], states: Sequence[Mapping[str, np.ndarray]], fuse: Callable,
                why: str = "") -> tuple[onnx.ModelProto, ArraySpec]:
@@ -282,13 +274,7 @@ class ArrayDir:
         fused with. An array without trained weights is an InputFileError saying why (never trained, or its run
         unfinished)."""
         if initial:
-            if not os.path.exists(self.fused_path):
-                raise InputFileError(f"'{self.path}' has no {FUSED}; create the array with `onnxfuse fuse`")
-            try:
-                model = onnx.load(self.fused_path)
-            except Exception as e:
-                raise InputFileError(f"'{self.fused_path}' is not a readable ONNX model; re-run `onnxfuse fuse`") \
-                    from e
+            model = self.load_fused()
             return TrainedState({t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, None, None)
         trained = self.trained_path
         if not os.path.isdir(trained):

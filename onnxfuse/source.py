@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from ._facts import FOLD_LIMIT, GraphFacts
 from ._graph import live_nodes
+from ._io import read_onnx
 from .errors import InputFileError
 from .windows import explicit_windows_pass
 
@@ -73,17 +74,6 @@ class SourceModel:
         """Names the exporter marked trainable, or None when the file carries no onnxfuse metadata."""
         t = self.meta.get("trainable")
         return None if t is None else set(t)
-
-
-def _read_model(path: str) -> onnx.ModelProto:
-    if not os.path.exists(path):
-        raise InputFileError(f"model file '{path}' does not exist")
-    if os.path.isdir(path):
-        raise InputFileError(f"'{path}' is a folder, not an ONNX model file")
-    try:
-        return onnx.load(path)
-    except Exception as e:  # protobuf raises DecodeError, RuntimeWarning, ...
-        raise InputFileError(f"'{path}' is not a readable ONNX model ({type(e).__name__}); re-export it") from e
 
 
 def _metadata(proto: onnx.ModelProto, label: str = "model") -> dict:
@@ -213,7 +203,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
         proto, label = model, label or "model"
     else:
         path = os.fspath(model)
-        proto, label = _read_model(path), label or os.path.basename(path)
+        proto, label = read_onnx(path), label or os.path.basename(path)
     try:
         onnx.checker.check_model(proto)
     except Exception as e:

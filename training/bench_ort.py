@@ -122,6 +122,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
     from onnxruntime.training import onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
+    from onnxfuse._io import read_onnx
     from onnxfuse.passes import fuse_models
     from onnxfuse.source import METADATA_KEY
 
@@ -170,7 +171,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
         elif mode == "seq-ort":
             for b in range(B):
                 t0 = time.perf_counter()
-                model = onnx.load(paths[b])
+                model = read_onnx(paths[b], "run the benchmark again")
                 meta = json.loads(next(p.value for p in model.metadata_props if p.key == METADATA_KEY))
                 params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
                 if sorted(params) != sorted(meta["trainable"]):

@@ -73,15 +73,15 @@ def zoo_batch(name: str, n: int, device):
 
 def zoo_protos(name: str, mods: list, n: int, folder: str) -> list:
     """One export, one ONNX model per module carrying that module's weights."""
-    import onnx
     import torch
     from onnx import numpy_helper
 
+    from onnxfuse._io import read_onnx
     from onnxfuse.exporters import export_module
 
     path = os.path.join(folder, f"{name}.onnx")
     export_module(copy.deepcopy(mods[0]), path, example_inputs=(zoo_batch(name, n, torch.device("cpu"))[0],))
-    base = onnx.load(path)
+    base = read_onnx(path, "run the command again")
     protos = []
     for m in mods:
         state = {k: v.detach().cpu().numpy() for k, v in m.state_dict().items()}
@@ -161,6 +161,7 @@ def load_onnx_file(path: str, batch: int, flag: str = "--models") -> OnnxFile:
     import torch
 
     from onnxfuse import fuse_models
+    from onnxfuse._io import read_onnx
     from onnxfuse.errors import OnnxFuseError
     from onnxfuse.source import load_source
 
@@ -168,7 +169,8 @@ def load_onnx_file(path: str, batch: int, flag: str = "--models") -> OnnxFile:
     from .torch_graph import OnnxModule
 
     try:
-        src = load_source(path, label=path)
+        proto = read_onnx(path)  # read once: load_source resolves a copy, torch eager runs the graph as read
+        src = load_source(copy.deepcopy(proto), label=path)
     except OnnxFuseError as e:
         raise ConfigError(f"{flag}: {e}") from e
     ins, outs = [i.name for i in src.inputs], [o.name for o in src.outputs]
@@ -196,7 +198,6 @@ def load_onnx_file(path: str, batch: int, flag: str = "--models") -> OnnxFile:
     else:
         raise ConfigError(f"{flag}: {path}: input '{name}' is {onnx.TensorProto.DataType.Name(dtype)}; onnxfuse "
                           "feeds float32 inputs or int64 token ids")
-    proto = onnx.load(path)
     # run model 0 once in torch eager: an op onnxfuse's converter lacks shows now, and the output's shape gives
     # the labels
     try:

@@ -31,6 +31,7 @@ from onnx import helper
 from .._facts import GraphFacts
 from .._graph import name_nodes
 from .._graph import reads as graph_reads
+from .._io import read_onnx
 from ..errors import ConfigError, InputFileError
 from .orders import Dag, check_acyclic
 
@@ -141,17 +142,9 @@ class PlacementGraph:
 
 
 def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """A ModelProto from a path (with a clear error for a missing or unreadable file) or as given."""
-    if isinstance(model, onnx.ModelProto):
-        return model
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise InputFileError(f"model file '{path}' does not exist" if not os.path.exists(path)
-                             else f"'{path}' is a folder, not an ONNX model file")
-    try:
-        return onnx.load(path)
-    except Exception as e:
-        raise InputFileError(f"'{path}' is not a readable ONNX model ({type(e).__name__}); re-export it") from e
+    """A ModelProto from a path (read by :func:`~onnxfuse._io.read_onnx`: one error line for a missing or
+    unreadable file, external data only from the model's folder) or as given."""
+    return model if isinstance(model, onnx.ModelProto) else read_onnx(model)
 
 
 def bind_dims(model: onnx.ModelProto, batch_size: int | None = None,

@@ -79,9 +79,9 @@ def _unpack(state: bytes, tmp: str) -> str:
 def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp: str) -> None:
     """This array's trials, each with its weights and optimizer state at the last rung (from the arrays the
     previous segment returned), fused into ``array_dir`` and made a run that resumes there."""
-    import onnx
     from onnx import numpy_helper
 
+    from onnxfuse._io import read_onnx
     from onnxfuse.passes import fuse_models, save_array
     from onnxfuse.training.run import checkpoint_models, seed_run
 
@@ -94,7 +94,7 @@ def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp:
         aid, place = seg["sources"][tid]
         src = sources[aid]
         template = template or src.record
-        proto = onnx.load(path)
+        proto = read_onnx(path, "run the sweep again")
         state = src.states[place]
         for init in proto.graph.initializer:
             if init.name in state:
