@@ -198,7 +198,7 @@ def export_array(
         raise ConfigError("--count must be at least 1")
     check_opset(export_kwargs.get("opset", DEFAULT_OPSET))
     out_dir = os.fspath(out_dir)
-    with atomic_dir(out_dir, overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite, command="export") as tmp:
         for b, seed in enumerate(seeds):
             torch.manual_seed(seed)
             module = factory()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from typing import Iterator
@@ -14,66 +15,156 @@ from typing import Iterator
 import numpy as np
 import onnx
 
+from ._lock import LOCK_FILE, folder_lock, holds, locked_folders_around
 from .errors import InputFileError, as_user_error
 
-__all__ = ["atomic_dir", "check_output_dir", "atomic_write_bytes", "load_safetensors", "read_onnx"]
+__all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "atomic_write_bytes",
+           "load_safetensors", "read_onnx"]
+
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_write_bytes create
+
+
+def _only_marks(path: str) -> bool:
+    """A folder that holds nothing but an onnxfuse lock file counts as empty (a command killed while it held a
+    new output folder leaves that)."""
+    return all(name == LOCK_FILE for name in os.listdir(path))
 
 
 def check_output_dir(path: str, overwrite: bool) -> None:
     """Refuse to replace a non-empty folder unless asked to, and a path under a file (checked before any work
     starts)."""
-    parent = os.path.dirname(os.path.normpath(path))
+    _check_parent(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise InputFileError(f"output '{path}' exists and is not a folder; choose another path")
+        if not overwrite and not _only_marks(path):
+            raise InputFileError(f"output folder '{path}' already exists and is not empty; "
+                                 "pass --overwrite to replace it or choose another folder")
+
+
+def _check_parent(path: str) -> None:
+    parent = os.path.dirname(os.path.normpath(os.path.abspath(path)))
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
     if parent and not os.path.isdir(parent):
         raise InputFileError(f"output '{path}' cannot be created: '{parent}' is a file, not a folder; "
                              "choose another path")
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise InputFileError(f"output '{path}' exists and is not a folder; choose another path")
-        if os.listdir(path) and not overwrite:
-            raise InputFileError(f"output folder '{path}' already exists and is not empty; "
-                                 "pass --overwrite to replace it or choose another folder")
+
+
+def check_output_file(path: str) -> None:
+    """Refuse a file output (``plan -o``, ``report -o``) that is a folder or lies under a file."""
+    if os.path.isdir(path):
+        raise InputFileError(f"output '{path}' is a folder; give a file path")
+    _check_parent(path)
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary folder; on success it replaces ``path`` in one rename, on error it is removed."""
-    shown = path
-    path = os.path.abspath(path)
-    check_output_dir(path, overwrite)
-    parent = os.path.dirname(path)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    except OSError as e:  # a read-only location, a file where a folder should be, ...
-        raise (as_user_error(e, shown) or e) from e
-    try:
-        yield tmp
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        user = as_user_error(e, shown)  # a full disk or a read-only folder while writing: name the output
-        if user is None or user is e:
+def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = False, replace: bool = True,
+                 is_file: bool = False, what: str = "output folder") -> Iterator[str]:
+    """Hold what writing the output ``path`` needs, for ``command`` (a word for messages), and yield its real path
+    (a symbolic link is followed: the folder it names is written, the link stays).
+
+    The output is checked first (``check_output_dir``; ``replace`` False: a folder written in place, e.g. a
+    sweep's, need only be a folder or absent; ``is_file``: ``check_output_file``). Then every onnxfuse folder
+    around it (one carrying a lock file) and the output folder itself are locked, so that no other onnxfuse
+    command writes, replaces or trains in them meanwhile: a folder that does not exist yet is created to hold its
+    lock (and removed again if the command writes nothing into it). Nothing is locked where this process already
+    holds the output or a folder around it. Stale temporaries of the output (``.NAME.tmp-*``, ``.NAME.old-*``
+    beside it, left by a killed process) are removed under its lock. ``what`` names the folder in messages."""
+    shown = os.fspath(path)
+    real = os.path.realpath(shown)
+    if is_file:
+        check_output_file(shown)
+    elif replace:
+        check_output_dir(shown, overwrite)
+    elif os.path.exists(real) and not os.path.isdir(real):
+        raise InputFileError(f"output '{shown}' exists and is not a folder; choose another path")
+    else:
+        _check_parent(shown)
+    if holds(real):
+        yield real
+        return
+    with contextlib.ExitStack() as stack:
+        for around in locked_folders_around(real):
+            stack.enter_context(folder_lock(around, command, "folder"))
+        if is_file:
+            yield real
+            return
+        created = False
+        try:
+            os.makedirs(real)
+            created = True
+        except FileExistsError:
+            pass
+        except OSError as e:  # a read-only location, a file where a folder should be, ...
+            raise (as_user_error(e, shown) or e) from e
+        try:
+            marked = os.path.isfile(os.path.join(real, LOCK_FILE))
+            stack.enter_context(folder_lock(real, command, what, remove=not (created or marked)))
+            if replace:
+                check_output_dir(real, overwrite)  # again, holding it: another command may have filled it
+                _remove_stale_temporaries(real)
+            yield real
+        finally:
+            if created and os.path.isdir(real) and _only_marks(real):  # nothing was written into it
+                stack.close()
+                with contextlib.suppress(OSError):
+                    for name in os.listdir(real):
+                        os.remove(os.path.join(real, name))
+                    os.rmdir(real)
+
+
+def _remove_stale_temporaries(real: str) -> None:
+    parent, name = os.path.split(real)
+    for other in os.listdir(parent):
+        if other.startswith(f".{name}.") and _TEMPORARY.match(other):
+            stale = os.path.join(parent, other)
+            shutil.rmtree(stale, ignore_errors=True) if os.path.isdir(stale) and not os.path.islink(stale) \
+                else os.remove(stale)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str) -> Iterator[str]:
+    """Yield a temporary folder; on success it replaces ``path`` in one rename, on error it is removed. The output
+    is held for ``command`` throughout (``claim_output``); a new output folder carries the lock file that marks
+    it as onnxfuse's, unless it lies inside a folder this process holds (which covers it)."""
+    shown = os.fspath(path)
+    nested = holds(os.path.dirname(os.path.realpath(shown)))  # inside a folder this process holds
+    with claim_output(shown, command, overwrite=overwrite) as real:
+        parent = os.path.dirname(real)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.tmp-", dir=parent)
+            if not nested:
+                open(os.path.join(tmp, LOCK_FILE), "wb").close()
+        except OSError as e:  # a read-only location, a file where a folder should be, ...
+            raise (as_user_error(e, shown) or e) from e
+        try:
+            yield tmp
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            user = as_user_error(e, shown)  # a full disk or a read-only folder while writing: name the output
+            if user is None or user is e:
+                raise
+            raise user from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-        raise user from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the output gets a folder's usual mode
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-            os.rmdir(old)
-            os.rename(path, old)
-        os.rename(tmp, path)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise (as_user_error(e, shown) or e) from e
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the output gets a folder's mode
+            old = None
+            if os.path.exists(real):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.old-", dir=parent)
+                os.rmdir(old)
+                os.rename(real, old)
+            os.rename(tmp, real)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise (as_user_error(e, shown) or e) from e
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

@@ -9,7 +9,7 @@ belong to. Every other module asks :class:`ArrayDir`; none spells a file name of
     trained/                            a state folder + train_state.json: the current run's final state
     report.png, report.json             ``onnxfuse report`` of the current run
     runs/<run id>/                      earlier runs' outputs, moved aside when a new run trains its first step
-    .onnxfuse.lock                      the lock (see ``_lock.py``)
+    .onnxfuse.lock                      the lock, and the mark of a folder onnxfuse made (see ``_lock.py``)
 
 A *state folder* (``trained/`` and every checkpoint) holds ``weights.safetensors`` (the fused weights of the array
 as it was then: a run that shrank it by successive halving re-fused the survivors), ``optimizer_state.safetensors``,
@@ -42,8 +42,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._io import atomic_dir, atomic_write_bytes, load_safetensors, read_onnx
-from ._lock import array_lock
+from ._io import _TEMPORARY, atomic_dir, atomic_write_bytes, load_safetensors, read_onnx
+from ._lock import folder_lock
 from .errors import InputFileError
 from .weights import ArraySpec
 
@@ -58,11 +58,9 @@ REPORT_PNG, REPORT_JSON = "report.png", "report.json"
 WEIGHTS, OPTIMIZER_STATE, DROPPED = "weights.safetensors", "optimizer_state.safetensors", "dropped"
 TRAIN_STATE, CHECKPOINT_STATE = "train_state.json", "state.json"  # in trained/, in a checkpoint
 ORT_CHECKPOINT, SCRATCH = "ort_checkpoint", "artifacts"  # onnxruntime's own checkpoint; its artifacts while training
-LOCK_FILE = ".onnxfuse.lock"
 # a run's outputs, in the order they are moved aside (run.json last: until it moves, the folder still names the
 # run whose outputs are left, so a kill in between is finished by the next move)
 RUN_OUTPUTS = (TRAINED, CHECKPOINTS, METRICS, REPORT_PNG, REPORT_JSON, RUN)
-_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what _io.atomic_dir / atomic_write_bytes create
 _STEP = "step_"
 _DROPPED_FILE = re.compile(r"^model_(\d+)\.safetensors$")
 
@@ -188,7 +186,7 @@ class ArrayDir:
     @contextlib.contextmanager
     def locked(self, command: str) -> Iterator["ArrayDir"]:
         """Hold the folder's lock for ``command`` (a word for messages) and clear what killed processes left."""
-        with array_lock(self.path, command, LOCK_FILE):
+        with folder_lock(self.path, command):
             self.remove_temporaries()
             yield self
 
@@ -214,16 +212,14 @@ class ArrayDir:
     def create(cls, path: str | os.PathLike, model: onnx.ModelProto, spec: ArraySpec,
                sources: Sequence[onnx.ModelProto], overwrite: bool = False) -> "ArrayDir":
         """Write an array atomically: the fused ``model``, its ``spec`` and the weightless ``sources`` (model b's
-        graph). With ``overwrite``, an array folder there is replaced as a whole (its runs too), holding its lock."""
+        graph). With ``overwrite``, a folder there is replaced as a whole (an array's runs too), holding its lock."""
         array = cls(path)
-        replacing = overwrite and cls.is_array(array.path)
-        with array.locked("fuse") if replacing else contextlib.nullcontext():
-            with atomic_dir(array.path, overwrite) as tmp:
-                onnx.save(model, os.path.join(tmp, FUSED))
-                spec.save(os.path.join(tmp, SPEC))
-                os.makedirs(os.path.join(tmp, SOURCES))
-                for b, src in enumerate(sources):
-                    onnx.save(src, os.path.join(tmp, SOURCES, _source_name(b)))
+        with atomic_dir(array.path, overwrite, command="fuse") as tmp:
+            onnx.save(model, os.path.join(tmp, FUSED))
+            spec.save(os.path.join(tmp, SPEC))
+            os.makedirs(os.path.join(tmp, SOURCES))
+            for b, src in enumerate(sources):
+                onnx.save(src, os.path.join(tmp, SOURCES, _source_name(b)))
         return array
 
     def _check_exists(self) -> None:

@@ -64,15 +64,12 @@ def cmd_export(args) -> int:
 
 
 def cmd_fuse(args) -> int:
-    from ._io import check_output_dir
-    from .array import ArrayDir, check_output_location
+    from ._io import claim_output
+    from .array import check_output_location
 
     check_output_location(args.output, args.models)
-    check_output_dir(args.output, args.overwrite)
-    if args.overwrite and ArrayDir.is_array(args.output):  # replacing an array: not while another command uses it
-        with ArrayDir(args.output).locked("fuse"):
-            return _fuse(args)
-    return _fuse(args)
+    with claim_output(args.output, "fuse", overwrite=args.overwrite):  # no other command writes there meanwhile
+        return _fuse(args)
 
 
 def _fuse(args) -> int:
@@ -197,18 +194,23 @@ def cmd_bench(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    import contextlib
+
+    from ._io import claim_output
     from .training.plan import plan_array
 
-    plan = plan_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
-                      memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int), max_B=args.max_B,
-                      optimizer=args.optimizer, threads=args.threads)
-    print(plan.table())
-    for note in plan.notes:
-        print(f"note: {note}")
-    print(plan.summary())
-    if args.output:
-        plan.save(args.output)
-        print(f"wrote {args.output}")
+    # -o is checked and held before the probes train (no other command writes there meanwhile)
+    with claim_output(args.output, "plan", is_file=True) if args.output else contextlib.nullcontext():
+        plan = plan_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
+                          memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int),
+                          max_B=args.max_B, optimizer=args.optimizer, threads=args.threads)
+        print(plan.table())
+        for note in plan.notes:
+            print(f"note: {note}")
+        print(plan.summary())
+        if args.output:
+            plan.save(args.output)
+            print(f"wrote {args.output}")
     return 0
 
 

@@ -126,7 +126,7 @@ def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool)
     per_model = final_states(array.path, spec, initial)
     sources = [array.load_source(b) for b in range(spec.B)]
     paths = []
-    with atomic_dir(out_dir, overwrite) as tmp:
+    with atomic_dir(out_dir, overwrite, command="split") as tmp:
         for b, (src, state) in enumerate(zip(sources, per_model)):
             graph_names = {i for n in src.graph.node for i in n.input}
             src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)

@@ -1,5 +1,5 @@
-"""One place for each idea: the array folder's file names live in ``onnxfuse/array.py`` only, placement.json's in
-``onnxfuse/placement/report.py``; the placer table is what ``onnxfuse place`` offers; ``place_model`` from Python
+"""One place for each idea: the array folder's file names live in ``onnxfuse/array.py`` only, the lock file's (every
+folder onnxfuse writes has one) in ``onnxfuse/_lock.py``, placement.json's in ``onnxfuse/placement/report.py``; the placer table is what ``onnxfuse place`` offers; ``place_model`` from Python
 writes what the command writes.
 
 File names are found as string constants in the source (``ast``), docstrings excluded: a constant that *is* a
@@ -16,10 +16,11 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 PACKAGES = ("onnxfuse", "training", "exporters")
 FILE_NAMES = {"fused.onnx", "array.json", "train_state.json", "run.json", "metrics.csv", "report.png", "report.json",
-              "weights.safetensors", "optimizer_state.safetensors", "state.json", ".onnxfuse.lock", "ort_checkpoint"}
+              "weights.safetensors", "optimizer_state.safetensors", "state.json", "ort_checkpoint"}
 FOLDER_NAMES = {"sources", "trained", "dropped", "checkpoints", "runs", "artifacts"}
+LOCK_FILE = ".onnxfuse.lock"
 OWNER = {name: "onnxfuse/array.py" for name in FILE_NAMES | FOLDER_NAMES} | {
-    "placement.json": "onnxfuse/placement/report.py"}
+    "placement.json": "onnxfuse/placement/report.py", LOCK_FILE: "onnxfuse/_lock.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -56,7 +57,7 @@ def file_names_in(source: str) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            if node.value in FILE_NAMES or node.value == "placement.json":
+            if node.value in FILE_NAMES or node.value in ("placement.json", LOCK_FILE):
                 found.append((node.lineno, node.value))
         if isinstance(node, ast.Call) and _path_call(node):
             for arg in node.args:
@@ -76,6 +77,8 @@ def test_the_search_finds_file_names():
     assert file_names_in('"""fused.onnx"""\nprint(f"{d} has no fused.onnx")\nk = {"sources": 1}\n') == []
     tree = ast.parse(open(SOURCES["onnxfuse/array.py"], encoding="utf-8").read())
     assert FILE_NAMES | FOLDER_NAMES <= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+    tree = ast.parse(open(SOURCES["onnxfuse/_lock.py"], encoding="utf-8").read())
+    assert LOCK_FILE in {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
 
 
 @pytest.mark.parametrize("module", sorted(SOURCES))
@@ -138,8 +141,8 @@ def test_place_model_writes_what_the_command_writes(tmp_path, capsys):
     report = place_model(path, make_devices(2), costs="estimate", batch_size=4)
     assert isinstance(report, PlacementReport) and report.table in out and report.recommendation in out
     written = report.save(tmp_path / "api")
-    assert sorted(w.rstrip("/") for w in written) == sorted(os.listdir(tmp_path / "cli")) == sorted(
-        os.listdir(tmp_path / "api"))
+    listed = [sorted(n for n in os.listdir(tmp_path / folder) if n != LOCK_FILE) for folder in ("cli", "api")]
+    assert sorted(w.rstrip("/") for w in written) == listed[0] == listed[1]
     cli_doc = json.load(open(tmp_path / "cli" / "placement.json"))
     assert cli_doc == json.load(open(tmp_path / "api" / "placement.json")) == report.to_json()
     assert {c["placer"] for c in cli_doc["candidates"]} == {"single", "greedy", "heft"}  # shard: not an array

@@ -50,6 +50,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from onnxfuse._io import claim_output
 from onnxfuse.errors import ConfigError
 
 from .workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file, load_onnx_file,
@@ -465,65 +466,65 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
     modes = list(dict.fromkeys(modes))
     _check(models, Bs, modes, batch, steps, rounds, warmup)
     out = os.fspath(out)
-    cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
-    say = print if progress else (lambda *a, **k: None)
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: torch sees no CUDA device; use --device cpu")
-    if threads:
-        torch.set_num_threads(threads)
-    if dev.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    notes = []
-    why = _ort_unavailable(dev) if set(modes) & set(_ORT_MODES) else None
-    if why:
-        notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
-        modes = [m for m in modes if m not in _ORT_MODES]
-    measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
-    files = {name: load_onnx_file(name, batch) for name in models if is_onnx_file(name)}  # all checked before measuring
-    plan = _plan(models, measured, files, notes)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-           "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
-    say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
-        f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes {','.join(measured)}")
-    for note in notes:
-        say(note)
-    rows: list[dict] = []
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as folder:
-        for name in models:
-            for b in Bs:
-                if budget_s and time.perf_counter() - t_start > budget_s:
-                    say(f"skipped {name} B={b}: over the {budget_s:g} s budget")
-                    notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
-                    continue
-                try:
-                    work = (_file_workload(files[name], b, dev) if name in files
-                            else _zoo_workload(name, b, batch, dev, folder))
-                    r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads, strategy)
-                except torch.OutOfMemoryError as e:
-                    say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
-                    notes.append(f"{name} B={b}: out of memory")
-                    continue
-                finally:
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(dev)
-                rows.append(r)
-                cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
-                                  for m, c in r["modes"].items())
-                say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB", flush=True)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump({"command": cmd, "env": env, "modes": measured, "notes": notes, "rows": rows}, f, indent=1)
-    _write_csv(os.path.join(out, "bench.csv"), rows, measured)
-    text = table(rows, measured)
-    with open(os.path.join(out, "bench.md"), "w") as f:
-        f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
-                "all B models (median round); ratios are medians of per-round ratios.\n\n"
-                + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
-                + "\n\nEvery mode, with the ratio to the dense ceiling and peak memory:\n\n" + text + "\n")
-    _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
-    say(text)
-    say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
-    return rows
+    with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
+        cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
+        say = print if progress else (lambda *a, **k: None)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: torch sees no CUDA device; use --device cpu")
+        if threads:
+            torch.set_num_threads(threads)
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        notes = []
+        why = _ort_unavailable(dev) if set(modes) & set(_ORT_MODES) else None
+        if why:
+            notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
+            modes = [m for m in modes if m not in _ORT_MODES]
+        measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
+        files = {name: load_onnx_file(name, batch) for name in models if is_onnx_file(name)}  # all checked before measuring
+        plan = _plan(models, measured, files, notes)
+        env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
+        say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
+            f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes {','.join(measured)}")
+        for note in notes:
+            say(note)
+        rows: list[dict] = []
+        t_start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as folder:
+            for name in models:
+                for b in Bs:
+                    if budget_s and time.perf_counter() - t_start > budget_s:
+                        say(f"skipped {name} B={b}: over the {budget_s:g} s budget")
+                        notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
+                        continue
+                    try:
+                        work = (_file_workload(files[name], b, dev) if name in files
+                                else _zoo_workload(name, b, batch, dev, folder))
+                        r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads, strategy)
+                    except torch.OutOfMemoryError as e:
+                        say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
+                        notes.append(f"{name} B={b}: out of memory")
+                        continue
+                    finally:
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats(dev)
+                    rows.append(r)
+                    cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
+                                      for m, c in r["modes"].items())
+                    say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB", flush=True)
+        with open(os.path.join(out, "bench.json"), "w") as f:
+            json.dump({"command": cmd, "env": env, "modes": measured, "notes": notes, "rows": rows}, f, indent=1)
+        _write_csv(os.path.join(out, "bench.csv"), rows, measured)
+        text = table(rows, measured)
+        with open(os.path.join(out, "bench.md"), "w") as f:
+            f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
+                    "all B models (median round); ratios are medians of per-round ratios.\n\n"
+                    + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
+                    + "\n\nEvery mode, with the ratio to the dense ceiling and peak memory:\n\n" + text + "\n")
+        _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
+        say(text)
+        say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
+        return rows

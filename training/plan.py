@@ -50,8 +50,9 @@ from typing import Sequence
 import numpy as np
 import onnx
 
+from onnxfuse._io import atomic_write_bytes
 from onnxfuse._units import parse_size
-from onnxfuse.errors import ConfigError
+from onnxfuse.errors import ConfigError, as_user_error
 
 __all__ = ["ArrayPlan", "PlanRow", "Probe", "MemoryEstimate", "plan_array", "recommend_B", "choose_B",
            "fit_line", "measure_arrays", "estimate_step_memory", "parse_memory", "default_memory_budget",
@@ -499,11 +500,14 @@ class ArrayPlan:
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (every field, the probes' step times included)."""
-        folder = os.path.dirname(os.fspath(path))
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+        path = os.fspath(path)
+        folder = os.path.dirname(path)
+        try:
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise (as_user_error(e, path) or e) from e
+        atomic_write_bytes(path, (json.dumps(self.to_json(), indent=1) + "\n").encode())
 
 
 def _check_int(flag: str, value, least: int = 1) -> int:

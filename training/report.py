@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from onnxfuse._io import claim_output
 from onnxfuse.array import ArrayDir, complete_lines
 from onnxfuse.errors import ConfigError, InputFileError
 
@@ -262,7 +263,7 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
     png = os.fspath(out_png) if out_png is not None else array.report_png_path
     _check_plot_format(png)
     path = _open_metrics(array_dir)
-    with array.locked("report"):
+    with array.locked("report"), claim_output(png, "report", is_file=True):  # a plot elsewhere: its folders too
         run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
         logs = read_metrics(path)
         summary = summarize(logs)

@@ -668,7 +668,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     metrics_path = array.metrics_path
 
     trained = array.trained_path
-    with atomic_dir(trained, overwrite=True) as tmp:  # removed again if anything below fails
+    with atomic_dir(trained, overwrite=True, command="train") as tmp:  # removed again if anything below fails
         run = _Run(array_dir, config, fused, spec, loss, total, ArrayDir.scratch_path(tmp))
         run.run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
         elapsed0 = _restore(run, ckpt, saved, sampler) if ckpt is not None else 0.0
@@ -794,7 +794,7 @@ def _checkpoint(run: _Run, sampler: BatchSampler, elapsed: float) -> None:
     """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints
     (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first)."""
     path = run.array.checkpoint_path(run.step)
-    with atomic_dir(path, overwrite=True) as tmp:
+    with atomic_dir(path, overwrite=True, command="train") as tmp:
         _save_state(run, tmp)
         ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": sampler.state_dict(), "elapsed_s": elapsed,
                                                "config": _jsonable(run.config_record), "run": run.run_record})
@@ -841,7 +841,7 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
     st.update(models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
               status={str(b): s for b, s in enumerate(status) if s}, config=_jsonable(config.as_dict()),
               run=run_record)
-    with atomic_dir(array.checkpoint_path(st["step"])) as tmp:
+    with atomic_dir(array.checkpoint_path(st["step"]), command="train") as tmp:
         ArrayDir.write_state(tmp, weights, opt_state, spec, {})
         ArrayDir.write_checkpoint_record(tmp, st)
     array.write_run(record)

@@ -153,11 +153,19 @@ def _feeds(path: str | None) -> dict[str, np.ndarray] | None:
 def cmd_place(args) -> int:
     """onnxfuse place: check the flags, place (``place_model``, which holds an array folder locked), print, write
     PLACE_DIR (``PlacementReport.save``)."""
-    import warnings
-
-    from .report import GANTT_PNG, PLACEMENT_JSON, RESULTS_MD, PlacementWarning, check_place_output, place_model
+    from .._io import claim_output
+    from .report import check_place_output
 
     check_place_output(args.output, args.model, [args.device_spec, args.inputs], args.overwrite)
+    with claim_output(args.output, "place", overwrite=args.overwrite):  # no other command writes there meanwhile
+        return _place_and_save(args)
+
+
+def _place_and_save(args) -> int:
+    import warnings
+
+    from .report import GANTT_PNG, PLACEMENT_JSON, RESULTS_MD, PlacementWarning, place_model
+
     devices = _devices(args)
     orders = _list(args.order, "--order", ORDER_NAMES)
     placers = _list(args.placer, "--placer", PLACER_NAMES)

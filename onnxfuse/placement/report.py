@@ -127,7 +127,7 @@ class PlacementReport:
         from .partition import device_model
 
         best, plan = self.best, self.plan
-        with atomic_dir(os.fspath(folder), overwrite) as tmp:
+        with atomic_dir(os.fspath(folder), overwrite, command="place") as tmp:
             per_device = self._per_device()
             for d, stages in per_device.items():
                 model = stages[0].model if len(stages) == 1 else device_model(best.graph, best.placement.device_of, d)

@@ -16,7 +16,7 @@ storage shared with them.
     status.json                  live: every array done / running (pid, node, step) / queued / failed
     results.csv, report.md       every trial, best first by the spec's metric
     report.png                   the best trials' curves
-    .onnxfuse-sweep.lock         one driver at a time (see ``onnxfuse/_lock.py``)
+    .onnxfuse.lock               one driver at a time (see ``onnxfuse/_lock.py``)
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ import json
 import os
 from typing import Iterator
 
-from .._io import atomic_write_bytes
-from .._lock import array_lock
+from .._io import atomic_write_bytes, claim_output
 from ..array import METRICS, REPORT_PNG  # an array's metrics and plot: the sweep's are named alike
 from ..errors import InputFileError
 
@@ -36,7 +35,6 @@ SPEC, PLAN, STATUS, RESULTS, REPORT_MD = "spec.json", "plan.json", "status.json"
 MODELS, ARRAYS, TRIALS = "models", "arrays", "trials"
 RESULT, HALVING = "result.json", "halving.json"
 TRIAL_ONNX, TRIAL_WEIGHTS = "model.onnx", "model.safetensors"
-LOCK = ".onnxfuse-sweep.lock"
 
 
 class SweepDir:
@@ -94,8 +92,8 @@ class SweepDir:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator["SweepDir"]:
-        os.makedirs(self.path, exist_ok=True)
-        with array_lock(self.path, "sweep", LOCK, what="sweep folder"):
+        """Hold the sweep folder (created if it does not exist; a path that is a file is one error line)."""
+        with claim_output(self.path, "sweep", replace=False, what="sweep folder"):
             yield self
 
     def write_json(self, path: str, record) -> None:
