@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -19,7 +19,7 @@ from ._lock import LOCK_FILE, folder_lock, holds, locked_folders_around
 from .errors import InputFileError, as_user_error
 
 __all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "atomic_write_bytes",
-           "load_safetensors", "read_onnx"]
+           "load_safetensors", "check_tensors", "read_onnx"]
 
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_write_bytes create
 
@@ -60,7 +60,7 @@ def check_output_file(path: str) -> None:
 
 @contextlib.contextmanager
 def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = False, replace: bool = True,
-                 is_file: bool = False, what: str = "output folder") -> Iterator[str]:
+                 is_file: bool = False, mark: bool = False, what: str = "output folder") -> Iterator[str]:
     """Hold what writing the output ``path`` needs, for ``command`` (a word for messages), and yield its real path
     (a symbolic link is followed: the folder it names is written, the link stays).
 
@@ -70,7 +70,9 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
     command writes, replaces or trains in them meanwhile: a folder that does not exist yet is created to hold its
     lock (and removed again if the command writes nothing into it). Nothing is locked where this process already
     holds the output or a folder around it. Stale temporaries of the output (``.NAME.tmp-*``, ``.NAME.old-*``
-    beside it, left by a killed process) are removed under its lock. ``what`` names the folder in messages."""
+    beside it, left by a killed process) are removed under its lock. The lock file goes again when the command
+    ends, unless the folder had one (an onnxfuse folder) or ``mark`` (a folder written in place that becomes one: a
+    sweep's). ``what`` names the folder in messages."""
     shown = os.fspath(path)
     real = os.path.realpath(shown)
     if is_file:
@@ -100,7 +102,7 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
             raise (as_user_error(e, shown) or e) from e
         try:
             marked = os.path.isfile(os.path.join(real, LOCK_FILE))
-            stack.enter_context(folder_lock(real, command, what, remove=not (created or marked)))
+            stack.enter_context(folder_lock(real, command, what, remove=not (marked or mark)))
             if replace:
                 check_output_dir(real, overwrite)  # again, holding it: another command may have filled it
                 _remove_stale_temporaries(real)
@@ -124,18 +126,18 @@ def _remove_stale_temporaries(real: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str) -> Iterator[str]:
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str, mark: bool = False
+               ) -> Iterator[str]:
     """Yield a temporary folder; on success it replaces ``path`` in one rename, on error it is removed. The output
-    is held for ``command`` throughout (``claim_output``); a new output folder carries the lock file that marks
-    it as onnxfuse's, unless it lies inside a folder this process holds (which covers it)."""
+    is held for ``command`` throughout (``claim_output``). ``mark``: the new folder carries the lock file that
+    marks it as an onnxfuse folder (an array), so that every later command writing in it holds it first."""
     shown = os.fspath(path)
-    nested = holds(os.path.dirname(os.path.realpath(shown)))  # inside a folder this process holds
     with claim_output(shown, command, overwrite=overwrite) as real:
         parent = os.path.dirname(real)
         try:
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.tmp-", dir=parent)
-            if not nested:
+            if mark:
                 open(os.path.join(tmp, LOCK_FILE), "wb").close()
         except OSError as e:  # a read-only location, a file where a folder should be, ...
             raise (as_user_error(e, shown) or e) from e
@@ -183,18 +185,42 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise (as_user_error(e, path) or e) from e
 
 
-def load_safetensors(path: str, fix: str) -> dict:
+def load_safetensors(path: str, fix: str, expected: Mapping[str, tuple[Sequence[int], str]] | None = None) -> dict:
     """The tensors of a safetensors file; a missing, truncated or corrupt file is one InputFileError naming it,
-    ending with ``fix`` (what to do about it)."""
+    ending with ``fix`` (what to do about it). ``expected`` ({name: (shape, dtype)}): the file must hold exactly
+    these tensors (``check_tensors``)."""
     from safetensors.numpy import load_file
 
     if not os.path.exists(path):
         raise InputFileError(f"'{path}' is missing; {fix}")
     try:
-        return load_file(path)
+        tensors = load_file(path)
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files
         cause = " ".join(str(e).split())[:120]
         raise InputFileError(f"'{path}' is not readable (truncated or corrupt: {cause}); {fix}") from e
+    if expected is not None:
+        check_tensors(tensors, expected, path, fix)
+    return tensors
+
+
+def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[Sequence[int], str]], path: str,
+                  fix: str) -> None:
+    """``tensors`` (read from ``path``) are exactly ``expected``: every name there, none other, each with its
+    shape and dtype; else one InputFileError naming the file and the first tensor that is not, ending with
+    ``fix``. A file of the right format but the wrong content (edited, or from another array) fails here, not
+    as a reshape error deep in training or splitting."""
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputFileError(f"'{path}' has no tensor '{missing[0]}'{more}, which the array needs; {fix}")
+    extra = [n for n in tensors if n not in expected]
+    if extra:
+        raise InputFileError(f"'{path}' holds a tensor '{extra[0]}' the array does not have; {fix}")
+    for name, (shape, dtype) in expected.items():
+        a = tensors[name]
+        if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
+            raise InputFileError(f"'{path}': tensor '{name}' is {a.dtype} {list(a.shape)}, but the array's is "
+                                 f"{np.dtype(dtype)} {list(shape)}; {fix}")
 
 
 def read_onnx(path: str | os.PathLike, fix: str = "re-export it") -> onnx.ModelProto:

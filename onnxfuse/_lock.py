@@ -1,10 +1,10 @@
 """One command at a time per folder onnxfuse writes: an exclusive ``flock`` on the file ``.onnxfuse.lock`` in it.
 
-Every folder an onnxfuse command makes as its output (an array, a sweep folder, ``export``'s, ``split``'s and
-``place``'s folders) carries this file from birth, empty while nobody holds it: it marks the folder as onnxfuse's, so
-that a command writing anything *inside* such a folder holds the folder first (``_io.claim_output``). Holding a
-folder covers everything in it: a process that holds an array writes its ``trained/`` and checkpoints without
-taking more locks.
+The folders other commands go on working in, arrays and sweep folders, carry this file from birth, empty while
+nobody holds it: it marks them as onnxfuse's, so that a command writing anything *inside* one holds it first
+(``_io.claim_output``). Any other folder a command writes (``export``'s, ``split``'s, ``place``'s output) has the
+file only while that command holds it. Holding a folder covers everything in it: a process that holds an array
+writes its ``trained/`` and checkpoints without taking more locks.
 
 The kernel releases a ``flock`` when its process ends, however it ends (SIGKILL included), so a lock left behind
 by a killed process is never in the way: the next command takes it over (and logs it). The holder writes its pid,

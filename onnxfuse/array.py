@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._io import _TEMPORARY, atomic_dir, atomic_write_bytes, load_safetensors, read_onnx
+from ._io import _TEMPORARY, atomic_dir, atomic_write_bytes, check_tensors, load_safetensors, read_onnx
 from ._lock import folder_lock
 from .errors import InputFileError
 from .weights import ArraySpec
@@ -214,7 +214,7 @@ class ArrayDir:
         """Write an array atomically: the fused ``model``, its ``spec`` and the weightless ``sources`` (model b's
         graph). With ``overwrite``, a folder there is replaced as a whole (an array's runs too), holding its lock."""
         array = cls(path)
-        with atomic_dir(array.path, overwrite, command="fuse") as tmp:
+        with atomic_dir(array.path, overwrite, command="fuse", mark=True) as tmp:
             onnx.save(model, os.path.join(tmp, FUSED))
             spec.save(os.path.join(tmp, SPEC))
             os.makedirs(os.path.join(tmp, SOURCES))
@@ -270,8 +270,10 @@ class ArrayDir:
         fused with. An array without trained weights is an InputFileError saying why (never trained, or its run
         unfinished)."""
         if initial:
-            model = self.load_fused()
-            return TrainedState({t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, None, None)
+            model, spec = self.load_fused(), self.load_spec()
+            weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in spec.weights}
+            check_tensors(weights, spec.fused_tensors(), self.fused_path, "re-run `onnxfuse fuse`")
+            return TrainedState(weights, None, None)
         trained = self.trained_path
         if not os.path.isdir(trained):
             unfinished = self.describe_unfinished()
@@ -283,18 +285,24 @@ class ArrayDir:
                                  "train` first, or pass --initial to split the initial weights")
         fix = "train the array again (or resume its run), or pass --initial to split the initial weights"
         state_file = os.path.join(trained, TRAIN_STATE)
+        spec = ArraySpec.load(os.path.join(trained, SPEC)) if os.path.exists(os.path.join(trained, SPEC)) else None
+        B = (spec or self.load_spec()).B
         try:
             with open(state_file) as f:
                 state = json.load(f)
-        except (OSError, ValueError) as e:
-            raise InputFileError(f"'{state_file}' is missing or not readable ({type(e).__name__}); {fix}") from e
-        weights = load_safetensors(os.path.join(trained, WEIGHTS), fix)
-        spec = ArraySpec.load(os.path.join(trained, SPEC)) if os.path.exists(os.path.join(trained, SPEC)) else None
-        return TrainedState(weights, spec, state.get("models"), int(state.get("steps", 0)), state.get("status", {}))
+            models, steps, status = state.get("models"), int(state.get("steps", 0)), dict(state.get("status", {}))
+            if models is not None and (len(models) != B or any(not isinstance(m, int) or m < 0 for m in models)):
+                raise ValueError(f"'models' is {models!r}, not the original index of each of the {B} models")
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise InputFileError(f"'{state_file}' is missing or not readable ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:120]}); {fix}") from e
+        weights = load_safetensors(os.path.join(trained, WEIGHTS), fix, (spec or self.load_spec()).fused_tensors())
+        return TrainedState(weights, spec, models, steps, status)
 
     def dropped_state(self, b: int, fix: str) -> dict[str, np.ndarray]:
         """The state_dict model b had when the current run dropped it (``fix``: what to do when it is lost)."""
-        return load_safetensors(os.path.join(self.trained_path, DROPPED, _dropped_name(b)), fix)
+        return load_safetensors(os.path.join(self.trained_path, DROPPED, _dropped_name(b)), fix,
+                                self.load_spec().model_tensors(b))
 
     # a state folder: trained/ or a checkpoint, written into the temporary folder the caller renames into place
     @staticmethod
@@ -316,17 +324,27 @@ class ArrayDir:
                           os.path.join(folder, DROPPED, _dropped_name(b)))
 
     @staticmethod
-    def read_state(folder: str, fix: str) -> tuple[dict, dict, dict[int, dict]]:
-        """(weights, optimizer state, dropped models' state_dicts) of a state folder; a missing or corrupt file
-        is an InputFileError ending with ``fix``."""
+    def read_state(folder: str, fix: str, original: ArraySpec, optimizer: Sequence[str] | None = None
+                   ) -> tuple[dict, dict, dict[int, dict]]:
+        """(weights, optimizer state, dropped models' state_dicts) of a state folder, each tensor checked against
+        the array it belongs to (the folder's own array.json; a dropped model against ``original``, the spec of
+        the array folder it was dropped from; ``optimizer``: the names the optimizer state must have, else any,
+        each ``[B, P]`` float32); a missing, corrupt or mismatched file is an InputFileError ending with ``fix``."""
+        spec = ArrayDir.state_spec(folder)
         dropped, dropped_dir = {}, os.path.join(folder, DROPPED)
         for name in sorted(os.listdir(dropped_dir)) if os.path.isdir(dropped_dir) else []:
             match = _DROPPED_FILE.match(name)
             if match:
-                dropped[int(match.group(1))] = load_safetensors(os.path.join(dropped_dir, name), fix)
-        weights = load_safetensors(os.path.join(folder, WEIGHTS), fix)
+                b = int(match.group(1))
+                if b >= original.B:
+                    raise InputFileError(f"'{os.path.join(dropped_dir, name)}' names model {b}, but the array has "
+                                         f"{original.B} models; {fix}")
+                dropped[b] = load_safetensors(os.path.join(dropped_dir, name), fix, original.model_tensors(b))
+        weights = load_safetensors(os.path.join(folder, WEIGHTS), fix, spec.fused_tensors())
         opt_file = os.path.join(folder, OPTIMIZER_STATE)
-        opt_state = load_safetensors(opt_file, fix) if os.path.exists(opt_file) else {}
+        opt_state = load_safetensors(opt_file, fix) if optimizer or os.path.exists(opt_file) else {}
+        check_tensors(opt_state, {n: (spec.optimizer_shape(), "float32")
+                                  for n in (opt_state if optimizer is None else optimizer)}, opt_file, fix)
         return weights, opt_state, dropped
 
     @staticmethod

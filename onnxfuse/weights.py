@@ -184,6 +184,29 @@ class ArraySpec:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
 
+    # what the array's state files must hold: {name: (shape, dtype)}, checked when they are read
+    def fused_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every fused weight (parameters and buffers): what a state folder's weights.safetensors holds."""
+        return {n: (tuple(fw.fused_shape), fw.dtype) for n, fw in self.weights.items()}
+
+    def optimizer_shape(self) -> tuple[int, int]:
+        """``(B, P)``: every optimizer state buffer is one float32 row of P numbers per model, P = the trainable
+        numbers of one model (``training/optim.py``)."""
+        P = sum(int(np.prod(fw.fused_shape)) for fw in self.weights.values() if fw.role == "param") // self.B
+        return self.B, P
+
+    def model_tensors(self, b: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Model b's state_dict entries (``split``'s output, a dropped model's saved state)."""
+        out = {fw.sources[b]: (tuple(fw.orig_shape), fw.dtype) for fw in self.weights.values()}
+        aliases = {}
+        for key, e in self.extra_state[b].items():
+            if e.get("kind") == "alias":
+                aliases[key] = e["of"]
+            else:
+                out[key] = (tuple(e["shape"]), str(np.dtype(e["dtype"])))
+        out.update({key: out[of] for key, of in aliases.items() if of in out})
+        return out
+
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ArraySpec":
         path = os.fspath(path)

@@ -48,7 +48,7 @@ from onnxfuse.weights import ArraySpec
 
 from .data import BatchSampler, Dataset, check_finite, load_npz, make_dataset
 from .losses import LABELS, LossSpec, get_loss
-from .optim import OptimizerConfig, StepValues, make_optimizer
+from .optim import STATE_PREFIX, OptimizerConfig, StepValues, make_optimizer
 from .schedules import PerModelSchedules, check_schedules
 from .settings import OPTIMIZERS, RESUMABLE, TrainSettings, check_halving, train_config_model
 from .runtime import Runtime, make_trainer, resolve_runtime
@@ -474,11 +474,8 @@ def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, d
 
 def _restore(run: _Run, path: str, st: dict, sampler: BatchSampler) -> float:
     fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
-    weights, opt_state, dropped = ArrayDir.read_state(path, fix)
-    missing = [n for n in list(run.trainer.trainable) + list(run.trainer.buffers) if n not in weights] \
-        if st["models"] == run.models else []
-    if missing:
-        raise _damaged(path, f"its weights have no '{missing[0]}'")
+    weights, opt_state, dropped = ArrayDir.read_state(path, fix, run.array.load_spec(),
+                                                      [STATE_PREFIX + s for s in run.opt.state_names()])
     models = st["models"]
     if models != run.models:  # the array had shrunk: rebuild it for the survivors
         states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
@@ -817,7 +814,7 @@ def checkpoint_models(array_dir: str | os.PathLike) -> CheckpointModels:
     of several arrays into one)."""
     array_dir = os.fspath(array_dir)
     path, st = _resume_point(array_dir)
-    weights, opt_state, _ = ArrayDir.read_state(path, "train the array again")
+    weights, opt_state, _ = ArrayDir.read_state(path, "train the array again", ArrayDir(array_dir).load_spec())
     models = st["models"]
     states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
     return CheckpointModels(st, dict(zip(models, states)),

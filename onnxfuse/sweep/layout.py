@@ -93,7 +93,7 @@ class SweepDir:
     @contextlib.contextmanager
     def locked(self) -> Iterator["SweepDir"]:
         """Hold the sweep folder (created if it does not exist; a path that is a file is one error line)."""
-        with claim_output(self.path, "sweep", replace=False, what="sweep folder"):
+        with claim_output(self.path, "sweep", replace=False, mark=True, what="sweep folder"):
             yield self
 
     def write_json(self, path: str, record) -> None:
