@@ -44,7 +44,7 @@ from onnx import numpy_helper
 
 from ._io import _TEMPORARY, atomic_dir, atomic_write_bytes, check_tensors, load_safetensors, read_onnx
 from ._lock import folder_lock
-from .errors import InputFileError
+from .errors import InputFileError, shell
 from .weights import ArraySpec
 
 __all__ = ["ArrayDir", "TrainedState", "check_output_location", "complete_lines"]
@@ -222,7 +222,11 @@ class ArrayDir:
                 onnx.save(src, os.path.join(tmp, SOURCES, _source_name(b)))
         return array
 
-    def _check_exists(self) -> None:
+    def check_exists(self) -> None:
+        """The folder is there (a file or nothing there is an InputFileError saying which)."""
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise InputFileError(f"'{self.path}' is a file, not an array folder; give the folder `onnxfuse fuse` "
+                                 "wrote (data files go to --data)")
         if not os.path.isdir(self.path):
             raise InputFileError(f"array folder '{self.path}' does not exist; create it with `onnxfuse fuse`")
 
@@ -234,7 +238,7 @@ class ArrayDir:
 
     def load(self) -> tuple[onnx.ModelProto, ArraySpec]:
         """The fused model and its spec; a missing folder or file is an InputFileError saying how to make it."""
-        self._check_exists()
+        self.check_exists()
         spec = self.load_spec()
         return self.load_fused(), spec
 
@@ -279,8 +283,8 @@ class ArrayDir:
             unfinished = self.describe_unfinished()
             if unfinished:
                 raise InputFileError(f"'{self.path}' has no trained weights: {unfinished}; continue it with "
-                                     f"`onnxfuse train {self.path} --resume` (or train again), or pass --initial to "
-                                     "split the initial weights")
+                                     f"`{shell('onnxfuse', 'train', self.path, '--resume')}` (or train again), or "
+                                     "pass --initial to split the initial weights")
             raise InputFileError(f"'{self.path}' has not been trained (no {TRAINED}/): train it with `onnxfuse "
                                  "train` first, or pass --initial to split the initial weights")
         fix = "train the array again (or resume its run), or pass --initial to split the initial weights"

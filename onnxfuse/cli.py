@@ -11,7 +11,7 @@ import logging
 import traceback
 import warnings
 
-from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error
+from .errors import ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error, shell
 from .training.runtime import RUNTIME_CHOICES
 from .training.settings import add_flags
 
@@ -137,8 +137,10 @@ def cmd_train(args) -> int:
     ev_loss, ev_acc = res.eval.get("loss", {}), res.eval.get("accuracy", {})
     for b, loss in enumerate(res.final_loss):
         st = res.status.get(b)
-        print(f"{b:>5}  {loss:>10.4f}  {ev_loss.get(b, float('nan')):>10.4f}  "
-              f"{100 * ev_acc.get(b, float('nan')):>7.1f}%  {'' if st is None else st['status'] + ' at step ' + str(st['step'])}")
+        shown_loss = f"{ev_loss[b]:.4f}" if b in ev_loss else "-"  # "-": no evaluation data (not a NaN loss)
+        shown_acc = f"{100 * ev_acc[b]:.1f}%" if b in ev_acc else "-"
+        print(f"{b:>5}  {loss:>10.4f}  {shown_loss:>10}  {shown_acc:>8}  "
+              f"{'' if st is None else st['status'] + ' at step ' + str(st['step'])}")
     return 0
 
 
@@ -229,14 +231,15 @@ def cmd_sweep(args) -> int:
         res = run_sweep(None if args.resume else args.spec, folder, resume=bool(args.resume), address=args.address,
                         runtime=args.runtime, num_cpus=args.cpus, progress=not args.quiet)
     except KeyboardInterrupt:
-        print(f"onnxfuse: interrupted; finished arrays are kept: `onnxfuse sweep --resume {folder}` runs the rest",
+        print(f"onnxfuse: interrupted; finished arrays are kept: `{shell('onnxfuse', 'sweep', '--resume', folder)}` "
+              "runs the rest",
               file=sys.stderr)
         return 130
     print(table(res.rows, limit=args.top))
     done = sum(r["status"] not in ("failed", "not run") for r in res.rows)
     print(f"{done} of {len(res.rows)} trials have results ({len(res.ran)} arrays trained now, "
           f"{len(res.failed)} failed), best first by {res.metric}: {os.path.join(res.path, 'results.csv')}, "
-          f"report.md, report.png; curves: tensorboard --logdir {os.path.join(res.path, 'trials')}")
+          f"report.md, report.png; curves: {shell('tensorboard', '--logdir', os.path.join(res.path, 'trials'))}")
     return 5 if res.failed else 0
 
 

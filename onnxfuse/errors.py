@@ -7,6 +7,8 @@ an internal error."""
 from __future__ import annotations
 
 import errno
+import os
+import shlex
 
 __all__ = [
     "OnnxFuseError",
@@ -23,6 +25,7 @@ __all__ = [
     "OutputError",
     "OutOfMemoryError",
     "as_user_error",
+    "shell",
 ]
 
 
@@ -134,3 +137,9 @@ def as_user_error(exc: BaseException, path: str | None = None) -> OnnxFuseError 
     where = path or getattr(exc, "filename", None)  # the caller's name for it (not a temporary file's)
     where = f"'{where}'" if where else "a file"
     return OutputError(f"{where}: {what}; {fix}, then run the command again")
+
+
+def shell(*words: str | os.PathLike) -> str:
+    """A command a message suggests, as one line the shell runs as shown: each word quoted where it needs it (a
+    path with a space)."""
+    return shlex.join(os.fspath(w) for w in words)

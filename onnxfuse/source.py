@@ -195,6 +195,24 @@ def _static_outputs(node: onnx.NodeProto, facts: GraphFacts) -> dict[str, np.nda
     return values
 
 
+def _check_every_input_defined(proto: onnx.ModelProto, label: str) -> None:
+    """Every tensor a node of the main graph reads is a graph input, an initializer or some node's output. onnx's
+    checker reports a tensor defined nowhere as "Nodes in a graph must be topologically sorted", which sends the
+    user looking for an ordering problem; the usual cause is a file without its weights (an array's
+    ``sources/`` graphs, a model saved without its initializers)."""
+    g = proto.graph
+    defined = {i.name for i in g.input} | {t.name for t in g.initializer} | \
+        {t.values.name for t in g.sparse_initializer} | {o for n in g.node for o in n.output} | {""}
+    for node in g.node:
+        missing = [x for x in node.input if x not in defined]
+        if missing:
+            lacks = "a tensor" if g.initializer else "its weights"
+            raise InputFileError(
+                f"{label}: node '{node.name or node.op_type}' ({node.op_type}) reads '{missing[0]}', which is neither "
+                f"a graph input, an initializer nor any node's output: the file lacks {lacks} (an array's sources/ "
+                "hold graphs without their weights); give the model as exported, with its initializers")
+
+
 def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = None) -> SourceModel:
     """Load, check, resolve (:func:`resolve_static_pass`, which also makes window padding explicit:
     :func:`~onnxfuse.windows.explicit_windows_pass`) and shape-infer one model. ``label`` names it in error
@@ -204,6 +222,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     else:
         path = os.fspath(model)
         proto, label = read_onnx(path), label or os.path.basename(path)
+    _check_every_input_defined(proto, label)
     try:
         onnx.checker.check_model(proto)
     except Exception as e:

@@ -110,8 +110,7 @@ def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
     weights the array was fused with. ``out_dir`` may not be, be inside, or contain the array folder. Holds the
     array folder's lock."""
     array, out_dir = ArrayDir(array_dir), os.fspath(out_dir)
-    if not os.path.isdir(array.path):
-        raise InputFileError(f"array folder '{array.path}' does not exist; create it with `onnxfuse fuse`")
+    array.check_exists()
     check_output_location(out_dir, [array.path])
     with array.locked("split"):
         return _split_locked(array, out_dir, overwrite, initial)

@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from onnxfuse._io import claim_output
-from onnxfuse.errors import ConfigError
+from onnxfuse.errors import ConfigError, shell
 
 from .workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file, load_onnx_file,
                         zoo_batch, zoo_modules, zoo_protos)
@@ -362,12 +362,13 @@ def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequenc
             rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0,
             strategy: str = "default") -> str:
     """The `onnxfuse bench` command line that reproduces a run."""
-    cmd = (f"onnxfuse bench --models {','.join(models)} --B {','.join(map(str, B))} --device {device} "
-           f"--modes {','.join(modes)} --batch {batch} --steps {steps} --rounds {rounds} --warmup {warmup}")
-    cmd += f" --budget-s {budget_s:g}" if budget_s else ""
-    cmd += f" --threads {threads}" if threads else ""
-    cmd += f" --strategy {strategy}" if strategy != "default" else ""
-    return f"{cmd} -o {out}"
+    words = ["onnxfuse", "bench", "--models", ",".join(models), "--B", ",".join(map(str, B)), "--device", device,
+             "--modes", ",".join(modes), "--batch", str(batch), "--steps", str(steps), "--rounds", str(rounds),
+             "--warmup", str(warmup)]
+    words += ["--budget-s", f"{budget_s:g}"] if budget_s else []
+    words += ["--threads", str(threads)] if threads else []
+    words += ["--strategy", strategy] if strategy != "default" else []
+    return shell(*words, "-o", out)
 
 
 # ---------------------------------------------------------------------------------------------------- outputs

@@ -16,7 +16,7 @@ from onnxfuse.errors import DataError, InputFileError
 
 from .losses import LABELS
 
-__all__ = ["Dataset", "load_npz", "make_dataset", "check_finite", "batches", "BatchSampler"]
+__all__ = ["Dataset", "load_npz", "make_dataset", "check_kind", "check_finite", "batches", "BatchSampler"]
 
 
 @dataclass
@@ -33,15 +33,36 @@ class Dataset:
         return {k: (v[:, idx] if k in self.per_model else v[idx]) for k, v in self.arrays.items()}
 
 
+_ZIP, _NPY = b"PK", b"\x93NUMPY"  # what an .npz (a zip archive of .npy files) and a single .npy start with
+
+
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name; a file that is not one is an InputFileError saying what it is."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise InputFileError(f"data file '{path}' does not exist")
+    if os.path.isdir(path):
+        raise InputFileError(f"data file '{path}' is a folder; give an .npz file (numpy.savez)")
+    fix = "write one with numpy.savez(path, input=..., labels=...)"
     try:
+        with open(path, "rb") as f:
+            head = f.read(len(_NPY))
+        if head.startswith(_NPY):
+            raise InputFileError(f"'{path}' is a single .npy array, not an .npz archive of named arrays; {fix}")
+        if not head.startswith(_ZIP):  # np.load would try it as a pickle and blame "pickled data"
+            what = "empty" if not head else "not an .npz archive (a zip of named arrays)"
+            raise InputFileError(f"'{path}' is {what}; {fix}")
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
+    except InputFileError:
+        raise
+    except ValueError as e:
+        if "pickle" in str(e).lower():  # an object array: numpy would have to unpickle it
+            raise InputFileError(f"'{path}' holds an object array (pickled Python objects), which onnxfuse does "
+                                 f"not load; save numeric arrays only: {fix}") from e
+        raise InputFileError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e}); {fix}") from e
     except Exception as e:
-        raise InputFileError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e})") from e
+        raise InputFileError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e}); {fix}") from e
 
 
 def _expected(want: list, per_model: bool, B: int | None) -> str:
@@ -82,12 +103,34 @@ def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype,
                             f"{_expected(want, pm, B)}")
         if name == LABELS and np.issubdtype(np.dtype(label_dtype), np.integer) and not np.issubdtype(a.dtype, np.integer):
             raise DataError(f"{source}: 'labels' must hold integer class indices for this loss, got {a.dtype}")
+        check_kind(a, spec["dtype"], name, source)
         out[name] = np.ascontiguousarray(a.astype(spec["dtype"], copy=False))
     n = {k: (v.shape[1] if k in per_model else len(v)) for k, v in out.items()}
     if len(set(n.values())) != 1:
         raise DataError(f"{source}: arrays have different numbers of samples {n}; every array needs one row per "
                         "sample (axis 1 for per-model arrays)")
     return Dataset(out, frozenset(per_model))
+
+
+_KIND = {"c": "complex numbers", "U": "text", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time spans",
+         "V": "records"}
+
+
+def check_kind(a: np.ndarray, dtype: str, name: str, source: str = "data") -> None:
+    """``a`` holds numbers the graph's ``dtype`` reads without losing anything numpy would only warn about: complex
+    data cast to float32 dropped its imaginary part (a ComplexWarning, then training on the real part); text or
+    objects failed deep in the cast. A DataError naming the file and the array says what to give instead."""
+    kind = np.dtype(dtype).kind
+    if a.dtype.kind in "biuf" or a.dtype.kind == kind:
+        if kind in "iu" and a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):  # token ids given as floats
+            raise DataError(f"{source}: '{name}' holds fractions ({a.dtype}), but the graph reads it as "
+                            f"{np.dtype(dtype)} (indices); give whole numbers")
+        return
+    what = _KIND.get(a.dtype.kind, f"{a.dtype} values")
+    fix = ("give its real part (x.real), or real and imaginary parts as separate channels" if a.dtype.kind == "c"
+           else "give it as numbers")
+    raise DataError(f"{source}: '{name}' holds {what} ({a.dtype}), but the graph reads it as {np.dtype(dtype)}; "
+                    f"{fix}")
 
 
 _CHUNK = 1 << 22  # elements checked at a time: the check's own memory stays small for any data size
@@ -102,7 +145,7 @@ def check_finite(arrays: dict[str, np.ndarray], dtypes: dict[str, str], source: 
         if name not in arrays:
             continue
         a = np.asarray(arrays[name])
-        if a.dtype.kind not in "fc":
+        if a.dtype.kind != "f":  # complex data is refused by check_kind, before anything is cast
             continue
         target = np.dtype(dtype) if np.dtype(dtype).kind in "fc" else a.dtype
         flat = a.reshape(-1)

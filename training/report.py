@@ -24,7 +24,7 @@ from typing import Any
 
 from onnxfuse._io import claim_output
 from onnxfuse.array import ArrayDir, complete_lines
-from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.errors import ConfigError, InputFileError, shell
 
 __all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "format_table"]
 
@@ -59,12 +59,10 @@ def _number(path: str, line: int, column: str, text: str | None, cast=float) -> 
 
 
 def _open_metrics(array_dir: str) -> str:
-    if not os.path.isdir(array_dir):
-        raise InputFileError(f"array folder '{array_dir}' does not exist; give the folder `onnxfuse train` "
-                             "trained")
+    ArrayDir(array_dir).check_exists()
     path = ArrayDir(array_dir).metrics_path
     if not os.path.isfile(path):
-        raise InputFileError(f"'{path}' is missing; train the array first with `onnxfuse train {array_dir} ...`")
+        raise InputFileError(f"'{path}' is missing; train the array first with `{shell('onnxfuse', 'train', array_dir)} ...`")
     return path
 
 

@@ -41,7 +41,7 @@ import onnx
 from onnxfuse._io import atomic_dir
 from onnxfuse.array import ArrayDir, complete_lines
 from onnxfuse.errors import ConfigError, DataError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError, \
-    TrainingStoppedError, as_user_error
+    TrainingStoppedError, as_user_error, shell
 from onnxfuse.passes import fuse_models, fused_initial_weights
 from onnxfuse.split import model_steps, split_weights
 from onnxfuse.weights import ArraySpec
@@ -458,9 +458,11 @@ def _check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, d
     """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
     record = st.get("run") or {}
     if record.get("settings_hash") != identity["settings_hash"]:
-        before, now = _trajectory(_saved_settings(st)), _trajectory(config.as_dict())
+        saved, given = _saved_settings(st), config.as_dict()
+        before, now = _trajectory(saved), _trajectory(given)
         key = next((k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)), None)
-        what = f"setting '{key}' is {now.get(key)!r} but run {record.get('id')} trained with {before.get(key)!r}" \
+        # shown as given (16, not the canonical 16.0 the comparison uses)
+        what = f"setting '{key}' is {given.get(key)!r} but run {record.get('id')} trained with {saved.get(key)!r}" \
             if key else f"the settings differ from run {record.get('id')}'s"
         raise ConfigError(f"--resume: {what} (checkpoint '{ckpt}'); a resumed run may change only "
                           f"{', '.join(RESUMABLE)}: resume with the run's settings, or start a new run without "
@@ -767,7 +769,7 @@ def _as_run_error(e: Exception, array_dir: str, run_id: str, started: bool) -> O
         return None
     if started and isinstance(user, (OutputError, OutOfMemoryError)):
         own = _checkpoints(array_dir)
-        hint = (f"`onnxfuse train {array_dir} --resume` then continues run {run_id} from step "
+        hint = (f"`{shell('onnxfuse', 'train', array_dir, '--resume')}` then continues run {run_id} from step "
                 f"{ArrayDir.checkpoint_step(own[-1])}" if own else
                 f"run {run_id} has no checkpoint to resume from (--checkpoint-every): train again")
         return type(user)(f"{user}; {hint}")

@@ -163,7 +163,7 @@ def load_onnx_file(path: str, batch: int, flag: str = "--models") -> OnnxFile:
     from onnxfuse import fuse_models
     from onnxfuse._io import read_onnx
     from onnxfuse.errors import OnnxFuseError
-    from onnxfuse.source import load_source
+    from onnxfuse.source import load_source, weight_names
 
     from .losses import get_loss
     from .torch_graph import OnnxModule
@@ -178,6 +178,9 @@ def load_onnx_file(path: str, batch: int, flag: str = "--models") -> OnnxFile:
         raise ConfigError(f"{flag}: {path} has {_count(len(ins), 'data input')} ({', '.join(ins)}) and "
                           f"{_count(len(outs), 'output')} ({', '.join(outs)}); onnxfuse measures a model with one of "
                           "each (the batch and the class scores)")
+    if not weight_names(src.model):
+        raise ConfigError(f"{flag}: {path} has no weights (no floating-point initializer) to train; give a model "
+                          "exported with its parameters")
     name, shape, dtype = ins[0], src.shapes.get(ins[0]), src.dtypes.get(ins[0])
     if not shape or any(not isinstance(d, int) for d in shape[1:]):
         raise ConfigError(f"{flag}: {path}: input '{name}' has shape {shape}; onnxfuse needs the batch axis first "
