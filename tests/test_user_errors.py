@@ -187,3 +187,135 @@ def test_small_messages_say_what_is_true(work, capsys):
         code, _, err = cli(capsys, *cmd)
         assert code == 2 and "has no weights" in one_error_line(err), cmd
     assert not (work / "bench").exists()
+
+
+# ------------------------------------------------------------------------------- every kind of user error
+def _user_error_classes() -> set[type]:
+    """Every OnnxFuseError subclass the product defines, its modules imported (onnxfuse, training, exporters)."""
+    import importlib
+    import pkgutil
+
+    from onnxfuse.errors import OnnxFuseError
+
+    for package in ("onnxfuse", "onnxfuse.training", "onnxfuse.exporters"):
+        root = importlib.import_module(package)
+        for m in pkgutil.walk_packages(root.__path__, package + "."):
+            if not m.name.endswith("__main__"):
+                importlib.import_module(m.name)
+    found, todo = set(), [OnnxFuseError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.add(sub)
+            todo.append(sub)
+    return found
+
+
+# exit statuses of their own, each with its tests; and a placer's internal signal, caught by the planner
+OWN_EXIT = {"VerificationError": "exit 4: tests/test_verify.py", "TrainingStoppedError": "exit 3: tests/test_run.py",
+            "DoesNotFit": "caught in onnxfuse/placement/placers.py, reported as PlacementError"}
+ELSEWHERE = {  # classes whose bad input needs a machine condition, tested where that condition is made
+    "OutOfMemoryError": "tests/test_reliability.py::test_out_of_memory_says_so_and_leaves_the_previous_run_as_it_was",
+}
+
+
+def _graph_file(path, nodes, inputs, outputs, inits=()):
+    import onnx
+    from onnx import helper
+
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+def _det_model(path):
+    """x [N, 4, 4] @ W -> Det: an op with no fusion rule and no torch kernel."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    return _graph_file(path, [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+                              helper.make_node("Det", ["m"], ["y"], name="det")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])],
+                       [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")])
+
+
+def _cyclic_model(path):
+    from onnx import TensorProto, helper
+
+    return _graph_file(path, [helper.make_node("Add", ["x", "b"], ["a"], name="add"),
+                              helper.make_node("Relu", ["a"], ["b"], name="relu")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                       [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 4])])
+
+
+def _case(name: str, work) -> tuple[list, "str | None"]:
+    """(CLI arguments, the text the line must hold) for the bad input of case ``name``; work/array is idle."""
+    arr, data = work / "array", work / "data.npz"
+    train = ["train", arr, "--data", data, "--batch-size", 16, "--steps", 2, "-q"]
+    if name == "ConfigError":
+        return [*train, "--lr", "fast"], "--lr"
+    if name == "InputFileError":
+        return ["split", work / "no-such-array", "-o", work / "models"], "no-such-array"
+    if name == "NotFusibleError":
+        return ["fuse", work / "jobs" / "model_0.onnx", _det_model(work / "det.onnx"), "-o", work / "f"], \
+            "fuse only models that are the same graph up to weight values"
+    if name == "UnsupportedOpError":
+        return ["fuse", _det_model(work / "det.onnx"), work / "det.onnx", "--strict", "-o", work / "f"], "'Det'"
+    if name == "UnsupportedTorchOpError":
+        assert main(["fuse", str(_det_model(work / "det.onnx")), str(work / "det.onnx"), "-o", str(work / "d"),
+                     "--overwrite"]) == 0
+        np.savez(work / "det.npz", x=np.ones((8, 4, 4), np.float32), labels=np.ones(8, np.float32))
+        return ["train", work / "d", "--data", work / "det.npz", "--loss", "mse", "--batch-size", 4, "--steps", 1,
+                "--runtime", "torch", "-q"], "no torch kernel"
+    if name == "UntrainableOpError":
+        pytest.importorskip("onnxruntime.training")
+        assert main(["fuse", str(_det_model(work / "det.onnx")), str(work / "det.onnx"), "-o", str(work / "d"),
+                     "--overwrite"]) == 0
+        np.savez(work / "det.npz", x=np.ones((8, 4, 4), np.float32), labels=np.ones(8, np.float32))
+        return ["train", work / "d", "--data", work / "det.npz", "--loss", "mse", "--batch-size", 4, "--steps", 1,
+                "--runtime", "ort", "-q"], "Det"
+    if name == "DataError":
+        np.savez(work / "bad.npz", image=np.zeros((16,) + SHAPE[1:], np.float32), labels=np.zeros(16, np.int64))
+        return [*train[:3], work / "bad.npz", *train[4:]], "has no array 'input'"
+    if name == "PlacementError":
+        return ["place", arr, "--devices", 2, "--memory", "1B", "--costs", "estimate", "-o", work / "p", "-q"], \
+            "does not fit"
+    if name == "CycleError":
+        return ["place", _cyclic_model(work / "cyc.onnx"), "--devices", 2, "-o", work / "p", "-q"], \
+            "cyc.onnx: the graph has a cycle: 'add' -> 'relu' -> 'add'"
+    if name == "OutputError":
+        return ["split", arr, "--initial", "-o", "/proc/onnxfuse-test/models"], "/proc/onnxfuse-test/models"
+    raise AssertionError(f"no case for {name}: add one to _case")
+
+
+HOLDER = ("import sys, time\nfrom onnxfuse._lock import folder_lock\nwith folder_lock(sys.argv[1], 'train'):\n"
+          "    print('held', flush=True)\n    time.sleep(120)\n")
+
+
+def test_every_kind_of_user_error_is_one_line_and_exit_status_2(work, capsys):
+    """Each exception class a command meets from bad input (every OnnxFuseError subclass the product defines,
+    found by walking its modules, so a new one needs a case here) reaches the user as one `onnxfuse: error:` line
+    with exit status 2, and is that class (checked in the --verbose traceback)."""
+    import subprocess
+    import sys
+
+    classes = {c.__name__ for c in _user_error_classes()}
+    assert classes >= {"ConfigError", "InputFileError", "DataError", "ArrayBusyError", "UnsupportedTorchOpError"}
+    shutil.copytree(work / "array", work / "busy")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(work / "busy")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for name in sorted(classes - set(OWN_EXIT) - set(ELSEWHERE)):
+            args, says = (["report", work / "busy"], f"pid {holder.pid}") if name == "ArrayBusyError" else \
+                _case(name, work)
+            capsys.readouterr()  # what making the case printed
+            code, _, err = cli(capsys, *args)
+            line = one_error_line(err)
+            assert code == 2 and says in line, (name, line)
+            code, _, err = cli(capsys, "-v", *args)
+            assert code == 2 and err.strip().splitlines()[-1] == line
+            assert f".{name}: " in err, (name, err[-600:])  # the traceback ends in this very class
+    finally:
+        holder.kill()
+        holder.wait()

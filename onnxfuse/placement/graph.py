@@ -33,7 +33,7 @@ from .._graph import name_nodes
 from .._graph import reads as graph_reads
 from .._io import read_onnx
 from ..errors import ConfigError, InputFileError
-from .orders import Dag, check_acyclic
+from .orders import CycleError, Dag, check_acyclic
 
 __all__ = ["TensorInfo", "PlacementGraph", "build_graph", "load_model", "bind_dims", "example_feeds",
            "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS", "optimizer_state_slots"]
@@ -334,8 +334,27 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
     proto.CopyFrom(load_model(model))
     name_nodes(proto)
     bind_dims(proto, batch_size, dims)
-    types = _inferred_types(proto)
     g = proto.graph
+    names, ops, ins, outs = [], [], [], []
+    producer: dict[str, int] = {}
+    for i, node in enumerate(g.node):
+        names.append(node.name)
+        ops.append(node.op_type)
+        reads: list[str] = []
+        for t in graph_reads(node):
+            if t and t not in reads:
+                reads.append(t)
+        ins.append(reads)
+        outs.append([t for t in node.output if t])
+        for t in outs[-1]:
+            producer[t] = i
+    # a cycle first (one line naming it): shape inference and onnxruntime would only say "not acyclic"
+    try:
+        check_acyclic(Dag.from_edges(names, [(producer[t], c) for c, reads in enumerate(ins) for t in reads
+                                             if t in producer and producer[t] != c]))
+    except CycleError as e:
+        raise CycleError(f"{label}: {e}") from None
+    types = _inferred_types(proto)
     init_names = {t.name for t in g.initializer}
     graph_inputs = [vi.name for vi in g.input if vi.name not in init_names]
     produced = [t for n in g.node for t in n.output if t]
@@ -350,19 +369,6 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
         else:
             warnings.warn(f"{label}: {len(missing)} tensors have no static shape and count as 0 bytes")
 
-    names, ops, ins, outs = [], [], [], []
-    producer: dict[str, int] = {}
-    for i, node in enumerate(g.node):
-        names.append(node.name)
-        ops.append(node.op_type)
-        reads: list[str] = []
-        for t in graph_reads(node):
-            if t and t not in reads:
-                reads.append(t)
-        ins.append(reads)
-        outs.append([t for t in node.output if t])
-        for t in outs[-1]:
-            producer[t] = i
     consumers: dict[str, list[int]] = {}
     for i, reads in enumerate(ins):
         for t in reads:
