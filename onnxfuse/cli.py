@@ -18,6 +18,13 @@ from .training.settings import add_flags
 __all__ = ["main", "build_parser"]
 
 
+# A factory (MODULE:FUNCTION) is imported and called: whoever wrote it runs code as you (README, "What onnxfuse
+# guarantees"). Said once, in every --help that takes one.
+TRUST_NOTE = ("A model factory (MODULE:FUNCTION, in a run config's or sweep spec's model.factory, and the one a sweep "
+              "folder records for --resume) is imported and called: a config file, a sweep spec and a sweep folder "
+              "run Python code, so use them only from someone you trust, as you would a .py file.")
+
+
 def _numbers(text: str | None, flag: str, cast=float) -> list | None:
     """'0.1' -> [0.1]; '0.1,0.05' -> [0.1, 0.05] (one per model)."""
     if text is None:
@@ -245,7 +252,8 @@ def cmd_sweep(args) -> int:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """The settings of a run, shared by `train` and `check` (which checks the run these flags describe)."""
-    p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it")
+    p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it. "
+                   f"{TRUST_NOTE}")
     p.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
                    "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
     p.add_argument("--eval-data", help="held-out data, the same forms as --data")
@@ -258,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
 
-    e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX")
-    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make")
+    e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
+    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make: "
+                   "imported and called, i.e. run as Python code")
     e.add_argument("--count", type=int, required=True, help="number of models B")
     e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1)")
     e.add_argument("--input-shape", required=True, help="example input shape, e.g. 32,3,32,32 (batch dim is dynamic)")
@@ -367,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
     pl.set_defaults(func=cmd_plan)
     sw = sub.add_parser("sweep", help="run a hyper-parameter sweep: trials grouped into fused arrays by graph "
-                        "identity, trained on Ray (a local one by default); see docs/sweep.example.yaml")
+                        "identity, trained on Ray (a local one by default); see docs/sweep.example.yaml",
+                        epilog=TRUST_NOTE)
     sw.add_argument("spec", nargs="?", metavar="SPEC.yaml", help="the sweep spec")
     sw.add_argument("-o", "--output", metavar="SWEEP_DIR", help="where the sweep's files go (a new or empty folder)")
     sw.add_argument("--resume", metavar="SWEEP_DIR", help="continue the sweep in SWEEP_DIR: run only the arrays "
