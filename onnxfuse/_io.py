@@ -19,7 +19,7 @@ from ._lock import LOCK_FILE, folder_lock, holds, locked_folders_around
 from .errors import InputFileError, as_user_error
 
 __all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "atomic_write_bytes",
-           "load_safetensors", "check_tensors", "read_onnx"]
+           "load_safetensors", "check_tensors", "read_onnx", "check_no_external_data"]
 
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_write_bytes create
 
@@ -288,6 +288,18 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     for function in model.functions:
         for node in function.node:
             yield from _node_tensors(node)
+
+
+def check_no_external_data(model: onnx.ModelProto, label: str) -> None:
+    """A model handed over in memory holds all its data: one with a tensor still stored externally (read with
+    ``load_external_data=False``) would have it read by onnx relative to the current folder, unchecked by
+    :func:`read_onnx`; refuse it naming the tensor."""
+    for tensor in _all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            where = next((e.value for e in tensor.external_data if e.key == "location"), "?")
+            raise InputFileError(f"{label}: tensor '{tensor.name}' still has its data in the external file "
+                                 f"'{where}' (the model was read with load_external_data=False); give the .onnx "
+                                 "file's path instead, or load the model with its data (onnx.load(path))")
 
 
 def _read_external(tensor: onnx.TensorProto, path: str, folder: str, fix: str) -> None:

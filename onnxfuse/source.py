@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 
 from ._facts import FOLD_LIMIT, GraphFacts
 from ._graph import live_nodes
-from ._io import read_onnx
+from ._io import check_no_external_data, read_onnx
 from .errors import InputFileError
 from .windows import explicit_windows_pass
 
@@ -219,6 +219,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     messages (default: file name)."""
     if isinstance(model, onnx.ModelProto):
         proto, label = model, label or "model"
+        check_no_external_data(proto, label)
     else:
         path = os.fspath(model)
         proto, label = read_onnx(path), label or os.path.basename(path)

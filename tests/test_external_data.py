@@ -224,3 +224,23 @@ def test_an_arrays_own_files_pointing_outside_are_refused(tampered, command, exp
     assert "'data.bin'" in line and "outside the model's folder" in line, line
     assert not out.exists() and not os.path.exists(array.trained_path)
     assert leaked(tmp_path, outside) == []
+
+
+def test_a_model_in_memory_with_its_external_data_not_loaded_is_refused(exported, tmp_path, monkeypatch):
+    """The Python API takes ModelProtos: one read with load_external_data=False would have its data read by onnx
+    relative to the current folder, outside any check. It is refused naming the tensor; nothing is read from the
+    current folder's file of that name."""
+    from onnxfuse import fuse_models
+    from onnxfuse.errors import InputFileError
+
+    paths = jobs_with_external_data(exported, tmp_path / "jobs")
+    protos = [onnx.load(str(p), load_external_data=False) for p in paths]
+    here = tmp_path / "cwd"
+    here.mkdir()
+    for b in range(2):
+        (here / f"w{b}.bin").write_bytes((paths[b].parent / f"w{b}.bin").read_bytes())  # bytes a loader could find
+    monkeypatch.chdir(here)
+    with pytest.raises(InputFileError, match=r"tensor '.*' still has its data in the external file 'w0\.bin'"):
+        fuse_models(protos)
+    fused = fuse_models([str(p) for p in paths])  # by path, read inside the models' folder: fine
+    assert len(fused.spec.weights) == 4
