@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, \
-    ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from ..errors import ConfigError
 
@@ -54,20 +53,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# what torch.manual_seed takes (a larger seed is a raw ValueError when the trial is exported)
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
+SEED_TAKES = f"an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]} (what torch.manual_seed takes)"
+
+
+def _is_seed(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and SEED_RANGE[0] <= v <= SEED_RANGE[1]
+
+# Ray counts resources in units of 1/10000 (a finer fraction is a raw ValueError when the task is submitted)
+RAY_UNIT = 1e-4
+
+
 class ModelSection(_Strict):
-    factory: str
+    factory: str = Field(min_length=1)
     input_shape: list[PositiveInt] = Field(min_length=1)
     args: dict[str, Any] = {}
-    seed: int = 0
+    seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     per_model_inputs: list[str] = []
 
 
 class Range(_Strict):
-    """A continuous (or integer) range a random search samples from: uniform, or log-uniform with ``log``."""
+    """A continuous (or integer) range a random search samples from: uniform, or log-uniform with ``log``.
+    ``_range_problem`` checks a range as written in the spec, before it is made."""
     low: float
     high: float
     log: bool = False
     integer: bool = Field(False, alias="int")
+
+    def bounds(self) -> list[float | int]:
+        """[low, high] as the values a sample can take (ints for an integer range)."""
+        return [int(self.low), int(self.high)] if self.integer else [float(self.low), float(self.high)]
 
     def sample(self, rng: np.random.Generator) -> float | int:
         if self.log:
@@ -80,8 +96,8 @@ class Range(_Strict):
 class SearchSection(_Strict):
     method: Literal["grid", "random"] = "grid"
     samples: PositiveInt | None = None
-    seed: int = 0
-    space: dict[str, Union[list, Range]] = Field(min_length=1)
+    seed: NonNegativeInt = 0  # numpy's generator takes no negative seed
+    space: dict[str, Union[list, Range]] = Field(min_length=1)  # each entry checked first (_space_problem)
 
 
 class ArraysSection(_Strict):
@@ -89,9 +105,27 @@ class ArraysSection(_Strict):
     max_size: PositiveInt = 16
 
 
+def _ray_quantity(v: float, what: str, zero: bool) -> float:
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero) or 0 < v < RAY_UNIT:
+        low = "0 or at least" if zero else "at least"
+        raise ValueError(f"must be a finite number of {what}, {low} {RAY_UNIT:g} (the smallest fraction Ray "
+                         f"counts), got {v!r}")
+    return v
+
+
 class ResourcesSection(_Strict):
-    cpus: PositiveFloat = 1.0
-    gpus: NonNegativeFloat | None = None  # default: 1 when the run's device is cuda, else 0
+    cpus: float = 1.0
+    gpus: float | None = None  # default: 1 when the run's device is cuda, else 0
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: float) -> float:
+        return _ray_quantity(v, "CPUs", zero=False)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: float | None) -> float | None:
+        return v if v is None else _ray_quantity(v, "GPUs", zero=True)
 
 
 class SweepSections(_Strict):
@@ -106,16 +140,73 @@ class SweepSections(_Strict):
 SWEEP_SECTIONS = tuple(SweepSections.model_fields)
 
 
+# keys whose pydantic message (the first branch of a union) would not say what the key takes
+_TAKES = {"arrays.size": "must be a positive integer or auto"}
+
+
 def _pydantic_error(e: ValidationError, where: str) -> ConfigError:
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[", "literal[")))
-    msg = err["msg"]
+    loc = ".".join(str(p) for p in err["loc"]
+                   if not str(p).startswith(("function-", "union[", "literal[", "constrained-")))
+    msg = _TAKES.get(loc, err["msg"].removeprefix("Value error, "))
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     if err["type"] == "missing":
         msg = "is required"
-    value = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+    value = "" if err["type"] in ("missing", "extra_forbidden") or "got " in msg else f" (got {err.get('input')!r})"
     return ConfigError(f"{where}{loc}: {msg}{value}; see {EXAMPLE}")
+
+
+_RANGE_KEYS = ("low", "high", "log", "int")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _range_problem(r: dict) -> str | None:
+    """What is wrong with a range ``{low, high, log, int}`` as written (None: nothing): each problem is one a
+    sampler would otherwise meet as a raw exception (numpy's "high - low < 0", math's "domain error") or as a
+    trial value no setting takes."""
+    unknown = [k for k in r if k not in _RANGE_KEYS]
+    if unknown:
+        return f"unknown key '{unknown[0]}' (a range has low, high, log and int)"
+    missing = [k for k in ("low", "high") if k not in r]
+    if missing:
+        return f"a range needs low and high (it has no {' and no '.join(missing)})"
+    for k in ("low", "high"):
+        if not _number(r[k]):
+            return f"{k} must be a number, got {r[k]!r}"
+        if not math.isfinite(r[k]):
+            return f"{k} must be finite, got {r[k]!r}"
+    for k in ("log", "int"):
+        if k in r and not isinstance(r[k], bool):
+            return f"{k} must be true or false, got {r[k]!r}"
+    low, high = r["low"], r["high"]
+    if low > high:
+        return f"low {low!r} is above high {high!r}; swap them"
+    if r.get("int") and not (float(low).is_integer() and float(high).is_integer()):
+        return f"int: true needs whole-number bounds, got low {low!r} and high {high!r}"
+    if r.get("log") and low <= 0:
+        return f"log: true samples log-uniformly, which needs low > 0, got low {low!r}; give a positive low"
+    return None
+
+
+def _space_problem(key: str, v) -> str | None:
+    """What is wrong with the search entry ``key: v`` as written (None: nothing), whatever the key: a list of
+    values, or a range. The problem follows the key in the message: from ``[i]``, `` = ...``, `` is ...`` on."""
+    if isinstance(v, dict):
+        return _range_problem(v)
+    if not isinstance(v, list):
+        return (f" = {v!r}: give a list of values (e.g. [{v!r}]), or for method random a range "
+                "{low: ..., high: ...}")
+    if not v:
+        return " is an empty list, which gives no trials; give at least one value"
+    for i, x in enumerate(v):
+        if isinstance(x, dict) and ("low" in x or "high" in x):
+            return (f"[{i}] is a range inside a list; give the range itself ({key}: {{low: ..., high: ...}}, "
+                    "method random) or a list of values")
+    return None
 
 
 @dataclass
@@ -201,16 +292,7 @@ class SweepSpec:
             raise ConfigError(f"{self.source}: search is required (search.space: the values to try); see {EXAMPLE}")
         space = search.space
         if search.method == "grid":
-            ranged = [k for k, v in space.items() if isinstance(v, Range)]
-            if ranged:
-                raise ConfigError(f"{self.source}: search.space.{ranged[0]} is a range, which a grid cannot "
-                                  "enumerate; give a list of values, or use search.method: random")
-            if search.samples is not None:
-                raise ConfigError(f"{self.source}: search.samples applies to method random; a grid tries every "
-                                  "combination of search.space")
             return [dict(zip(space, combo)) for combo in itertools.product(*space.values())]
-        if search.samples is None:
-            raise ConfigError(f"{self.source}: search.method random needs search.samples (how many trials)")
         rng = np.random.default_rng(search.seed)
         return [{k: (v.sample(rng) if isinstance(v, Range) else v[int(rng.integers(len(v)))])
                  for k, v in space.items()} for _ in range(search.samples)]
@@ -220,8 +302,8 @@ class SweepSpec:
         for key, value in params.items():
             if key in ("model.seed",):
                 raise ConfigError(f"{where}{key}: the init seed is the search key 'seed'")
-            if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{where}seed must be an integer, got {value!r}")
+            if key == "seed" and not _is_seed(value):
+                raise ConfigError(f"{where}seed must be {SEED_TAKES}, got {value!r}")
             if key == "grid" or key.startswith("grid."):
                 raise ConfigError(f"{where}{key}: a sweep has no grid; put the values in search.space")
             if key.startswith("data.order"):
@@ -250,6 +332,12 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
         raise ConfigError(f"{where}model is required (model.factory and model.input_shape); see {EXAMPLE}")
     if "grid" in run:
         raise ConfigError(f"{where}grid: a sweep puts the values to try in search.space")
+    space = (sweep.get("search") or {}).get("space") if isinstance(sweep.get("search"), dict) else None
+    for key, v in (space.items() if isinstance(space, dict) else ()):
+        problem = _space_problem(key, v)
+        if problem:
+            sep = "" if problem.startswith(("[", " ")) else ": "
+            raise ConfigError(f"{where}search.space.{key}{sep}{problem}; see {EXAMPLE}")
     try:
         sections = SweepSections.model_validate(sweep)
     except ValidationError as e:
@@ -272,18 +360,63 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
     if spec.device.startswith("cuda") and spec.gpus == 0:
         raise ConfigError(f"{where}device {spec.device} needs resources.gpus > 0 (a fraction shares one GPU)")
     if sections.search is not None:
-        spec.check_params({k: None for k in sections.search.space if k != "seed"}, where + "search.space.")
-        for key in sections.search.space:
-            if spec.kind(key) == "per-model":
-                continue
-            if spec.kind(key) == "array":  # each value, with the rest of the run settings
-                for v in _values(sections.search.space[key]):
-                    spec.normalized({key: v}, f" (search.space {key} = {v!r})")
+        _check_search(spec, sections.search, where)
     return spec
 
 
-def _values(v) -> list:
-    return v if isinstance(v, list) else [v.low, v.high]
+def _check_search(spec: SweepSpec, search: SearchSection, where: str) -> None:
+    """The search as a whole, and every value it can give each key checked as that key's setting takes it,
+    before anything runs: a value that would fail a trial later fails the spec now, naming the key."""
+    if search.method == "grid":
+        ranged = [k for k, v in search.space.items() if isinstance(v, Range)]
+        if ranged:
+            raise ConfigError(f"{where}search.space.{ranged[0]} is a range, which a grid cannot enumerate; give a "
+                              "list of values, or use search.method: random")
+        if search.samples is not None:
+            raise ConfigError(f"{where}search.samples applies to method random; a grid tries every combination of "
+                              "search.space")
+    elif search.samples is None:
+        raise ConfigError(f"{where}search.method random needs search.samples (how many trials)")
+    spec.check_params({k: None for k in search.space if k != "seed"}, where + "search.space.")
+    from dataclasses import replace
+
+    from onnxfuse.training.settings import _grid_param, check_value
+
+    cfg = spec.normalized()
+    for key, v in search.space.items():
+        # the values a trial can get: each of a list's, or a range's bounds (a range is an interval, and so is
+        # every setting's constraint: the bounds stand for the samples)
+        if isinstance(v, Range):
+            values, labels = v.bounds(), [f"search.space.{key}.low", f"search.space.{key}.high"]
+        else:
+            values, labels = v, [f"search.space.{key}[{i}]" for i in range(len(v))]
+        kind = spec.kind(key)
+        if kind == "seed":
+            if isinstance(v, Range) and not v.integer:
+                raise ConfigError(f"{where}search.space.seed: a range of seeds needs int: true")
+            for label, x in zip(labels, values):
+                if not _is_seed(x):
+                    raise ConfigError(f"{where}{label} = {x!r}: a seed is {SEED_TAKES}")
+        elif kind == "per-model":  # one value for one model, checked as a run config's grid checks it
+            p = replace(_grid_param(key, cfg["optimizer"]["name"], cfg["schedule"]), per_model=False)
+            for label, x in zip(labels, values):
+                check_value(p, x, label, "file", where, optional=p.default is None)
+        elif kind == "array":  # each value, with the rest of the run settings
+            for label, x in zip(labels, values):
+                try:
+                    spec.normalized({key: x}, f" ({label} = {x!r})")
+                except ConfigError as e:
+                    if isinstance(v, Range) and not v.integer and _takes(spec, key, int(x)):
+                        raise ConfigError(f"{e}; a range of a whole-number setting needs int: true") from None
+                    raise
+
+
+def _takes(spec: SweepSpec, key: str, value) -> bool:
+    try:
+        spec.normalized({key: value})
+    except ConfigError:
+        return False
+    return True
 
 
 def load_spec(path: str | os.PathLike) -> SweepSpec:
