@@ -17,17 +17,24 @@ and writes every result into the sweep folder as it arrives.
   rung's arrays from each group's survivors; their tasks re-fuse them from the folders they were in.
 * Progress: tasks report their step through a Ray queue (``ray.util.queue``); ``status.json`` lists every array as
   done, running (attempt, host, pid, node, step), queued or failed, and a bar shows the counts.
+* Stopping: whatever stops the driver once it has a plan (a full disk, Ctrl-C, a bug) is written into
+  ``status.json`` (``stopped``: the error and when; every array not done or failed is ``stopped``), best effort:
+  for a full disk the driver holds some space back from the start to be able to (``SweepDir.reserve_space``).
+  A failure the user can fix is one error line that names the file and says to ``--resume``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
-from ..errors import ArrayBusyError, ConfigError, InputFileError
+from ..errors import ArrayBusyError, ConfigError, InputFileError, OutOfMemoryError, OutputError, as_user_error, \
+    shell
 from .layout import SweepDir
 from .planning import Sizer, plan_sweep
 from .report import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
@@ -84,6 +91,21 @@ def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
     return plan.recommended_B, f"planner on {node_of_this_process()['host']}: {plan.reason}"
 
 
+class _RayNotice(logging.Filter):
+    """Ray's notice that a local Ray started with token authentication (its secure default: nothing to do) goes
+    to onnxfuse's debug log; on stderr it would be a second line beside the one line of an error. Its warning
+    that authentication is *disabled* still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Token authentication is enabled"):
+            log.debug("ray: %s", record.getMessage())
+            return False
+        return True
+
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
 def _connect(address: str | None, num_cpus: int | None) -> bool:
     """Connect to Ray (start a local one without ``address``); True when this call did (and shuts it down)."""
     try:
@@ -92,6 +114,9 @@ def _connect(address: str | None, num_cpus: int | None) -> bool:
         raise ConfigError("onnxfuse sweep needs Ray: pip install 'onnxfuse[sweep]' (or pip install ray)") from None
     if ray.is_initialized():
         return False
+    auth = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _RayNotice) for f in auth.filters):
+        auth.addFilter(_RayNotice())
     opts = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     try:
         if address:
@@ -106,6 +131,12 @@ def _connect(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
+def _shutdown() -> None:
+    import ray
+
+    ray.shutdown()
+
+
 def _data_ref(source):
     """A data source as a task can use it anywhere: sklearn names as they are, a .npz file's arrays in Ray's object
     store (read once, here)."""
@@ -115,6 +146,9 @@ def _data_ref(source):
     from onnxfuse.training.datasets import is_named
 
     return source if source is None or is_named(source) else ray.put(load_npz(source))
+
+
+STATES = ("done", "running", "queued", "failed")  # an array's in status.json (and "stopped": _record_stop)
 
 
 class _Progress:
@@ -146,7 +180,7 @@ class _Progress:
             self.bar.update(1)
 
     def write(self) -> None:
-        counts = {k: self.count(k) for k in ("done", "running", "queued", "failed")}
+        counts = {k: self.count(k) for k in STATES}
         running = [f"{a} {s.get('step', 0)}/{s.get('total') or '?'}" for a, s in self.state.items()
                    if s["state"] == "running"]
         self.bar.set_postfix_str(", ".join(f"{v} {k}" for k, v in counts.items()) +
@@ -340,6 +374,65 @@ def _ray_sizer(spec: SweepSpec) -> Sizer:
     return size_of
 
 
+def _check_resources(spec: SweepSpec) -> None:
+    """On a local Ray: an array asking for more CPUs or GPUs than the machine's Ray has would wait forever (Ray
+    only warns that the task is infeasible)."""
+    import ray
+
+    have = ray.cluster_resources()
+    for key, name, want in (("resources.cpus", "CPU", spec.cpus), ("resources.gpus", "GPU", spec.gpus)):
+        n = have.get(name, 0.0)
+        if want > n:
+            where = "--cpus N, default: this machine's" if name == "CPU" else "the GPUs Ray finds on this machine"
+            raise ConfigError(f"{spec.source}: {key} {want:g} is more than the {n:g} {name}s of the local Ray "
+                              f"({where}), so no array could start; give {key} at most {n:g}, or run on a cluster "
+                              "with --address")
+
+
+def _record_stop(sweep: SweepDir, reason: str) -> None:
+    """status.json as the driver left it: every array in its result's state, or ``stopped`` where it has none
+    (none is left running or queued), and ``stopped``: why, when, how many arrays. Best effort: the space held
+    back is freed first (a full disk), and a failure to write is logged, never raised over the error that stopped
+    the sweep."""
+    sweep.release_space()
+    try:
+        status = sweep.read_json(sweep.status_path, "status.json") if os.path.exists(sweep.status_path) else \
+            {"arrays": {}}
+        arrays = status.setdefault("arrays", {})
+        for aid, s in arrays.items():
+            res = sweep.result(aid)
+            if res is not None and res.get("state") in ("done", "failed"):
+                s["state"] = res["state"]
+            elif s.get("state") not in ("done", "failed"):
+                s["state"] = "stopped"
+        states = [s["state"] for s in arrays.values()]
+        status.update({k: states.count(k) for k in STATES})
+        status["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        status["stopped"] = {"error": reason, "at": status["updated"], "arrays": states.count("stopped")}
+        sweep.write_json(sweep.status_path, status)
+    except Exception as e:  # e.g. the disk is still full: the error line says so already
+        log.info("could not record in %s why the sweep stopped: %s", sweep.status_path, _one_line(e))
+
+
+@contextlib.contextmanager
+def _stops_recorded(sweep: SweepDir) -> Iterator[None]:
+    """Around a sweep that has a plan: what stops it is recorded in status.json (``_record_stop``); a failure the
+    user fixes (a full disk, out of memory) is re-raised as one error saying to continue with --resume."""
+    try:
+        yield
+    except BaseException as e:
+        user = as_user_error(e) if isinstance(e, Exception) else None
+        if isinstance(user, (OutputError, OutOfMemoryError)):
+            user = type(user)(f"{user}; for a sweep that is `{shell('onnxfuse', 'sweep', '--resume', sweep.path)}`, "
+                              "which trains only the arrays that have no result yet")
+        reason = str(user) if user is not None else \
+            "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {_one_line(e)}"
+        _record_stop(sweep, " ".join(reason.split()))
+        if user is not None and user is not e:
+            raise user from e
+        raise
+
+
 def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.PathLike, *, resume: bool = False,
               address: str | None = None, runtime: str | None = None, num_cpus: int | None = None,
               progress: bool = True, trials: list[dict] | None = None) -> SweepResult:
@@ -379,18 +472,40 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
         raise
 
 
+def _plan(sweep: SweepDir, spec: SweepSpec, params: list[dict], runtime: str | None, progress: bool) -> dict:
+    """The sweep's plan: exported, grouped, sized (``plan_sweep``) and written to plan.json. A full disk while
+    exporting names the models folder when the error names no file."""
+    try:
+        plan = plan_sweep(spec, params, sweep, _ray_sizer(spec) if spec.sections.arrays.size == "auto" else None,
+                          runtime, progress)
+    except Exception as e:
+        user = as_user_error(e, None if getattr(e, "filename", None) else sweep.models_path)
+        if isinstance(user, OutputError) and user is not e:
+            raise user from e
+        raise
+    sweep.write_json(sweep.plan_path, plan)
+    return plan
+
+
 def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | None, runtime: str | None,
          num_cpus: int | None, progress: bool, params: list[dict] | None) -> SweepResult:
     with sweep.locked():
+        gone = sweep.remove_temporaries()  # what a killed driver was writing
+        if gone:
+            log.info("removed %d half-written file(s) a killed driver left: %s", len(gone),
+                     ", ".join(sweep.relative(p) for p in gone[:3]))
         if resume:
             saved = sweep.read_json(sweep.spec_path, "the sweep's spec")
             spec = parse_spec(saved["spec"], saved["source"], saved["base_dir"])
             params = saved["params"]
-        else:
-            sweep.write_json(sweep.spec_path, {"spec": spec.as_dict(), "source": spec.source,
-                                               "base_dir": spec.base_dir, "params": params})
         started = _connect(address, num_cpus)
         try:
+            if address is None:
+                _check_resources(spec)
+            if not resume:
+                sweep.write_json(sweep.spec_path, {"spec": spec.as_dict(), "source": spec.source,
+                                                   "base_dir": spec.base_dir, "params": params})
+            sweep.reserve_space()
             if os.path.exists(sweep.plan_path):
                 plan = sweep.read_json(sweep.plan_path, "the sweep's plan")
                 if runtime:  # for the arrays not started: one past a rung goes on as it began
@@ -398,20 +513,21 @@ def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | N
                         if not os.path.exists(sweep.segment_path(a["id"], 0)):
                             a["settings"]["runtime"] = runtime
             else:
-                plan = plan_sweep(spec, params, sweep, _ray_sizer(spec) if spec.sections.arrays.size == "auto"
-                                  else None, runtime, progress)
-                sweep.write_json(sweep.plan_path, plan)
-            if progress:
-                print(f"{len(plan['trials'])} trials in {len(plan['groups'])} group(s) of identical graphs, "
-                      f"{len(plan['arrays'])} arrays", flush=True)
-            ran, failed = _execute(sweep, spec, plan, progress)
+                plan = _plan(sweep, spec, params, runtime, progress)
+            with _stops_recorded(sweep):
+                if progress:
+                    print(f"{len(plan['trials'])} trials in {len(plan['groups'])} group(s) of identical graphs, "
+                          f"{len(plan['arrays'])} arrays", flush=True)
+                ran, failed = _execute(sweep, spec, plan, progress)
+                if started:  # the report needs no Ray
+                    _shutdown()
+                    started = False
+                rows = collect(sweep, plan)
+                write_report(sweep, plan, rows)
         finally:
             if started:
-                import ray
-
-                ray.shutdown()
-        rows = collect(sweep, plan)
-        write_report(sweep, plan, rows)
+                _shutdown()
+            sweep.release_space()
     return SweepResult(sweep.path, rows, len(plan["arrays"]), ran, failed, plan["metric"],
                        [t["id"] for t in plan["trials"]])
 

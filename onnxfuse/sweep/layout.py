@@ -2,6 +2,11 @@
 (the process running `onnxfuse sweep`); workers send their results back through Ray, so the folder needs no
 storage shared with them.
 
+Every file is written whole or not at all: a record through a temporary file renamed into place
+(``write_bytes``, ``write_json``), a trial's folder as a temporary folder renamed into place
+(``replacing``); a write that fails names the file it was writing. The temporaries of a killed driver
+(``.<name>.tmp-*``) are removed by the next one (``remove_temporaries``).
+
     spec.json                    the spec the sweep runs (a resumed sweep reads it, not the YAML file again)
     plan.json                    the trials (id, parameters), the arrays (id, trials, settings), how B was chosen
     models/<trial>.onnx          each trial's model as exported, with its initial weights
@@ -13,7 +18,10 @@ storage shared with them.
                                  (ids r<k>a<j>)
     trials/<trial>/              model.onnx + model.safetensors (its trained weights, split out of the array),
                                  metrics.csv, and TensorBoard event files (one run per trial)
-    status.json                  live: every array done / running (pid, node, step) / queued / failed
+    status.json                  live: every array done / running (pid, node, step) / queued / failed; when the
+                                 driver stopped on an error, ``stopped`` says why and when (and no array is running)
+    .space-reserve               while a driver runs: space held back so that status.json can still say why it
+                                 stopped when the disk fills up (removed to write it, and at the end)
     results.csv, report.md       every trial, best first by the spec's metric
     report.png                   the best trials' curves
     .onnxfuse.lock               one driver at a time (see ``onnxfuse/_lock.py``)
@@ -21,13 +29,16 @@ storage shared with them.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import shutil
+import tempfile
 from typing import Iterator
 
 from .._io import atomic_write_bytes, claim_output
 from ..array import METRICS, REPORT_PNG  # an array's metrics and plot: the sweep's are named alike
-from ..errors import InputFileError
+from ..errors import InputFileError, as_user_error
 
 __all__ = ["SweepDir"]
 
@@ -35,6 +46,8 @@ SPEC, PLAN, STATUS, RESULTS, REPORT_MD = "spec.json", "plan.json", "status.json"
 MODELS, ARRAYS, TRIALS = "models", "arrays", "trials"
 RESULT, HALVING = "result.json", "halving.json"
 TRIAL_ONNX, TRIAL_WEIGHTS = "model.onnx", "model.safetensors"
+RESERVE = ".space-reserve"
+RESERVE_BYTES = 256 << 10  # status.json of ~1,500 arrays
 
 
 class SweepDir:
@@ -96,9 +109,68 @@ class SweepDir:
         with claim_output(self.path, "sweep", replace=False, mark=True, what="sweep folder"):
             yield self
 
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """``path`` written whole or not at all (temporary file + rename); a failure names ``path``."""
+        _makedirs(os.path.dirname(path))
+        atomic_write_bytes(path, data)
+
     def write_json(self, path: str, record) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(record, indent=1, default=_plain) + "\n").encode())
+        self.write_bytes(path, (json.dumps(record, indent=1, default=_plain) + "\n").encode())
+
+    @contextlib.contextmanager
+    def replacing(self, folder: str) -> Iterator[str]:
+        """A new temporary folder beside ``folder`` to write into; when the block ends, it replaces ``folder``
+        (one rename), and when the block fails it is removed and ``folder`` is as it was. A write error names
+        ``folder``."""
+        parent, name = os.path.split(folder)
+        _makedirs(parent)
+        try:
+            tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the result gets a folder's usual mode
+        except OSError as e:
+            raise (as_user_error(e, folder) or e) from e
+        try:
+            yield tmp
+            if os.path.isdir(folder):  # an earlier attempt's
+                shutil.rmtree(folder)
+            os.rename(tmp, folder)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise (as_user_error(e, folder) or e) from e
+            raise
+
+    def remove_temporaries(self) -> list[str]:
+        """Remove what a killed driver left half-written (``.<name>.tmp-*`` files and folders: never a record);
+        returns them."""
+        found = []
+        for pattern in (".*.tmp-*", os.path.join(TRIALS, ".*.tmp-*"), os.path.join(ARRAYS, "*", ".*.tmp-*")):
+            for path in glob.glob(self._join(pattern)):
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+                found.append(path)
+        return found
+
+    # ------------------------------------------------------------------------------------------------ space
+    reserve_path = property(lambda self: self._join(RESERVE))
+
+    def reserve_space(self) -> None:
+        """Hold ``RESERVE_BYTES`` of the disk back (real blocks, not a sparse file), so that after the disk fills
+        up, ``release_space`` frees enough to write status.json saying so."""
+        try:
+            with open(self.reserve_path, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(self.reserve_path)
+            raise (as_user_error(e, self.reserve_path) or e) from e
+
+    def release_space(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.reserve_path)
 
     def read_json(self, path: str, what: str):
         try:
@@ -119,6 +191,13 @@ class SweepDir:
                 return json.load(f)
         except (OSError, ValueError):
             return None
+
+
+def _makedirs(folder: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise (as_user_error(e, folder) or e) from e
 
 
 def _plain(v):

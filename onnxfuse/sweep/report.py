@@ -1,18 +1,22 @@
 """What a sweep leaves for its user: every trial's files (written as each array finishes) and, at the end,
 ``results.csv`` and ``report.md`` (every trial, best first by the spec's metric) and ``report.png`` (the best
-trials' curves). TensorBoard event files are written with TensorBoard's own writer (``torch.utils.tensorboard``),
-one run per trial: ``tensorboard --logdir SWEEP_DIR/trials``.
+trials' curves). TensorBoard event files are TensorBoard's own records (its ``RecordWriter`` and ``Event``
+protos, torch's ``scalar``/``text`` summaries), one run per trial: ``tensorboard --logdir SWEEP_DIR/trials``.
+
+Every file is written whole or not at all (``SweepDir.write_bytes``; a trial's folder as one temporary folder
+renamed into place, ``SweepDir.replacing``), and a write that fails (a full disk) names the file.
 """
 from __future__ import annotations
 
 import csv
-import glob
 import io
 import logging
 import math
 import os
-import shutil
+import socket
+import time
 
+from ..errors import as_user_error
 from .layout import METRICS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
 from .worker import RESULT_COLUMNS, TRIAL_METRICS, number, rank
 
@@ -22,29 +26,34 @@ log = logging.getLogger("onnxfuse.sweep")
 _warned_tb = False
 
 
-def _tensorboard(folder: str, rows: list[dict], hparams: dict) -> None:
+def _tensorboard(rows: list[dict], hparams: dict) -> tuple[str, bytes] | None:
+    """A trial's TensorBoard event file, (its name, its bytes) as TensorBoard's SummaryWriter names and writes
+    one; None without the tensorboard package. Made in memory, so that it is written whole like every other file
+    (SummaryWriter's background thread would leave a half-written file on a full disk, and report the error on
+    stderr)."""
     global _warned_tb
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        from torch.utils.tensorboard.summary import scalar, text
     except ImportError:
         if not _warned_tb:
             log.warning("no TensorBoard event files: install the tensorboard package (pip install "
                         "'onnxfuse[sweep]'); metrics.csv has every curve")
             _warned_tb = True
-        return
-    for old in glob.glob(os.path.join(folder, "events.out.tfevents.*")):  # an earlier attempt's
-        os.remove(old)
-    w = SummaryWriter(log_dir=folder)
-    try:
-        for r in rows:
-            step = int(r["step"])
-            for col in ("loss", "accuracy", "lr"):
-                v = number(r.get(col, ""))
-                if math.isfinite(v):
-                    w.add_scalar(f"{r['split']}/{col}", v, step)
-        w.add_text("hyper-parameters", "  \n".join(f"{k} = {v}" for k, v in hparams.items()))
-    finally:
-        w.close()
+        return None
+    buf = io.BytesIO()
+    w, now = RecordWriter(buf), time.time()
+    w.write(Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+    for r in rows:
+        step = int(r["step"])
+        for col in ("loss", "accuracy", "lr"):
+            v = number(r.get(col, ""))
+            if math.isfinite(v):
+                w.write(Event(wall_time=now, step=step, summary=scalar(f"{r['split']}/{col}", v)).SerializeToString())
+    w.write(Event(wall_time=now, summary=text("hyper-parameters", "  \n".join(
+        f"{k} = {v}" for k, v in hparams.items()))).SerializeToString())
+    return f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.0", buf.getvalue()
 
 
 def _record(job: dict, out: dict, attempts: int) -> dict:
@@ -63,9 +72,7 @@ def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, par
     if segment is None:
         sweep.write_json(sweep.result_path(job["id"]), record)
     else:
-        from .._io import atomic_write_bytes
-
-        atomic_write_bytes(sweep.state_path(job["id"], segment), out["state"])
+        sweep.write_bytes(sweep.state_path(job["id"], segment), out["state"])
         sweep.write_json(sweep.segment_path(job["id"], segment), record)
     return record
 
@@ -96,21 +103,31 @@ def _write_trials(sweep: SweepDir, job: dict, out: dict, params: dict[str, dict]
             first = min((int(r["step"]) for r in t["metrics"]), default=math.inf)
             t["metrics"] = [r for r in _read_rows(sweep.trial_file(tid, METRICS)) if int(r["step"]) < first] + \
                 t["metrics"]
-        folder = sweep.trial_path(tid)
-        if os.path.isdir(folder):  # an earlier attempt's, from a driver killed while writing
-            shutil.rmtree(folder)
-        os.makedirs(folder)
-        for name, data in t["files"].items():
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(data)
-        with open(sweep.trial_file(tid, METRICS), "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, TRIAL_METRICS)
-            w.writeheader()
-            w.writerows(t["metrics"])
-        _tensorboard(folder, t["metrics"], params[tid])
-    os.makedirs(sweep.array_path(job["id"]), exist_ok=True)
-    with open(sweep.array_metrics_path(job["id"]), "w", encoding="utf-8") as f:
-        f.write(out["metrics_csv"])
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, TRIAL_METRICS)
+        w.writeheader()
+        w.writerows(t["metrics"])
+        files = {**t["files"], METRICS: buf.getvalue().encode()}
+        events = _tensorboard(t["metrics"], params[tid])
+        if events:
+            files[events[0]] = events[1]
+        # the trial's folder whole, or as it was (an earlier attempt's, or none)
+        with sweep.replacing(sweep.trial_path(tid)) as tmp:
+            for name, data in files.items():
+                _write_new(os.path.join(tmp, name), data, sweep.trial_file(tid, name))
+    sweep.write_bytes(sweep.array_metrics_path(job["id"]), out["metrics_csv"].encode())
+
+
+def _write_new(path: str, data: bytes, shown: str) -> None:
+    """A file of a folder being built (renamed into place when it is complete); a failure names ``shown``, the
+    file's name in its final place."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise (as_user_error(e, shown) or e) from e
 
 
 def failed_result(sweep: SweepDir, job: dict, attempts: int, error: str) -> dict:
@@ -186,18 +203,16 @@ def _curves(sweep: SweepDir, tid: str, split: str) -> tuple[list[int], list[floa
 
 def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -> None:
     """results.csv, report.md and report.png (the ``best`` trials' training and eval loss curves)."""
-    buf = io.StringIO()
+    buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, list(rows[0]) if rows else ["trial"])
     w.writeheader()
     w.writerows({k: _fmt(v) for k, v in r.items()} for r in rows)
-    from .._io import atomic_write_bytes
-
-    atomic_write_bytes(sweep.results_path, buf.getvalue().encode())
+    sweep.write_bytes(sweep.results_path, buf.getvalue().encode())
     done = sum(r["status"] != "failed" and r["status"] != "not run" for r in rows)
     md = [f"# Sweep report: {len(rows)} trials in {len(plan['arrays'])} arrays",
           "", f"Sorted by {plan['metric']} ({plan['direction']}); {done} trials have results.", "",
           "```", table(rows), "```", ""]
-    atomic_write_bytes(sweep.report_md_path, "\n".join(md).encode())
+    sweep.write_bytes(sweep.report_md_path, "\n".join(md).encode())
     top = [r["trial"] for r in rows[:best] if r["status"] not in ("failed", "not run")]
     trials = {t["id"]: t for t in plan["trials"]}
     if not top:
@@ -222,7 +237,7 @@ def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    tmp = sweep.report_png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, sweep.report_png_path)
+    sweep.write_bytes(sweep.report_png_path, png.getvalue())
