@@ -24,6 +24,7 @@ import contextlib
 import copy
 import logging
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxfuse.errors import ConfigError
+from onnxfuse.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
 from onnxfuse.legalize import legalize
 from onnxfuse.weights import ArraySpec
 
@@ -41,7 +42,9 @@ from ._builder import GraphBuilder
 from .losses import LossSpec, add_loss
 from .optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
 
-__all__ = ["TrainingArtifacts", "build_artifacts"]
+__all__ = ["TrainingArtifacts", "build_artifacts", "ort_failure"]
+
+log = logging.getLogger("onnxfuse")
 
 UPDATED = "updated"
 OK = "model_ok"  # [B] int32: 1 where the model's step was applied (active and finite)
@@ -166,23 +169,137 @@ def optimizer_state_pass(model: onnx.ModelProto, params: list[str], opt: Optimiz
 @contextlib.contextmanager
 def _native_stderr_captured():
     """ORT's gradient builder logs every graph transformer at INFO level to the C++ stderr, whatever the Python
-    logger severity: hold that output in a temporary file and show it only if building fails."""
+    logger severity: hold that output in a temporary file; if building fails, its tail goes to the debug log
+    (``onnxfuse -v``), so that the failure itself stays one error line."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as log:
-        os.dup2(log.fileno(), 2)
+    with tempfile.TemporaryFile(mode="w+b") as native:
+        os.dup2(native.fileno(), 2)
         try:
             yield
         except Exception:
             os.dup2(saved, 2)
-            log.seek(0)
-            tail = log.read().decode(errors="replace").strip().splitlines()[-20:]
+            native.seek(0)
+            tail = native.read().decode(errors="replace").strip().splitlines()[-20:]
             if tail:
-                print("\n".join(tail), file=sys.stderr)
+                log.debug("ONNX Runtime's log before the failure:\n%s", "\n".join(tail))
             raise
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+# How ONNX Runtime 1.19 names the node a failure is about (most specific first): a kernel failing while it runs,
+# kernel creation or shape inference, a missing gradient builder, graph resolution, a missing kernel.
+_NODE_IN_MESSAGE = [re.compile(p) for p in (
+    r"running (?P<op>[\w.:]+) node\. Name:'(?P<node>[^']*)'",
+    r"Node \((?P<node>[^)]*)\) Op \((?P<op>[^)]*)\)",
+    r"registered: (?P<op>[\w.:]+) for node (?P<node>\S+)",
+    r"In Node, \(\"(?P<node>[^\"]*)\", (?P<op>[\w.:]+),",
+    r"implementation for (?P<op>[\w.:]+)\(\d+\) node with name '(?P<node>[^']*)'",
+    r"\bnode[:= ]+'(?P<node>[^']+)'",
+)]
+
+
+def _nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                yield from _nodes(g)
+
+
+def _ort_cause(text: str) -> str:
+    """The part of an ONNX Runtime message that says what went wrong: without the C++ source location, function
+    signature and status code that open it ("module.cc:312 onnxruntime::...::Module(...) [ONNXRuntimeError] :
+    6 : RUNTIME_EXCEPTION : ...")."""
+    at = [m.end() for m in re.finditer(r"\S+\.(?:cc|h|cpp):\d+ ", text)]
+    if at:  # after the last source location: the function it names, then the cause
+        i = at[-1]
+        j = text.find("(", i)
+        if j != -1 and ". " not in text[i:j]:  # skip "[ret type] name(args) [const]" by its parentheses
+            depth = 0
+            for k in range(j, len(text)):
+                depth += {"(": 1, ")": -1}.get(text[k], 0)
+                if depth == 0:
+                    i = k + 1
+                    break
+            text = re.sub(r"^\s*const\b", "", text[i:])
+        else:
+            text = text[i:]
+    text = re.sub(r"^\s*\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text.strip())
+    text = text.split(" was false. ", 1)[-1]  # ORT_ENFORCE's condition: what it says after it is the cause
+    return text.strip().rstrip(".")[:300]
+
+
+def _failing_node(text: str, graphs: Sequence[onnx.ModelProto]) -> tuple[str | None, str | None, int]:
+    """(node name, op type, how many other nodes of that op type) of the node ONNX Runtime's message is about:
+    the node it names, else the op type it names as a kernel (``GRUTraining``, ``GRUGrad``, ``GRU(``) when the
+    graph has that op."""
+    by_name = {n.name: n.op_type for m in graphs for n in _nodes(m.graph) if n.name}
+    ops = {}
+    for m in graphs:
+        for n in _nodes(m.graph):
+            ops.setdefault(n.op_type, []).append(n.name or n.output[0])
+    count = lambda op: max(0, len(set(ops.get(op, []))) - 1)  # noqa: E731
+    for pattern in _NODE_IN_MESSAGE:
+        m = pattern.search(text)
+        if m:
+            node = m.group("node").strip("'\".,")
+            op = by_name.get(node) or (m.groupdict().get("op") or None)
+            return node, op, 0
+    found = []
+    for op in ops:
+        m = re.search(rf"(?<![A-Za-z]){re.escape(op)}(?:Grad|Training|\(| kernel)|::{re.escape(op.lower())}::", text)
+        if m:
+            found.append((m.start(), op))
+    if found:
+        op = min(found)[1]
+        return ops[op][0], op, count(op)
+    return None, None, 0
+
+
+def _torch_cannot(fused: onnx.ModelProto, device: str) -> str | None:
+    """Why the torch runtime cannot train ``fused`` on ``device`` (None: it has a kernel for every op of the graph
+    and runs there); the same test the torch runtime makes when it converts a graph (``torch_graph.py``)."""
+    from .runtime import RUNTIMES
+    from .torch_ops import OPS
+
+    missing = sorted({n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+                      for n in _nodes(fused.graph) if n.domain not in ("", "ai.onnx") or n.op_type not in OPS})
+    if missing:
+        return (f"op type{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing[:4])} "
+                f"ha{'ve' if len(missing) > 1 else 's'} no torch kernel")
+    why = RUNTIMES["torch"].load().unavailable(device)
+    return f"it cannot run on {device} ({why})" if why else None
+
+
+def ort_failure(e: Exception, fused: onnx.ModelProto, device: str, doing: str, path: str | None = None,
+                graphs: Sequence[onnx.ModelProto] = ()) -> OnnxFuseError:
+    """``e``, raised by onnxruntime(-training) while ``doing`` (e.g. "building the gradient graph"), as the user
+    error it is. A full disk or out of memory first, as ``as_user_error`` says (ORT words those too; ``path``: the
+    file being written); else an UntrainableOpError naming the node ORT's message is about (looked up in ``fused``
+    and ``graphs``, the graphs handed to ORT), with the fix: ``--runtime torch`` exactly when the torch runtime
+    has a kernel for every op of ``fused`` and runs on ``device``."""
+    user = as_user_error(e, path)
+    if user is not None:
+        return user
+    text = " ".join(str(e).split())
+    node, op, more = _failing_node(text, [fused, *graphs])
+    if node:
+        others = f", and {more} more {op} node{'s' if more > 1 else ''}" if more else ""
+        subject = f"node '{node}' ({op}{others})" if op else f"node '{node}'"
+    else:
+        subject = "the fused graph"
+    layer = f"replace the layer that exports to {op}" if op else "export the model without the layer it rejects"
+    torch_cannot = _torch_cannot(fused, device)
+    if torch_cannot is None:
+        fix = f"train this array with --runtime torch (it has a kernel for every op of this graph), or {layer}"
+    else:
+        fix = f"{layer} (--runtime torch cannot train this array either: {torch_cannot})"
+    return UntrainableOpError(f"{subject}: onnxruntime-training 1.19 failed while {doing}: {_ort_cause(text)}. "
+                              f"To fix this, {fix}.")
 
 
 def _build_gradient(model: onnx.ModelProto, trainable: list[str], frozen: list[str], outputs: list[str]):
@@ -301,8 +418,9 @@ def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: 
 
 
 def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt: OptimizerConfig,
-                    folder: str) -> TrainingArtifacts:
-    """Write training_model.onnx, eval_model.onnx and checkpoint to ``folder``."""
+                    folder: str, device: str = "cpu") -> TrainingArtifacts:
+    """Write training_model.onnx, eval_model.onnx and checkpoint to ``folder``. A failure of onnxruntime-training
+    is one error naming the node it is about (``ort_failure``; ``device``: where the array is to train)."""
     import onnxruntime
     from onnxruntime.training import onnxblock
 
@@ -322,7 +440,12 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     state = optimizer_state_pass(fwd, trainable, opt)
     frozen = buffers + state
     outputs = ["loss", "per_model_loss"] + [v for _, v in writes]
-    tm, parameters = _build_gradient(fwd, trainable, frozen, outputs)
+    try:
+        tm, parameters = _build_gradient(fwd, trainable, frozen, outputs)
+    except OnnxFuseError:
+        raise
+    except Exception as e:
+        raise ort_failure(e, fused, device, "building the gradient graph", graphs=[fwd]) from e
     rename_added_initializers_pass(tm, {t.name for t in fwd.graph.initializer})
     update_pass(tm, writes, trainable, opt, n_user_inputs=len(user_inputs) + 1)
     param_inputs = [i for i in tm.graph.input if i.name in set(trainable) | set(frozen)]
@@ -331,9 +454,12 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
 
     paths = {k: os.path.join(folder, f) for k, f in
              (("train", "training_model.onnx"), ("eval", "eval_model.onnx"), ("ckpt", "checkpoint"))}
-    onnx.save(tm, paths["train"])
-    onnx.save(em, paths["eval"])
-    onnxblock.save_checkpoint(parameters, paths["ckpt"])
+    for key, write in (("train", lambda p: onnx.save(tm, p)), ("eval", lambda p: onnx.save(em, p)),
+                       ("ckpt", lambda p: onnxblock.save_checkpoint(parameters, p))):
+        try:
+            write(paths[key])
+        except Exception as e:  # a full disk, a read-only folder (Python's OSError, or ORT's words for them)
+            raise (as_user_error(e, paths[key]) or e) from e
     return TrainingArtifacts(
         folder=folder, training_model=paths["train"], eval_model=paths["eval"], checkpoint=paths["ckpt"],
         user_inputs=user_inputs + ["labels", HYPER_INPUT], eval_inputs=user_inputs + ["labels"],

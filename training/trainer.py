@@ -15,7 +15,7 @@ from onnxfuse.array import ArrayDir
 from onnxfuse.errors import ConfigError
 from onnxfuse.weights import ArraySpec
 
-from .artifacts import build_artifacts
+from .artifacts import build_artifacts, ort_failure
 from .data import Dataset
 from .losses import LABELS, LossSpec, get_loss
 from .optim import OptimizerConfig, StepValues
@@ -43,6 +43,14 @@ def load_array(array_dir: str | os.PathLike) -> tuple[onnx.ModelProto, ArraySpec
     return ArrayDir(array_dir).load()
 
 
+def _readable(path: str) -> list[onnx.ModelProto]:
+    """The model at ``path`` (to look up the nodes an error names), or none if it cannot be read."""
+    try:
+        return [onnx.load(path, load_external_data=False)]
+    except Exception:
+        return []
+
+
 class FusedTrainer:
     """The ORT training Module of one fused array. ``step(feeds)`` trains all B models on one batch.
 
@@ -64,8 +72,11 @@ class FusedTrainer:
             weakref.finalize(self, shutil.rmtree, workdir, True)
         self.workdir = workdir
         os.makedirs(self.workdir, exist_ok=True)
-        self.art = build_artifacts(fused, spec, self.loss, optimizer, self.workdir)
-        self.state = CheckpointState.load_checkpoint(self.art.checkpoint)
+        self.art = build_artifacts(fused, spec, self.loss, optimizer, self.workdir, device=self.device)
+        try:
+            self.state = CheckpointState.load_checkpoint(self.art.checkpoint)
+        except Exception as e:  # out of memory; anything else is ORT's own failure
+            raise ort_failure(e, fused, self.device, "loading the initial checkpoint") from e
         so = onnxruntime.SessionOptions()
         so.log_severity_level = 4  # a failing kernel raises (out of memory, ...): no second report in ORT's log
         # Denormal floats (e.g. weights of a model that stalled) make x86 arithmetic many times slower; flushing
@@ -73,8 +84,12 @@ class FusedTrainer:
         so.add_session_config_entry("session.set_denormal_as_zero", "1")
         if threads:
             so.intra_op_num_threads = threads
-        self.module = Module(self.art.training_model, self.state, self.art.eval_model, device=self.device,
-                             session_options=so)
+        try:
+            self.module = Module(self.art.training_model, self.state, self.art.eval_model, device=self.device,
+                                 session_options=so)
+        except Exception as e:  # a kernel ORT has not for a node, out of memory...: one error naming the node
+            raise ort_failure(e, fused, self.device, "starting the training session",
+                              graphs=_readable(self.art.training_model)) from e
         self.module.train()
         self.steps = 0
         # what the graphs take each step, in order (the 'model' loss has no labels input)
