@@ -18,25 +18,12 @@ import torch
 from safetensors.numpy import load_file
 
 from onnxfuse.array import ArrayDir
-from onnxfuse.cli import main
+from conftest import cli, one_error_line
 from onnxfuse.exporters import export_module
 
 # What the file outside the model's folder holds: found in an output, it leaked. As float32 both halves are finite
 # (2.1e11 and 5.5e-19), so a loader that follows the link reads weights it can train on.
 PATTERN = b"OUTSIDE!"
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    """The single line a failure prints (exit status 2): `onnxfuse: error: ...`, no internal error."""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("onnxfuse: error: "), err
-    return lines[0]
 
 
 def _module(seed: int) -> torch.nn.Module:

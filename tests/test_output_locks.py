@@ -9,18 +9,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import export_all, make_modules, snapshot
+from conftest import EXE, cli, export_all, make_modules, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import main
 
-EXE = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 # a factory that waits until the file $ONNXFUSE_TEST_GO exists: an export that is still writing its -o folder
 SLOW_FACTORY = """import os, time
@@ -34,18 +31,6 @@ def make():
 def broken():
     return 42
 """
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("onnxfuse: error: "), err
-    return lines[0]
 
 
 def leftovers(folder) -> list[str]:

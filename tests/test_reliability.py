@@ -12,7 +12,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -20,28 +19,13 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import export_all, make_modules, snapshot
+from conftest import EXE, cli, export_all, have_userns, in_tmpfs, make_modules, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import main
 
-EXE = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def cli(capsys, *args) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    """The single line a failure prints (exit status 2): `onnxfuse: error: ...`, no internal error."""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("onnxfuse: error: "), err
-    return lines[0]
-
-
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -93,27 +77,6 @@ def kill(p: subprocess.Popen) -> None:
 
 def weights(arr) -> dict:
     return load_file(os.path.join(arr, "trained", "weights.safetensors"))
-
-
-_USERNS: list[bool] = []
-
-
-def have_userns() -> bool:
-    """Whether `unshare -rm` works here (user and mount namespaces: a tmpfs of our own, root or not)."""
-    if not _USERNS:
-        ok = shutil.which("unshare") is not None and shutil.which("mount") is not None
-        if ok:
-            ok = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt || exit 1"],
-                                capture_output=True).returncode == 0
-        _USERNS.append(ok)
-    return _USERNS[0]
-
-
-def in_tmpfs(script: str, mount: str, options: str, **env) -> subprocess.CompletedProcess:
-    """Run ``script`` (sh) in a mount namespace where ``mount`` is a fresh tmpfs mounted with ``options``."""
-    full = f'mount -t tmpfs -o {options} tmpfs "{mount}" || exit 99\n{script}'
-    return subprocess.run(["unshare", "-rm", "sh", "-ec", full], capture_output=True, text=True,
-                          env={**os.environ, **{k: str(v) for k, v in env.items()}})
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures

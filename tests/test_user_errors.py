@@ -10,23 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import export_all, make_modules, snapshot
+from conftest import cli, export_all, make_modules, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
 from onnxfuse.cli import main
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("onnxfuse: error: "), err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +175,20 @@ def test_small_messages_say_what_is_true(work, capsys):
         code, _, err = cli(capsys, *cmd)
         assert code == 2 and "has no weights" in one_error_line(err), cmd
     assert not (work / "bench").exists()
+
+
+def test_a_sweep_into_a_file_is_one_line_and_the_file_stays(work, capsys):
+    """`onnxfuse sweep spec.yaml -o AFILE` ended in FileExistsError (exit 1)."""
+    (work / "spec.yaml").write_text(
+        "model: {factory: onnxfuse.exporters.zoo:MLP, input_shape: [8, 3, 4, 4], args: {in_features: 48}}\n"
+        "search: {space: {optimizer.lr: [0.1, 0.01]}}\narrays: {size: 2}\n"
+        "data: {train: data.npz}\nsteps: 2\nbatch_size: 16\n")
+    (work / "afile").write_text("mine")
+    for out, says in ((work / "afile", "exists and is not a folder"), (work / "afile" / "sub", "is a file, not a folder")):
+        code, _, err = cli(capsys, "sweep", work / "spec.yaml", "-o", out, "-q")
+        line = one_error_line(err)
+        assert code == 2 and str(out) in line and says in line, line
+    assert (work / "afile").read_text() == "mine"
 
 
 # ------------------------------------------------------------------------------- every kind of user error

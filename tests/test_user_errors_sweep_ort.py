@@ -14,55 +14,18 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from onnxfuse.cli import main
+from conftest import EXE, cli, have_userns, in_tmpfs, one_error_line
 
-EXE = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
 SHAPE = [8, 3, 4, 4]  # zoo.MLP(in_features=48)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def cli(capsys, *args) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    """The single line a failure prints (exit status 2): `onnxfuse: error: ...`, no internal error."""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("onnxfuse: error: "), err
-    return lines[0]
-
-
-_USERNS: list[bool] = []
-
-
-def have_userns() -> bool:
-    """Whether `unshare -rm` works here (user and mount namespaces: a tmpfs of our own, root or not)."""
-    if not _USERNS:
-        ok = shutil.which("unshare") is not None and shutil.which("mount") is not None
-        if ok:
-            ok = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt || exit 1"],
-                                capture_output=True).returncode == 0
-        _USERNS.append(ok)
-    return _USERNS[0]
-
-
-def in_tmpfs(script: str, mount: str, options: str, **env) -> subprocess.CompletedProcess:
-    """Run ``script`` (sh) in a mount namespace where ``mount`` is a fresh tmpfs mounted with ``options``."""
-    full = f'mount -t tmpfs -o {options} tmpfs "{mount}" || exit 99\n{script}'
-    return subprocess.run(["unshare", "-rm", "sh", "-ec", full], capture_output=True, text=True,
-                          env={**os.environ, **{k: str(v) for k, v in env.items()}})
-
-
 def data_file(folder, n=120) -> str:
     rng = np.random.default_rng(0)
     path = folder / "data.npz"

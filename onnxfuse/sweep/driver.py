@@ -444,7 +444,7 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
     if resume:
         if not sweep.is_sweep():
             raise InputFileError(f"--resume: '{sweep.path}' is not a sweep folder (no spec.json); start a sweep "
-                                 f"with `onnxfuse sweep SPEC.yaml -o {sweep.path}`")
+                                 f"with `{shell('onnxfuse', 'sweep', 'SPEC.yaml', '-o', sweep.path)}`")
         if spec is not None:
             raise ConfigError("--resume continues the sweep with the spec in its folder; give the folder alone")
     else:

@@ -38,7 +38,7 @@ from typing import Iterator
 
 from .._io import atomic_write_bytes, claim_output
 from ..array import METRICS, REPORT_PNG  # an array's metrics and plot: the sweep's are named alike
-from ..errors import InputFileError, as_user_error
+from ..errors import InputFileError, as_user_error, shell
 
 __all__ = ["SweepDir"]
 
@@ -177,9 +177,9 @@ class SweepDir:
             with open(path, encoding="utf-8") as f:
                 return json.load(f)
         except FileNotFoundError:
+            start = shell("onnxfuse", "sweep", "SPEC.yaml", "-o", self.path)
             raise InputFileError(f"'{self.path}' has no {os.path.basename(path)}: it is not a sweep folder that "
-                                 f"got past planning; start it with `onnxfuse sweep SPEC.yaml -o {self.path}`") \
-                from None
+                                 f"got past planning; start it with `{start}`") from None
         except (OSError, ValueError) as e:
             raise InputFileError(f"{what} '{path}' is damaged ({type(e).__name__}); delete it to plan again, or "
                                  "start the sweep in a new folder") from None
