@@ -40,9 +40,9 @@ from .runtime import RUNTIME_CHOICES, RUNTIMES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
            "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
-           "pair", "step_list", "text", "check_value", "check_optimizer", "check_schedule_entry", "check_halving",
-           "train_config_model", "TrainSettings", "normalize_config", "per_model_keys", "is_per_model_list",
-           "add_flags", "flags_to_settings", "REQUIRED"]
+           "pair", "step_list", "text", "check_value", "check_model_value", "check_optimizer",
+           "check_schedule_entry", "check_halving", "train_config_model", "TrainSettings", "normalize_config",
+           "per_model_keys", "is_per_model_list", "add_flags", "flags_to_settings", "REQUIRED"]
 
 REQUIRED: Any = object()  # a parameter without a default (a schedule's step_size)
 
@@ -663,7 +663,14 @@ def per_model_keys(optimizer: str, schedule: Any) -> list[str]:
     return keys
 
 
-def _grid_param(key: str, optimizer: str, schedule: Any) -> Param | None:
+def check_model_value(key: str, value: Any, label: str, cfg: dict, where: str = "") -> Any:
+    """One model's value of the per-model setting ``key`` (a config grid's, a sweep's search), checked as the
+    setting itself is (``cfg``: the normalized config, for its optimizer and schedule)."""
+    p = replace(_setting_param(key, cfg["optimizer"]["name"], cfg["schedule"]), per_model=False)
+    return check_value(p, value, label, "file", where, optional=p.default is None)
+
+
+def _setting_param(key: str, optimizer: str, schedule: Any) -> Param | None:
     section, _, leaf = key.partition(".")
     if section == "optimizer":
         return OPTIMIZERS[optimizer].param(leaf)
@@ -692,9 +699,7 @@ def _grid(where: str, raw: Any, cfg: dict, explicit: dict) -> dict:
             raise _fail(f"{where}{key} is set both in grid and as {key}; give its values in one place")
         if not isinstance(values, list) or not values:
             raise _fail(f"{where}grid.{key} = {_show(values)} must be a non-empty list of values")
-        p = replace(_grid_param(key, cfg["optimizer"]["name"], cfg["schedule"]), per_model=False)
-        out[key] = [check_value(p, v, f"grid.{key}[{i}]", "file", where, optional=p.default is None)
-                    for i, v in enumerate(values)]
+        out[key] = [check_model_value(key, v, f"grid.{key}[{i}]", cfg, where) for i, v in enumerate(values)]
     return out
 
 

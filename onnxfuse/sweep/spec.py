@@ -378,9 +378,7 @@ def _check_search(spec: SweepSpec, search: SearchSection, where: str) -> None:
     elif search.samples is None:
         raise ConfigError(f"{where}search.method random needs search.samples (how many trials)")
     spec.check_params({k: None for k in search.space if k != "seed"}, where + "search.space.")
-    from dataclasses import replace
-
-    from onnxfuse.training.settings import _grid_param, check_value
+    from onnxfuse.training.settings import check_model_value
 
     cfg = spec.normalized()
     for key, v in search.space.items():
@@ -398,9 +396,8 @@ def _check_search(spec: SweepSpec, search: SearchSection, where: str) -> None:
                 if not _is_seed(x):
                     raise ConfigError(f"{where}{label} = {x!r}: a seed is {SEED_TAKES}")
         elif kind == "per-model":  # one value for one model, checked as a run config's grid checks it
-            p = replace(_grid_param(key, cfg["optimizer"]["name"], cfg["schedule"]), per_model=False)
             for label, x in zip(labels, values):
-                check_value(p, x, label, "file", where, optional=p.default is None)
+                check_model_value(key, x, label, cfg, where)
         elif kind == "array":  # each value, with the rest of the run settings
             for label, x in zip(labels, values):
                 try:
