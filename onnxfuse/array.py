@@ -290,7 +290,8 @@ class ArrayDir:
         fix = "train the array again (or resume its run), or pass --initial to split the initial weights"
         state_file = os.path.join(trained, TRAIN_STATE)
         spec = ArraySpec.load(os.path.join(trained, SPEC)) if os.path.exists(os.path.join(trained, SPEC)) else None
-        B = (spec or self.load_spec()).B
+        holds = spec or self.load_spec()  # the array trained/ holds: the surviving one, or the folder's
+        B = holds.B
         try:
             with open(state_file) as f:
                 state = json.load(f)
@@ -300,7 +301,7 @@ class ArrayDir:
         except (OSError, ValueError, TypeError, AttributeError) as e:
             raise InputFileError(f"'{state_file}' is missing or not readable ({type(e).__name__}: "
                                  f"{' '.join(str(e).split())[:120]}); {fix}") from e
-        weights = load_safetensors(os.path.join(trained, WEIGHTS), fix, (spec or self.load_spec()).fused_tensors())
+        weights = load_safetensors(os.path.join(trained, WEIGHTS), fix, holds.fused_tensors())
         return TrainedState(weights, spec, models, steps, status)
 
     def dropped_state(self, b: int, fix: str) -> dict[str, np.ndarray]:
