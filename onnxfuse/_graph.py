@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import heapq
 import re
-from typing import Callable, Collection, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["CycleError", "reads", "outer_reads", "producers", "dependencies", "topological_order", "live_nodes",
+__all__ = ["CycleError", "subgraphs", "all_nodes", "reads", "outer_reads", "producers", "dependencies", "topological_order", "live_nodes",
            "cleanup_pass", "toposort_pass", "name_nodes", "Names", "Emitter"]
 
 
@@ -39,19 +39,31 @@ class CycleError(ValueError):
     """The graph has a cycle: no topological order exists."""
 
 
+# ---------------------------------------------------------------------------------------------------- subgraphs
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs ``node``'s attributes hold (If branches, Loop and Scan bodies)."""
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
+
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and, after each, those of its subgraphs, however deep."""
+    for node in graph.node:
+        yield node
+        for g in subgraphs(node):
+            yield from all_nodes(g)
+
+
 # ---------------------------------------------------------------------------------------------------- who reads what
 def outer_reads(node: onnx.NodeProto) -> list[str]:
     """The outer-scope names ``node``'s subgraphs (If, Loop, Scan bodies) read: dependencies not in ``node.input``."""
     found: list[str] = []
-    for a in node.attribute:
-        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        for g in graphs:
-            local = {i.name for i in g.input} | {t.name for t in g.initializer}
-            for n in g.node:
-                for t in list(n.input) + outer_reads(n):
-                    if t and t not in local and t not in found:
-                        found.append(t)
-                local.update(n.output)
+    for g in subgraphs(node):
+        local = {i.name for i in g.input} | {t.name for t in g.initializer}
+        for n in g.node:
+            for t in list(n.input) + outer_reads(n):
+                if t and t not in local and t not in found:
+                    found.append(t)
+            local.update(n.output)
     return found
 
 

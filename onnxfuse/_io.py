@@ -2,7 +2,7 @@
 reading the files onnxfuse is given, each failure one error naming the file (``load_safetensors``, ``read_onnx``).
 
 The temporary names start with a dot and end in ``.tmp-<random>`` / ``.old-<random>``: a process killed in between
-leaves them, and the next command on an array folder removes them (``ArrayDir.remove_temporaries``)."""
+leaves them, and the next command holding what they belong to removes them (``remove_temporaries``)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,11 +15,12 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import onnx
 
+from ._graph import subgraphs
 from ._lock import LOCK_FILE, folder_lock, holds, locked_folders_around
 from .errors import InputFileError, as_user_error
 
-__all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "atomic_write_bytes",
-           "load_safetensors", "check_tensors", "read_onnx", "check_no_external_data"]
+__all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "remove_temporaries",
+           "atomic_write_bytes", "load_safetensors", "check_tensors", "read_onnx", "check_no_external_data"]
 
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_write_bytes create
 
@@ -105,7 +106,7 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
             stack.enter_context(folder_lock(real, command, what, remove=not (marked or mark)))
             if replace:
                 check_output_dir(real, overwrite)  # again, holding it: another command may have filled it
-                _remove_stale_temporaries(real)
+                remove_temporaries(os.path.dirname(real), of=os.path.basename(real))
             yield real
         finally:
             if created and os.path.isdir(real) and _only_marks(real):  # nothing was written into it
@@ -116,13 +117,21 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
                     os.rmdir(real)
 
 
-def _remove_stale_temporaries(real: str) -> None:
-    parent, name = os.path.split(real)
-    for other in os.listdir(parent):
-        if other.startswith(f".{name}.") and _TEMPORARY.match(other):
-            stale = os.path.join(parent, other)
-            shutil.rmtree(stale, ignore_errors=True) if os.path.isdir(stale) and not os.path.islink(stale) \
-                else os.remove(stale)
+def remove_temporaries(folder: str, of: str | None = None) -> list[str]:
+    """Remove the temporary files and folders in ``folder`` that ``atomic_dir`` and ``atomic_write_bytes`` leave
+    when killed (only those of the output named ``of``, when given); call it holding what they belong to. Returns
+    the paths removed."""
+    removed = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if _TEMPORARY.match(name) and (of is None or name.startswith(f".{of}.")):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            removed.append(path)
+    return removed
 
 
 @contextlib.contextmanager
@@ -270,17 +279,18 @@ def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
         yield from (sparse.values, sparse.indices)
     for node in graph.node:
         yield from _node_tensors(node)
+        for g in subgraphs(node):
+            yield from _graph_tensors(g)
 
 
 def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    """The tensors ``node``'s own attributes hold (not its subgraphs')."""
     for a in node.attribute:
         if a.HasField("t"):
             yield a.t
         yield from a.tensors
         for sparse in ([a.sparse_tensor] if a.HasField("sparse_tensor") else []) + list(a.sparse_tensors):
             yield from (sparse.values, sparse.indices)
-        for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            yield from _graph_tensors(g)
 
 
 def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -288,6 +298,8 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     for function in model.functions:
         for node in function.node:
             yield from _node_tensors(node)
+            for g in subgraphs(node):
+                yield from _graph_tensors(g)
 
 
 def check_no_external_data(model: onnx.ModelProto, label: str) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxfuse._graph import all_nodes
 from onnxfuse.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
 from onnxfuse.legalize import legalize
 from onnxfuse.weights import ArraySpec
@@ -201,15 +202,6 @@ _NODE_IN_MESSAGE = [re.compile(p) for p in (
 )]
 
 
-def _nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
-    for node in graph.node:
-        yield node
-        for a in node.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                yield from _nodes(g)
-
-
 def _ort_cause(text: str) -> str:
     """The part of an ONNX Runtime message that says what went wrong: without the C++ source location, function
     signature and status code that open it ("module.cc:312 onnxruntime::...::Module(...) [ONNXRuntimeError] :
@@ -237,10 +229,10 @@ def _failing_node(text: str, graphs: Sequence[onnx.ModelProto]) -> tuple[str | N
     """(node name, op type, how many other nodes of that op type) of the node ONNX Runtime's message is about:
     the node it names, else the op type it names as a kernel (``GRUTraining``, ``GRUGrad``, ``GRU(``) when the
     graph has that op."""
-    by_name = {n.name: n.op_type for m in graphs for n in _nodes(m.graph) if n.name}
+    by_name = {n.name: n.op_type for m in graphs for n in all_nodes(m.graph) if n.name}
     ops = {}
     for m in graphs:
-        for n in _nodes(m.graph):
+        for n in all_nodes(m.graph):
             ops.setdefault(n.op_type, []).append(n.name or n.output[0])
     count = lambda op: max(0, len(set(ops.get(op, []))) - 1)  # noqa: E731
     for pattern in _NODE_IN_MESSAGE:
@@ -267,7 +259,7 @@ def _torch_cannot(fused: onnx.ModelProto, device: str) -> str | None:
     from .torch_ops import OPS
 
     missing = sorted({n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
-                      for n in _nodes(fused.graph) if n.domain not in ("", "ai.onnx") or n.op_type not in OPS})
+                      for n in all_nodes(fused.graph) if n.domain not in ("", "ai.onnx") or n.op_type not in OPS})
     if missing:
         return (f"op type{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing[:4])} "
                 f"ha{'ve' if len(missing) > 1 else 's'} no torch kernel")
