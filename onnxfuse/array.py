@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._io import _TEMPORARY, atomic_dir, atomic_write_bytes, check_tensors, load_safetensors, read_onnx
+from ._io import atomic_dir, atomic_write_bytes, check_tensors, load_safetensors, read_onnx, remove_temporaries
 from ._lock import folder_lock
 from .errors import InputFileError, shell
 from .weights import ArraySpec
@@ -192,20 +192,7 @@ class ArrayDir:
 
     def remove_temporaries(self) -> list[str]:
         """Remove the temporary files and folders of killed processes (call it holding the lock); returns them."""
-        removed = []
-        for folder in (self.path, self.checkpoints_path):
-            if not os.path.isdir(folder):
-                continue
-            for name in os.listdir(folder):
-                if _TEMPORARY.match(name):
-                    path = os.path.join(folder, name)
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(OSError):
-                            os.remove(path)
-                    removed.append(path)
-        return removed
+        return [p for folder in (self.path, self.checkpoints_path) for p in remove_temporaries(folder)]
 
     # ------------------------------------------------------------------------------------------------ the array
     @classmethod

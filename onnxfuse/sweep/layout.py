@@ -32,11 +32,9 @@ import contextlib
 import glob
 import json
 import os
-import shutil
-import tempfile
 from typing import Iterator
 
-from .._io import atomic_write_bytes, claim_output
+from .._io import atomic_dir, atomic_write_bytes, claim_output, remove_temporaries
 from ..array import METRICS, REPORT_PNG  # an array's metrics and plot: the sweep's are named alike
 from ..errors import InputFileError, as_user_error, shell
 
@@ -117,40 +115,17 @@ class SweepDir:
     def write_json(self, path: str, record) -> None:
         self.write_bytes(path, (json.dumps(record, indent=1, default=_plain) + "\n").encode())
 
-    @contextlib.contextmanager
-    def replacing(self, folder: str) -> Iterator[str]:
+    def replacing(self, folder: str) -> contextlib.AbstractContextManager[str]:
         """A new temporary folder beside ``folder`` to write into; when the block ends, it replaces ``folder``
         (one rename), and when the block fails it is removed and ``folder`` is as it was. A write error names
-        ``folder``."""
-        parent, name = os.path.split(folder)
-        _makedirs(parent)
-        try:
-            tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the result gets a folder's usual mode
-        except OSError as e:
-            raise (as_user_error(e, folder) or e) from e
-        try:
-            yield tmp
-            if os.path.isdir(folder):  # an earlier attempt's
-                shutil.rmtree(folder)
-            os.rename(tmp, folder)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise (as_user_error(e, folder) or e) from e
-            raise
+        ``folder``. (The driver holds the sweep folder, so nothing more is locked.)"""
+        return atomic_dir(folder, overwrite=True, command="sweep")
 
     def remove_temporaries(self) -> list[str]:
-        """Remove what a killed driver left half-written (``.<name>.tmp-*`` files and folders: never a record);
-        returns them."""
-        found = []
-        for pattern in (".*.tmp-*", os.path.join(TRIALS, ".*.tmp-*"), os.path.join(ARRAYS, "*", ".*.tmp-*")):
-            for path in glob.glob(self._join(pattern)):
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-                found.append(path)
-        return found
+        """Remove what a killed driver left half-written (temporary files and folders: never a record); returns
+        them."""
+        folders = [self.path, self._join(TRIALS), *glob.glob(self._join(ARRAYS, "*"))]
+        return [path for folder in folders for path in remove_temporaries(folder)]
 
     # ------------------------------------------------------------------------------------------------ space
     reserve_path = property(lambda self: self._join(RESERVE))
