@@ -1,6 +1,6 @@
 """The fusion strategies side by side: one training step of the fused array with every convolution grouped
 (``default``), every convolution per model (``per-model``), and each node in the form measured fastest (``auto``,
-training/forms.py), on one runtime, interleaved rounds, medians.
+onnxfuse/measure/forms.py), on one runtime, interleaved rounds, medians.
 
     python benchmarks/forms_bench.py --models lenet,resnet18 --B 8,16 --runtime torch --threads 1
 
@@ -37,11 +37,11 @@ def main(argv=None) -> int:
 
     from onnxfuse import fuse_models
     from onnxfuse.exporters.zoo import ZOO
-    from onnxfuse.training.workloads import interleaved_rounds, zoo_batch, zoo_modules, zoo_protos
-    from onnxfuse.training.forms import measured_strategy
-    from onnxfuse.training.losses import get_loss
-    from onnxfuse.training.optim import make_optimizer
-    from onnxfuse.training.runtime import make_trainer
+    from onnxfuse.measure.workloads import interleaved_rounds, zoo_batch, zoo_modules, zoo_protos
+    from onnxfuse.measure.forms import measured_strategy
+    from onnxfuse.recipe.losses import get_loss
+    from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.recipe.runtimes import make_trainer
 
     torch.set_num_threads(args.threads)
     print(f"`python benchmarks/forms_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")

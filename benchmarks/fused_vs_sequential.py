@@ -5,7 +5,7 @@ another (onnxfuse B=1 arrays, and plain onnxruntime-training), for B = 4 and 16,
                                              [--repeats 5] [--json results.json]
 
 The benchmark behind README's "Benchmark" history table; the measurement itself is
-``onnxfuse.training.bench_ort.run_benchmark``. ``onnxfuse bench`` is the benchmark against every way to train the
+``onnxfuse.measure.bench_ort.run_benchmark``. ``onnxfuse bench`` is the benchmark against every way to train the
 same models (PyTorch one after another, a torch.func ensemble, the dense ceiling, both runtimes).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from onnxfuse.training.bench_ort import run_benchmark
+from onnxfuse.measure.bench_ort import run_benchmark
 
 
 def main(argv: list[str] | None = None) -> int:

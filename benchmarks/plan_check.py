@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from onnxfuse.training.plan import measure_arrays, plan_array  # noqa: E402
+from onnxfuse.measure.sizing import measure_arrays, plan_array  # noqa: E402
 
 
 def _err(measured: float | None, predicted: float) -> str:

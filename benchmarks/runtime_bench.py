@@ -1,6 +1,6 @@
 """The fused array on the torch (and ort) runtime vs. the same B models trained one after another in plain PyTorch,
 and optionally a torch.func ensemble and the dense ceiling: ``onnxfuse bench`` under this script's older flags
-(``benchmarks/gpu_check.sh`` calls it). The measurement is ``onnxfuse.training.bench.run_bench``.
+(``benchmarks/gpu_check.sh`` calls it). The measurement is ``onnxfuse.measure.bench.run_bench``.
 
     python benchmarks/runtime_bench.py --device cuda --models lenet,resnet18,transformer_lm --B 1,8,32,64 \\
         --runtimes torch --baselines vmap,dense -o DIR
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from onnxfuse.training.bench import run_bench  # noqa: E402
+from onnxfuse.measure.bench import run_bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-shrink", action="store_true", help="report failures as generated")
     ap.add_argument("--runtime", choices=RUNTIMES + ("both",), default="both",
                     help="what trains the fused array: ort, torch, or both (each model checked on each)")
-    from onnxfuse.passes import FORMS
+    from onnxfuse.core.passes import FORMS
 
     ap.add_argument("--strategy", choices=("default",) + FORMS, default="default",
                     help="the fused form of nodes that offer several (every form must be exact)")

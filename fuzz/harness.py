@@ -45,7 +45,7 @@ from .native import native_output_to
 
 __all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err", "RUNTIMES"]
 
-RUNTIMES = ("ort", "torch")  # training/runtime.py's RUNTIMES, named here without importing a runtime
+RUNTIMES = ("ort", "torch")  # onnxfuse/recipe/runtimes.py's RUNTIMES, named here without importing a runtime
 STEPS = 3
 FORWARD_TOL, SGD_TOL, STAT_TOL, ADAMW_TOL = 1e-4, 1e-4, 1e-5, 1e-3
 
@@ -166,7 +166,7 @@ def _torch_optimizer(kind, params, lr):
 def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None,
                 runtime: str = "ort", strategy: str = "default") -> Outcome:
     """Check generated model ``spec`` at each B in ``Bs`` on ``runtime``, fused with ``strategy`` (``default`` or a
-    form, ``onnxfuse.passes.FORMS``); the first outcome that is not a pass, else a pass."""
+    form, ``onnxfuse.core.passes.FORMS``); the first outcome that is not a pass, else a pass."""
     return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime, strategy)
 
 
@@ -221,7 +221,7 @@ def _export(case: _Case, tmp: str) -> list[str]:
 
 
 def _fail_from(stage: str, e: Exception) -> Outcome:
-    from onnxfuse.errors import OnnxFuseError
+    from onnxfuse.core.errors import OnnxFuseError
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     internal = "internal error" in first
@@ -289,7 +289,7 @@ def _run_fused(fa, x: np.ndarray, runtime: str) -> np.ndarray:
     """The fused graph's train-mode forward as ``runtime`` computes it."""
     if runtime == "ort":
         return _run_onnx(fa.model, x)
-    from onnxfuse.training.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch_graph import OnnxModule
 
     with torch.no_grad():
         return OnnxModule.from_array(fa.model, fa.spec).train()(input=torch.from_numpy(x))[0].numpy()
@@ -339,7 +339,7 @@ def _ort_alone_forward(path: str, x: np.ndarray) -> np.ndarray | None:
     explicit (exact rewrites, each checked against torch on its own). None when neither runs."""
     import onnx
 
-    from onnxfuse.source import load_source
+    from onnxfuse.core.source import load_source
 
     for load in (onnx.load, lambda p: load_source(p).model):
         try:
@@ -360,9 +360,9 @@ def _nudged(mod: torch.nn.Module, nudge: float = 1e-7) -> torch.nn.Module:
 
 
 def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str) -> Outcome | None:
-    from onnxfuse.split import split_weights
+    from onnxfuse.core.split import split_weights
     from onnxfuse.training import get_loss, make_optimizer
-    from onnxfuse.training.runtime import make_trainer
+    from onnxfuse.recipe.runtimes import make_trainer
 
     case, B = sub.case, sub.B
     lrs = LRS[kind][:B]

@@ -69,7 +69,7 @@ def rng():
     return np.random.default_rng(0)
 
 
-# The runtimes every equivalence test runs on (training/runtime.py's RUNTIMES): ONNX Runtime training and PyTorch.
+# The runtimes every equivalence test runs on (onnxfuse/recipe/runtimes.py's RUNTIMES): ONNX Runtime training and PyTorch.
 # A test that takes ``runtime`` keeps each promise on both; one about an ORT-specific defect names "ort" itself.
 # Where onnxruntime-training is not installed (the torch extra alone), the "ort" cases are skipped.
 def _have_ort_training() -> bool:
@@ -138,7 +138,7 @@ EXE = os.path.join(os.path.dirname(sys.executable), "onnxfuse")  # the installed
 
 def cli(capsys, *args) -> tuple[int, str, str]:
     """``onnxfuse ARGS`` in this process: (exit status, stdout, stderr)."""
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()

@@ -1,36 +1,57 @@
-"""The package's shape: no import cycles, and each layer imports only the layers below it
-(exporters -> core -> runtimes / placement -> sweep -> integrations -> CLI; see docs/architecture.md).
+"""The package's shape, read from its folders: every module lives in ``onnxfuse/<layer>/``, the layers are the ones
+docs/architecture.md lists, in its order, and a module imports only modules of its own layer or of layers before
+it -- function-level imports and ``if TYPE_CHECKING:`` blocks included. No import cycles (among imports that run); no two modules share a file
+name, except the op-family catalogs (the files of a layer's sub-packages: ``core/rules/``, ``core/legalize/``).
 
-Imports are read from the source (``ast``), function-level ones included, ``if TYPE_CHECKING:`` blocks excluded
-(they never run). ``from package import name`` counts as an import of ``package.name`` when that is a module."""
+Imports are read from the source (``ast``). ``from package import name`` counts as an import of ``package.name``
+when that is a module."""
 from __future__ import annotations
 
 import ast
 import os
+import re
+from collections import Counter
 
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-PACKAGES = {"onnxfuse": "onnxfuse", "onnxfuse.rules": "onnxfuse/rules", "onnxfuse.legalize": "onnxfuse/legalize",
-            "onnxfuse.placement": "onnxfuse/placement", "onnxfuse.training": "training",
-            "onnxfuse.exporters": "exporters", "onnxfuse.sweep": "onnxfuse/sweep",
-            "onnxfuse.integrations": "onnxfuse/integrations"}
+PACKAGE = os.path.join(ROOT, "onnxfuse")
+
+
+def _layers_of_the_document() -> list[str]:
+    """The layer folders docs/architecture.md's "Layers" diagram names, first (lowest) to last."""
+    text = open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8").read()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    return [m.group(1) for m in re.finditer(r"^onnxfuse/(\w+)/", block, re.M)]
+
+
+LAYERS = _layers_of_the_document()
 
 
 def _modules() -> dict[str, str]:
     found = {}
-    for package, folder in PACKAGES.items():
-        for f in sorted(os.listdir(os.path.join(ROOT, folder))):
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        rel = os.path.relpath(folder, ROOT).replace(os.sep, "/").split("/")
+        for f in sorted(files):
             if f.endswith(".py"):
-                found[package if f == "__init__.py" else f"{package}.{f[:-3]}"] = os.path.join(ROOT, folder, f)
+                found[".".join(rel) if f == "__init__.py" else ".".join(rel + [f[:-3]])] = os.path.join(folder, f)
     return found
 
 
 MODULES = _modules()
 
 
-def _imports(module: str, path: str) -> set[str]:
-    """Every module ``module`` imports (any module, not only onnxfuse's), wherever the import statement is."""
+def layer(module: str) -> str | None:
+    """The layer a module is in: the folder under ``onnxfuse/`` (None for the package's face, ``onnxfuse`` and
+    ``onnxfuse.__main__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
+
+
+def _imports(module: str, path: str, type_checking: bool = True) -> set[str]:
+    """Every module ``module`` imports (any module, not only onnxfuse's), wherever the import statement is;
+    ``if TYPE_CHECKING:`` blocks included unless ``type_checking`` is False (imports that never run)."""
     tree = ast.parse(open(path, encoding="utf-8").read())
     package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
     found: set[str] = set()
@@ -38,8 +59,8 @@ def _imports(module: str, path: str) -> set[str]:
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
             test = node.test
-            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-                    (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            if not type_checking and ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or
+                                      (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")):
                 for n in node.orelse:
                     self.visit(n)
                 return
@@ -62,6 +83,7 @@ def _imports(module: str, path: str) -> set[str]:
 
 
 IMPORTS = {m: _imports(m, p) for m, p in MODULES.items()}
+RUN_IMPORTS = {m: _imports(m, p, type_checking=False) for m, p in MODULES.items()}  # what runs: cycles
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -107,52 +129,68 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_walk_sees_the_package():
-    assert len(MODULES) > 80 and "onnxfuse.engine" in MODULES and "onnxfuse.training.run" in MODULES
+    assert len(MODULES) > 100 and "onnxfuse.core.engine" in MODULES and "onnxfuse.training.run" in MODULES
     assert "onnxfuse.placement.partition" in IMPORTS["onnxfuse.placement.execute"]
+    assert layer("onnxfuse.core.rules.conv") == "core" and layer("onnxfuse.cli") == "cli"
+    assert layer("onnxfuse") is None and layer("onnxfuse.__main__") is None
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # a TYPE_CHECKING import is an import of its layer, not one that runs
+    assert "onnxfuse.recipe.optim" in IMPORTS["onnxfuse.recipe.runtimes"]
+    assert "onnxfuse.recipe.optim" not in RUN_IMPORTS["onnxfuse.recipe.runtimes"]
+
+
+def test_the_folders_are_the_layers_of_the_document():
+    folders = sorted(d for d in os.listdir(PACKAGE)
+                     if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py")))
+    assert LAYERS[0] == "core" and LAYERS[-1] == "cli" and len(set(LAYERS)) == len(LAYERS)
+    assert sorted(LAYERS) == folders
+    loose = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
+    assert loose == ["__init__.py", "__main__.py"], "every module lives in a layer folder"
 
 
 def test_no_import_cycles():
-    internal = {m: {i for i in imports if i in MODULES} for m, imports in IMPORTS.items()}
+    internal = {m: {i for i in imports if i in MODULES} for m, imports in RUN_IMPORTS.items()}
     assert _cycles(internal) == []
 
 
-def _layer(module: str) -> str:
-    parts = module.split(".")
-    if module in ("onnxfuse.cli", "onnxfuse.__main__") or module.endswith("._cli"):
-        return "cli"
-    if len(parts) > 1 and parts[1] in ("training", "placement", "exporters", "sweep", "integrations"):
-        return parts[1]
-    return "core"
-
-
-# what each layer may import (besides itself); the CLI may import everything
-ALLOWED = {"core": {"core"}, "exporters": {"core"}, "training": {"core", "exporters"},
-           "placement": {"core"}, "sweep": {"core", "exporters", "training"},
-           "integrations": {"core", "sweep"},
-           "cli": {"core", "exporters", "training", "placement", "sweep", "cli"}}
-# third-party packages only the layers that run or export (or distribute) may import
-RUNTIMES = {"torch": {"exporters", "training", "sweep"}, "onnxruntime": {"training", "placement", "cli"},
-            "ray": {"sweep", "integrations"}, "optuna": {"integrations"}}
-
-
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_each_layer_imports_only_the_layers_below_it(module):
-    layer = _layer(module)
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m)))
+def test_each_layer_imports_only_itself_and_the_layers_before_it(module):
+    rank = LAYERS.index(layer(module))
     for imported in sorted(IMPORTS[module]):
+        if imported == "onnxfuse" or imported == "onnxfuse.__main__":
+            pytest.fail(f"{module} imports the package's face ({imported}); import the module that defines it")
         if imported in MODULES:
-            assert _layer(imported) in ALLOWED[layer] | {layer}, f"{module} ({layer}) imports {imported}"
+            assert LAYERS.index(layer(imported)) <= rank, \
+                f"{module} ({layer(module)}) imports {imported} ({layer(imported)}), a later layer"
+
+
+# third-party packages and the layers that may import them (the core works on ONNX alone)
+THIRD_PARTY = {"torch": LAYERS[1:], "sklearn": LAYERS[2:], "onnxruntime": LAYERS[3:],
+               "ray": ["sweep", "integrations", "cli"], "optuna": ["integrations"]}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m)))
+def test_heavy_dependencies_stay_out_of_the_lower_layers(module):
+    for imported in sorted(IMPORTS[module]):
         top = imported.split(".")[0]
-        if top in RUNTIMES:
-            assert layer in RUNTIMES[top], f"{module} ({layer}) imports {imported}"
+        if top in THIRD_PARTY:
+            assert layer(module) in THIRD_PARTY[top], f"{module} ({layer(module)}) imports {imported}"
+
+
+def test_no_two_modules_share_a_file_name():
+    """Apart from ``__init__.py`` and the op-family catalogs (files of a layer's sub-packages), a file name says
+    which module it is."""
+    names = Counter(os.path.basename(p) for m, p in MODULES.items()
+                    if not p.endswith("__init__.py") and m.count(".") == 2)
+    assert [n for n, c in names.items() if c > 1] == []
 
 
 def test_the_engine_imports_no_rule_and_placements_data_model_not_its_executor():
-    assert not {i for i in IMPORTS["onnxfuse.engine"] if i.startswith("onnxfuse.rules")}
+    assert not {i for i in RUN_IMPORTS["onnxfuse.core.engine"] if i.startswith("onnxfuse.core.rules")}
     data_model = ["graph", "devices", "orders", "costs", "placers", "partition", "simulate", "shard"]
     runners = {"onnxfuse.placement.execute", "onnxfuse.placement.profile"}
     for name in data_model:
         assert not IMPORTS[f"onnxfuse.placement.{name}"] & runners, name
     # the one session helper the data model uses (graph.py measures shapes inference cannot give) is a leaf
     assert {i for i in IMPORTS["onnxfuse.placement.session"] if i in MODULES} <= {
-        "onnxfuse.errors", "onnxfuse.placement.devices"}
+        "onnxfuse.core.errors", "onnxfuse.placement.devices"}

@@ -11,11 +11,11 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from onnxfuse.cli import main
+from onnxfuse.cli.main import main
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import MLP
-from onnxfuse.training import bench
-from onnxfuse.training.workloads import file_protos, load_onnx_file
+from onnxfuse.measure import bench
+from onnxfuse.measure.workloads import file_protos, load_onnx_file
 
 
 def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):

@@ -14,7 +14,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 from conftest import snapshot
-from onnxfuse.cli import main
+from onnxfuse.cli.main import main
 
 
 def run_cli(args, capsys):

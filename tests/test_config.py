@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from onnxfuse.errors import ConfigError
-from onnxfuse.training.config import expand_per_model, load_config, normalize_config, total_steps
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.recipe.config import expand_per_model, load_config, normalize_config, total_steps
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "run.example.yaml")
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from onnxfuse.errors import ConfigError, DataError
-from onnxfuse.training.datasets import (NAMED_DATASETS, from_torch_dataset, load_named, reshape_for_input, shard,
-                                        split_holdout)
+from onnxfuse.core.errors import ConfigError, DataError
+from onnxfuse.recipe.datasets import (NAMED_DATASETS, from_torch_dataset, load_named, reshape_for_input, shard,
+                                      split_holdout)
 
 
 @pytest.mark.parametrize("spec,shape,classes", [

@@ -1,7 +1,7 @@
 """The demo on real data: the sweep learns (accuracies far above the 10% chance level)."""
 from __future__ import annotations
 
-from onnxfuse.training.demo import run_demo
+from onnxfuse.cli.demo import run_demo
 
 
 def test_demo_models_learn(tmp_path, capsys):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from onnxfuse.array import ArrayDir
+from onnxfuse.core.array import ArrayDir
 from conftest import cli, one_error_line
 from onnxfuse.exporters import export_module
 
@@ -218,7 +218,7 @@ def test_a_model_in_memory_with_its_external_data_not_loaded_is_refused(exported
     relative to the current folder, outside any check. It is refused naming the tensor; nothing is read from the
     current folder's file of that name."""
     from onnxfuse import fuse_models
-    from onnxfuse.errors import InputFileError
+    from onnxfuse.core.errors import InputFileError
 
     paths = jobs_with_external_data(exported, tmp_path / "jobs")
     protos = [onnx.load(str(p), load_external_data=False) for p in paths]

@@ -15,8 +15,8 @@ from conftest import check_fused, graph_model, rand_init, run_onnx, vinfo
 from fuzz.grammar import generate, render
 from fuzz.harness import check_model, check_source
 from onnxfuse import fuse_models
-from onnxfuse.errors import ConfigError
-from onnxfuse.passes import FORMS
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.passes import FORMS
 from test_regressions import rendered
 
 
@@ -97,7 +97,7 @@ def test_a_strategy_is_checked():
 
 
 def test_cli_fuse_with_a_strategy(tmp_path, capsys):
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     build, _ = _conv_net(2, 2, True, False)
     paths = []
@@ -129,9 +129,9 @@ def _synthetic(B: int):
 
 def _step_times(models, combos: dict, N: int, rounds: int = 7) -> dict:
     """Median seconds of one torch-runtime training step of ``models`` fused in each combination of forms."""
-    from onnxfuse.training.optim import make_optimizer
-    from onnxfuse.training.runtime import make_trainer
-    from onnxfuse.training.workloads import interleaved_rounds
+    from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.measure.workloads import interleaved_rounds
 
     B = len(models)
     feeds = {"x": torch.randn(N, 6, 12, 12), "labels": torch.randint(0, 4, (N,))}
@@ -146,7 +146,7 @@ def _step_times(models, combos: dict, N: int, rounds: int = 7) -> dict:
 
 
 def test_auto_picks_the_fastest_combination_of_forms(tmp_path, monkeypatch):
-    from onnxfuse.training.forms import cache_path, measured_strategy
+    from onnxfuse.measure.forms import cache_path, measured_strategy
 
     monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
     models, N = _synthetic(16), 32
@@ -170,7 +170,7 @@ def test_auto_picks_the_fastest_combination_of_forms(tmp_path, monkeypatch):
 
 def test_auto_leaves_a_node_it_cannot_measure_in_the_default_form(tmp_path, monkeypatch):
     """A node whose shapes are not known apart from the batch is not measured: it keeps the default form."""
-    from onnxfuse.training.forms import measured_strategy
+    from onnxfuse.measure.forms import measured_strategy
 
     monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import rel_err
 from onnxfuse import fuse_models
-from onnxfuse.errors import ConfigError, DataError
+from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.exporters import export_module, zoo
 from onnxfuse.training import make_optimizer
 from onnxfuse.training.gan import FusedGAN

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from onnxfuse.exporters.zoo import ZOO
-from onnxfuse.training.hfta_models import HFTA_MODELS, hfta_model, unpack
+from onnxfuse.measure.hfta_models import HFTA_MODELS, hfta_model, unpack
 
 B, N = 3, 4
 MODELS = sorted(HFTA_MODELS)

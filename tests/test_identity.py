@@ -10,9 +10,9 @@ import torch
 from conftest import MODELS, export_all, make_modules, rel_err, run_onnx
 from onnxfuse import NotFusibleError, fuse_models
 from onnxfuse.exporters import zoo
-from onnxfuse.identity import canonical_order
-from onnxfuse.passes import toposort_pass
-from onnxfuse.source import load_source
+from onnxfuse.core.identity import canonical_order
+from onnxfuse.core.passes import toposort_pass
+from onnxfuse.core.source import load_source
 
 
 def _scramble(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:

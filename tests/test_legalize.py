@@ -14,9 +14,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import rel_err, run_onnx
 from fuzz.native import native_output_to
-from onnxfuse.errors import NotFusibleError, UntrainableOpError
+from onnxfuse.core.errors import NotFusibleError, UntrainableOpError
 from onnxfuse.exporters import export_module
-from onnxfuse.legalize import legalize
+from onnxfuse.core.legalize import legalize
 
 TOL = 1e-5
 

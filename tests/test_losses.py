@@ -13,9 +13,9 @@ from torch import nn
 from conftest import rel_err
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
-from onnxfuse.split import split_weights
+from onnxfuse.core.split import split_weights
 from onnxfuse.training import get_loss, make_dataset, make_optimizer
-from onnxfuse.training.runtime import make_trainer
+from onnxfuse.recipe.runtimes import make_trainer
 
 B, N, STEPS = 3, 8, 4
 LR = [0.05, 0.2, 0.5]
@@ -233,7 +233,7 @@ def test_evaluate_segmentation_accuracy_over_kept_labels(runtime, tmp_path):
 
 
 def test_loss_options_are_checked():
-    from onnxfuse.errors import ConfigError
+    from onnxfuse.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="label-smoothing applies to cross-entropy only"):
         get_loss("nll", label_smoothing=0.1)
@@ -251,7 +251,7 @@ def test_loss_options_are_checked():
 @pytest.fixture(scope="module")
 def cli_array(tmp_path_factory):
     """3 MLPs exported and fused by the CLI with a per-model input (each model gets its own images)."""
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     d = tmp_path_factory.mktemp("cli_losses")
     assert main(["export", "onnxfuse.exporters.zoo:MLP", "--count", "3", "--seeds", "1,2,3", "--input-shape", "4,1,8,8",
@@ -266,7 +266,7 @@ def test_cli_loss_flags_with_per_model_data(cli_array, capsys):
     import csv
     import json
 
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
     from onnxfuse.exporters import zoo
 
     d = cli_array
@@ -294,7 +294,7 @@ def test_cli_loss_flags_with_per_model_data(cli_array, capsys):
 
 @pytest.mark.parametrize("case", ["wrong_B", "shared_labels_per_model_flag"])
 def test_cli_per_model_data_with_wrong_leading_size(case, cli_array, tmp_path, capsys):
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
     from test_cli import snapshot
 
     d = cli_array

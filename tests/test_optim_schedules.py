@@ -8,10 +8,10 @@ import torch
 
 from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
-from onnxfuse.split import split_weights
+from onnxfuse.core.split import split_weights
 from onnxfuse.training import make_optimizer
-from onnxfuse.training.runtime import make_trainer
-from onnxfuse.training.schedules import PerModelSchedules, check_schedules
+from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules
 
 B, STEPS = 3, 12
 OPTIMIZERS = {  # per-model values; every one differs between models

@@ -1,5 +1,5 @@
-"""One place for each idea: the array folder's file names live in ``onnxfuse/array.py`` only, the lock file's (every
-folder onnxfuse writes has one) in ``onnxfuse/_lock.py``, placement.json's in ``onnxfuse/placement/report.py``; the placer table is what ``onnxfuse place`` offers; ``place_model`` from Python
+"""One place for each idea: the array folder's file names live in ``onnxfuse/core/array.py`` only, the lock file's (every
+folder onnxfuse writes has one) in ``onnxfuse/core/_lock.py``, placement.json's in ``onnxfuse/placement/result.py``; the placer table is what ``onnxfuse place`` offers; ``place_model`` from Python
 writes what the command writes.
 
 File names are found as string constants in the source (``ast``), docstrings excluded: a constant that *is* a
@@ -14,13 +14,13 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-PACKAGES = ("onnxfuse", "training", "exporters")
+PACKAGES = ("onnxfuse",)
 FILE_NAMES = {"fused.onnx", "array.json", "train_state.json", "run.json", "metrics.csv", "report.png", "report.json",
               "weights.safetensors", "optimizer_state.safetensors", "state.json", "ort_checkpoint"}
 FOLDER_NAMES = {"sources", "trained", "dropped", "checkpoints", "runs", "artifacts"}
 LOCK_FILE = ".onnxfuse.lock"
-OWNER = {name: "onnxfuse/array.py" for name in FILE_NAMES | FOLDER_NAMES} | {
-    "placement.json": "onnxfuse/placement/report.py", LOCK_FILE: "onnxfuse/_lock.py"}
+OWNER = {name: "onnxfuse/core/array.py" for name in FILE_NAMES | FOLDER_NAMES} | {
+    "placement.json": "onnxfuse/placement/result.py", LOCK_FILE: "onnxfuse/core/_lock.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -71,13 +71,13 @@ SOURCES = _sources()
 
 
 def test_the_search_finds_file_names():
-    assert "onnxfuse/array.py" in SOURCES and "training/run.py" in SOURCES and "exporters/zoo.py" in SOURCES
+    assert "onnxfuse/core/array.py" in SOURCES and "onnxfuse/training/run.py" in SOURCES and "onnxfuse/exporters/zoo.py" in SOURCES
     assert file_names_in('import os\nos.path.join(d, "trained", f"model_{b}.onnx")\nx = "fused.onnx"\n') == [
         (2, "trained"), (3, "fused.onnx")]
     assert file_names_in('"""fused.onnx"""\nprint(f"{d} has no fused.onnx")\nk = {"sources": 1}\n') == []
-    tree = ast.parse(open(SOURCES["onnxfuse/array.py"], encoding="utf-8").read())
+    tree = ast.parse(open(SOURCES["onnxfuse/core/array.py"], encoding="utf-8").read())
     assert FILE_NAMES | FOLDER_NAMES <= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
-    tree = ast.parse(open(SOURCES["onnxfuse/_lock.py"], encoding="utf-8").read())
+    tree = ast.parse(open(SOURCES["onnxfuse/core/_lock.py"], encoding="utf-8").read())
     assert LOCK_FILE in {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
 
 
@@ -85,12 +85,12 @@ def test_the_search_finds_file_names():
 def test_the_array_folders_file_names_are_spelled_in_one_module(module):
     stray = [(line, name) for line, name in file_names_in(open(SOURCES[module], encoding="utf-8").read())
              if OWNER[name] != module]
-    assert not stray, f"{module} spells out {stray}: ask onnxfuse.array.ArrayDir (or the placement report) instead"
+    assert not stray, f"{module} spells out {stray}: ask onnxfuse.core.array.ArrayDir (or the placement report) instead"
 
 
 # ------------------------------------------------------------------------------------------------ the placers
 def _place_action(dest: str):
-    from onnxfuse.cli import build_parser
+    from onnxfuse.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -131,7 +131,7 @@ def _small_model(path: str) -> str:
 
 
 def test_place_model_writes_what_the_command_writes(tmp_path, capsys):
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
     from onnxfuse.placement import PlacementReport, make_devices, place_model
 
     path = _small_model(str(tmp_path / "small.onnx"))

@@ -12,7 +12,7 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 
 from conftest import graph_model, vinfo
-from onnxfuse.errors import ConfigError, PlacementError
+from onnxfuse.core.errors import ConfigError, PlacementError
 from onnxfuse.placement import (CostTable, Dag, Device, build_graph, cost_table, greedy_placement, heft_placement,
                                 make_devices, place, placement_memory, simulate, traversal_order)
 from onnxfuse.placement.devices import load_device_spec, parse_rate, parse_size, parse_time

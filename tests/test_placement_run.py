@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MODELS, export_all, make_modules
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import main
+from onnxfuse.cli.main import main
 from onnxfuse.placement import (Placement, build_graph, cost_table, example_feeds, find_array, make_devices,
                                 partition_graph, place, shard_plan, simulate)
 from onnxfuse.placement.execute import max_rel_error, run_partition, run_whole
@@ -110,8 +110,8 @@ def test_partitioned_training_graph_equals_whole(tmp_path):
     """The ORT training graph (forward, loss, backward, in-place optimizer update) cut over three devices."""
     pytest.importorskip("onnxruntime.training")
     from onnxfuse.training import make_optimizer
-    from onnxfuse.training.artifacts import build_artifacts
-    from onnxfuse.training.losses import get_loss
+    from onnxfuse.runtime.ort_artifacts import build_artifacts
+    from onnxfuse.recipe.losses import get_loss
 
     paths = export_all(make_modules("lenet", 2), MODELS["lenet"][1], tmp_path / "jobs")
     fa = fuse_models(paths)

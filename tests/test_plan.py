@@ -1,4 +1,4 @@
-"""`onnxfuse plan` (training/plan.py): the recommendation rule on synthetic curves (a pure function, no timing), the
+"""`onnxfuse plan` (onnxfuse/measure/sizing.py): the recommendation rule on synthetic curves (a pure function, no timing), the
 memory budget's parsing, and a real plan of small LeNet arrays. No assertion reads a time: the machines that run
 these tests are shared and their speed swings 2x."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from onnxfuse.cli import main
-from onnxfuse.errors import ConfigError
-from onnxfuse.training.plan import candidate_sizes, choose_B, fit_line, parse_memory, plan_array
+from onnxfuse.cli.main import main
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.measure.sizing import candidate_sizes, choose_B, fit_line, parse_memory, plan_array
 
 MiB = 2 ** 20
 SMALL = dict(batch=8, probe=(1, 2), max_B=16, warmup=1, steps=2, rounds=1)  # a plan in about a second

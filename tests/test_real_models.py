@@ -17,9 +17,9 @@ from safetensors.numpy import load_file
 from conftest import rel_err, run_onnx
 from onnxfuse import NotFusibleError, fuse_models, save_array
 from onnxfuse.exporters import export_module
-from onnxfuse.split import split_array, split_weights
+from onnxfuse.core.split import split_array, split_weights
 from onnxfuse.training import TrainConfig, get_loss, make_optimizer, train_array
-from onnxfuse.training.runtime import make_trainer
+from onnxfuse.recipe.runtimes import make_trainer
 
 B = 3
 N, T = 4, 8  # batch, sequence length
@@ -286,7 +286,7 @@ def test_split_writes_aliases_from_the_trained_tensor(tmp_path):
 
     import onnx
 
-    from onnxfuse.source import METADATA_KEY
+    from onnxfuse.core.source import METADATA_KEY
 
     torch.manual_seed(0)
     m = TiedLM()

@@ -45,7 +45,7 @@ class FuzzNet(nn.Module):
         return self.head(x.amax(2))
 """, (1, 8, 8), "cross-entropy"),
     # ConvGrad reads only `pads`: padding='same' (auto_pad SAME_UPPER) trained as if unpadded; and ORT's CPU Conv
-    # refuses SAME_* with dilation at all (onnxfuse/windows.py makes the pads explicit)
+    # refuses SAME_* with dilation at all (onnxfuse/core/windows.py makes the pads explicit)
     "conv_same_dilated": ("""
 class FuzzNet(nn.Module):
     def __init__(self):
@@ -72,7 +72,7 @@ class FuzzNet(nn.Module):
         return self.head(self.max(x.unsqueeze(1)).flatten(2))
 """, (6, 16), "mse"),
     # MaxPoolGrad sized its output from the graph's declared shapes, where a GroupNorm's computed Reshape left the
-    # channel count unknown (read as 0): the train step failed (training/artifacts.py static_shapes_pass)
+    # channel count unknown (read as 0): the train step failed (onnxfuse/runtime/ort_artifacts.py static_shapes_pass)
     "groupnorm_maxpool": ("""
 class FuzzNet(nn.Module):
     def __init__(self):
@@ -180,7 +180,7 @@ class FuzzNet(nn.Module):
         return self.p(x) * self.g + self.b
 """, (3, 12, 12), "mse"),
     # nn.MultiheadAttention with a causal mask, trained with SGD momentum: ORT's GatherSliceToSplitFusion added its
-    # 'squeeze_axes' initializer at gradient building and again at session start (training/artifacts.py renames)
+    # 'squeeze_axes' initializer at gradient building and again at session start (onnxfuse/runtime/ort_artifacts.py renames)
     "masked_multihead_attention_momentum": ("""
 class FuzzNet(nn.Module):
     def __init__(self):

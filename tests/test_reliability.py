@@ -178,7 +178,7 @@ def test_split_and_report_refuse_one_runs_weights_with_anothers_metrics(work, ca
 def _torch_first_nonfinite(mod, lr, x, y, steps, seed=0) -> int | None:
     """torch.optim.SGD(momentum 0.9) on ``mod`` alone over the run's batches: the first step at which the loss,
     a gradient, a parameter or a buffer (BatchNorm's running statistics) is not finite (None: no step)."""
-    from onnxfuse.training.data import BatchSampler
+    from onnxfuse.recipe.data import BatchSampler
 
     opt = torch.optim.SGD(mod.parameters(), lr=lr, momentum=0.9)
     sampler = BatchSampler(len(y), 32, True, seed)
@@ -200,7 +200,7 @@ def test_frozen_model_state_is_entirely_finite_and_stops_where_torch_first_goes_
     the step where torch alone first has anything non-finite, its split state is finite everywhere,
     num_batches_tracked stopped with it (case 9), and the models still "ok" evaluate to a finite loss."""
     from onnxfuse.exporters import zoo
-    from onnxfuse.training.datasets import load_named
+    from onnxfuse.recipe.datasets import load_named
 
     lrs, steps = [3.0, 10.0, 30.0, 200.0, 1000.0], 30
     assert cli(capsys, "export", "onnxfuse.exporters.zoo:DigitsCNN", "--count", len(lrs), "--input-shape",

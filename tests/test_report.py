@@ -10,8 +10,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from onnxfuse.cli import main
-from onnxfuse.errors import InputFileError
+from onnxfuse.cli.main import main
+from onnxfuse.core.errors import InputFileError
 from onnxfuse.training.report import make_report
 
 HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status"]
@@ -90,9 +90,9 @@ def test_report_reads_the_old_header_and_writes_png_elsewhere(tmp_path):
 def test_report_on_a_real_training_run(tmp_path, capsys):
     """A real metrics.csv from train_array on a B=3 MLP array (digits), then the CLI's table."""
     from onnxfuse.exporters import export_array, zoo
-    from onnxfuse.passes import fuse_models, save_array
+    from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.training import TrainConfig, train_array
-    from onnxfuse.training.datasets import load_named, reshape_for_input, split_holdout
+    from onnxfuse.recipe.datasets import load_named, reshape_for_input, split_holdout
 
     paths = export_array(zoo.MLP, tmp_path / "jobs", 3, [16, 64])
     fa = fuse_models(paths)

@@ -19,9 +19,9 @@ from safetensors.numpy import load_file
 
 from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
-from onnxfuse.split import final_states
+from onnxfuse.core.split import final_states
 from onnxfuse.training import TrainConfig, train_array
-from onnxfuse.weights import ArraySpec
+from onnxfuse.core.weights import ArraySpec
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 
@@ -99,7 +99,7 @@ def test_diverging_model_is_frozen_and_the_others_are_bit_identical(runtime, tmp
 
 
 def test_stop_on_diverge(runtime, tmp_path, capsys):
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     arr, _ = make_array(tmp_path, 2)
     rng = np.random.default_rng(0)
@@ -131,8 +131,8 @@ def test_successive_halving_keeps_survivors_as_in_the_full_array(runtime, tmp_pa
         for k, v in full[b].items():
             assert half[b][k].tobytes() == v.tobytes(), (b, k)  # bit-identical
     # the survivors, as in the full array, are what torch.optim.Adam computes for each alone on the same batches
-    from onnxfuse.training.data import BatchSampler
-    from onnxfuse.training.datasets import split_holdout
+    from onnxfuse.recipe.data import BatchSampler
+    from onnxfuse.recipe.datasets import split_holdout
 
     train, _ = split_holdout(dict(np.load(data)), 0.25, 3)
     sampler = BatchSampler(len(train["labels"]), 16, True, 3)
@@ -203,7 +203,7 @@ def test_killed_run_resumes_to_identical_weights(runtime, tmp_path):
 def test_config_file_builds_trains_halves_and_reports(tmp_path, capsys):
     """A YAML run: build the array from a factory, grid of learning rates, cosine warm-up, clipping, evaluation,
     checkpoints and successive halving, then `onnxfuse report`."""
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     (tmp_path / "run.yaml").write_text("""
 model: {factory: "onnxfuse.exporters.zoo:DigitsCNN", count: 4, input_shape: [32, 1, 8, 8]}
@@ -248,7 +248,7 @@ halving: [20]
     (["--epochs", "2"], "give exactly one of --steps and --epochs"),
 ])
 def test_bad_training_settings_fail_before_training(flags, message, tmp_path, capsys):
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     arr, _ = make_array(tmp_path, 3)
     before = sorted(os.listdir(arr))
@@ -281,8 +281,8 @@ def _torch_sgd_alone(mod, lr, batches):
 def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_path):
     """per-model: model b shuffles with its own generator (seed + b); shards: model b trains on shard b. Each
     equals torch training the model alone on exactly those batches."""
-    from onnxfuse.training.data import BatchSampler
-    from onnxfuse.training.datasets import shard
+    from onnxfuse.recipe.data import BatchSampler
+    from onnxfuse.recipe.datasets import shard
 
     B, N, steps, lrs = 3, 8, 7, [0.05, 0.1, 0.02]
     mods = make_modules("mlp", B, seed0=40)

@@ -1,4 +1,4 @@
-"""The settings schema (training/settings.py): the optimizer and schedule registries are what the CLI, config files,
+"""The settings schema (onnxfuse/recipe/settings.py): the optimizer and schedule registries are what the CLI, config files,
 TrainConfig and placement accept; a new optimizer or schedule is one registration; a command line and the
 equivalent config file give the same run."""
 from __future__ import annotations
@@ -15,17 +15,17 @@ import yaml
 
 from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import build_parser, main
-from onnxfuse.errors import ConfigError
-from onnxfuse.placement._cli import _optimizer_choices, _state_slots
-from onnxfuse.split import final_states
+from onnxfuse.cli.main import build_parser, main
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.cli.place import _optimizer_choices, _state_slots
+from onnxfuse.core.split import final_states
 from onnxfuse.training import TrainConfig
-from onnxfuse.training.config import config_to_train_settings, load_config, normalize_config
-from onnxfuse.training.optim import LR, STATE_PREFIX, WEIGHT_DECAY, Optimizer, make_optimizer
-from onnxfuse.training.schedules import PerModelSchedules, check_schedules
-from onnxfuse.training.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, flags_to_settings,
-                                        integer, real, register_optimizer, register_schedule)
-from onnxfuse.weights import ArraySpec
+from onnxfuse.recipe.config import config_to_train_settings, load_config, normalize_config
+from onnxfuse.recipe.optim import LR, STATE_PREFIX, WEIGHT_DECAY, Optimizer, make_optimizer
+from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules
+from onnxfuse.recipe.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, flags_to_settings,
+                                      integer, real, register_optimizer, register_schedule)
+from onnxfuse.core.weights import ArraySpec
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "run.example.yaml")
 SAMPLE = {"step_size": 2, "milestones": [2, 4], "gamma": 0.5}  # a value for each required schedule parameter

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 
 from conftest import MODELS, export_all, make_modules, rel_err, run_onnx
 from onnxfuse import fuse_models, save_array
-from onnxfuse.split import split_array
+from onnxfuse.core.split import split_array
 from onnxfuse.training import TrainConfig, train_array
 
 

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from conftest import rel_err, run_onnx
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
-from onnxfuse.passes import resolve_static_pass
-from onnxfuse.split import split_weights
+from onnxfuse.core.passes import resolve_static_pass
+from onnxfuse.core.split import split_weights
 from onnxfuse.training import make_optimizer
-from onnxfuse.training.runtime import make_trainer
+from onnxfuse.recipe.runtimes import make_trainer
 
 B = 3
 STEPS = 4
@@ -362,7 +362,7 @@ def _ceil_pool_then_shape_reshape(op: str, dims: int, pool_input_is_output: bool
 def test_no_value_is_folded_from_a_window_shape_before_it_is_torchs(op, dims, pool_input_is_output):
     """A ceil-mode pool's output shape is ONNX's until the window pass makes it torch's; a Reshape target folded
     from it in between was stale (fuzz seed 1527: ``[N, -1, 4, 3]`` for a pool output ``[N, 4, 4, 4, 2]``)."""
-    from onnxfuse.source import load_source
+    from onnxfuse.core.source import load_source
 
     model = _ceil_pool_then_shape_reshape(op, dims, pool_input_is_output)
     loaded = load_source(model).model

@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 
-from onnxfuse.errors import ConfigError, InputFileError
+from onnxfuse.core.errors import ConfigError, InputFileError
 from onnxfuse.exporters import zoo
 from onnxfuse.sweep import parse_spec, run_sweep
 from onnxfuse.sweep.planning import array_sizes, plan_sweep
-from onnxfuse.sweep.layout import SweepDir
+from onnxfuse.sweep.folder import SweepDir
 
 from conftest import rel_err
 
@@ -74,8 +74,8 @@ def check_trials_as_alone(out: SweepDir, plan: dict, raw: dict, steps: dict[str,
     sweep drew (the spec's held-out split and shuffle seed: 0.25, 3; batch 16)."""
     from safetensors.numpy import load_file
 
-    from onnxfuse.training.data import BatchSampler
-    from onnxfuse.training.datasets import split_holdout
+    from onnxfuse.recipe.data import BatchSampler
+    from onnxfuse.recipe.datasets import split_holdout
 
     train, _ = split_holdout(dict(np.load(raw["data"]["train"])), 0.25, 3)
     sampler = BatchSampler(len(train["labels"]), 16, True, 3)
@@ -205,7 +205,7 @@ def test_sweep_files(sweep12):
 
 
 def test_sweep_cli_errors(tmp_path, capsys, sweep12):
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     folder, raw, _ = sweep12
     spec = write_spec(tmp_path, raw)
@@ -224,7 +224,7 @@ def test_sweep_cli_errors(tmp_path, capsys, sweep12):
 
 def test_a_failing_array_is_retried_once_and_loses_no_other_result(tmp_path, capsys):
     """batch_size 200 > the 90 training samples: that array fails in its worker, twice; the others finish."""
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     raw = base_spec(tmp_path, search={"space": {"batch_size": [16, 200], "optimizer.lr": [0.01, 0.001]}})
     assert main(["sweep", write_spec(tmp_path, raw), "-o", str(tmp_path / "out"), "--cpus", "2", "-q"]) == 5
@@ -431,7 +431,7 @@ def test_auto_array_size_comes_from_the_planner_on_a_worker(tmp_path):
 def test_a_sweep_that_fails_before_its_plan_leaves_nothing(tmp_path, capsys):
     """A factory argument the factory does not take: one line naming the trial; the -o folder is left as it was
     (absent), so the fixed spec runs there."""
-    from onnxfuse.cli import main
+    from onnxfuse.cli.main import main
 
     raw = base_spec(tmp_path, steps=2, search={"space": {"model.hiden": [16]}})
     out = tmp_path / "out"

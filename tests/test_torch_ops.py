@@ -25,7 +25,7 @@ from conftest import rel_err, run_onnx
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
-from onnxfuse.training.torch_graph import OnnxModule, TorchOptions, UnsupportedTorchOpError
+from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions, UnsupportedTorchOpError
 
 RNG = np.random.default_rng(0)
 
@@ -260,7 +260,7 @@ def test_pool_1d_3d(S):
 @pytest.mark.parametrize("include", [0, 1])
 def test_pool_ceil_mode_like_torch(include):
     """ceil_mode where the last window starts in the end padding: torch's (= ONNX opset 19's) count, and torch's
-    divisors (ORT 1.19 differs here: onnxfuse/windows.py)."""
+    divisors (ORT 1.19 differs here: onnxfuse/core/windows.py)."""
     x = rand(2, 3, 8, 7)
     for op in ("MaxPool", "AveragePool"):
         attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}

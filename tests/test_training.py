@@ -7,9 +7,9 @@ import torch
 
 from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
-from onnxfuse.split import split_weights
+from onnxfuse.core.split import split_weights
 from onnxfuse.training import make_dataset, make_optimizer
-from onnxfuse.training.runtime import make_trainer
+from onnxfuse.recipe.runtimes import make_trainer
 
 STEPS = 6
 CONFIGS = {  # per-model hyper-parameters: every value differs between models
@@ -123,8 +123,8 @@ def test_node_without_rule_runs_per_model_and_trains_like_torch(runtime, tmp_pat
     """Take away the Tanh rule: the MLP's Tanh runs once per model (fallback), and training still matches torch."""
     import warnings
 
-    from onnxfuse.errors import UnsupportedOpError
-    from onnxfuse.rules import RULES
+    from onnxfuse.core.errors import UnsupportedOpError
+    from onnxfuse.core.rules import RULES
 
     monkeypatch.delitem(RULES, ("", "Tanh"))
     mods = make_modules("mlp", 3, seed0=10)

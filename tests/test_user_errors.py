@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import cli, export_all, make_modules, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import main
+from onnxfuse.cli.main import main
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 
@@ -197,7 +197,7 @@ def _user_error_classes() -> set[type]:
     import importlib
     import pkgutil
 
-    from onnxfuse.errors import OnnxFuseError
+    from onnxfuse.core.errors import OnnxFuseError
 
     for package in ("onnxfuse", "onnxfuse.training", "onnxfuse.exporters"):
         root = importlib.import_module(package)
@@ -291,7 +291,7 @@ def _case(name: str, work) -> tuple[list, "str | None"]:
     raise AssertionError(f"no case for {name}: add one to _case")
 
 
-HOLDER = ("import sys, time\nfrom onnxfuse._lock import folder_lock\nwith folder_lock(sys.argv[1], 'train'):\n"
+HOLDER = ("import sys, time\nfrom onnxfuse.core._lock import folder_lock\nwith folder_lock(sys.argv[1], 'train'):\n"
           "    print('held', flush=True)\n    time.sleep(120)\n")
 
 

@@ -128,7 +128,7 @@ def test_full_disk_during_a_sweep_names_the_file_leaves_no_broken_record_and_res
     if not have_userns():
         pytest.skip("no user and mount namespaces (unshare -rm): no small disk to fill")
     from onnxfuse.exporters import export_module, zoo
-    from onnxfuse.sweep import layout
+    from onnxfuse.sweep import folder as layout
 
     raw = base_spec(tmp_path, search={"space": {"optimizer.lr": [0.01, 0.001], "seed": [0, 1]}})
     raw["model"]["args"]["hidden"] = 256

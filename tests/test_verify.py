@@ -21,12 +21,12 @@ from safetensors.numpy import load_file
 
 from conftest import MODELS, export_all, make_modules
 from onnxfuse import fuse_models, save_array
-from onnxfuse.cli import main
-from onnxfuse.errors import ConfigError
+from onnxfuse.cli.main import main
+from onnxfuse.core.errors import ConfigError
 from onnxfuse.training import TrainConfig, train_array
-from onnxfuse.training.config import normalize_config
+from onnxfuse.recipe.config import normalize_config
 from onnxfuse.training.run import verify_array
-from onnxfuse.weights import ArraySpec
+from onnxfuse.core.weights import ArraySpec
 
 B, N = 3, 8
 
@@ -242,7 +242,7 @@ class TCN(torch.nn.Module):
 
 
 def test_the_runtime_defect_that_motivated_the_check_is_caught(tmp_path, monkeypatch):
-    from onnxfuse.legalize._engine import REWRITES
+    from onnxfuse.core.legalize._engine import REWRITES
 
     mods = []
     for b in range(B):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnxfuse.layout import SHARED, packed, stacked
-from onnxfuse.weights import FusedWeight, WeightSlot, pack_weights, relayout, unpack_weight
+from onnxfuse.core.layout import SHARED, packed, stacked
+from onnxfuse.core.weights import FusedWeight, WeightSlot, pack_weights, relayout, unpack_weight
 
 
 @pytest.mark.parametrize("B", [1, 2, 5])

@@ -148,9 +148,9 @@ def _optimizer(kind, params, lr, extra):
 def _train_fused(name, kind, lrs, extra, batches, mods, folder, runtime):
     """Fuse ``mods`` (export, fuse), train with onnxfuse on ``runtime``; return split states and the per-step
     losses [STEPS, B]."""
-    from onnxfuse.split import split_weights
+    from onnxfuse.core.split import split_weights
     from onnxfuse.training import make_optimizer
-    from onnxfuse.training.runtime import make_trainer
+    from onnxfuse.recipe.runtimes import make_trainer
 
     loss = _loss_for(name)[0]
     folder.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,9 @@ import math
 import os
 from typing import Callable
 
-from ..errors import ConfigError
-from ..sweep.driver import SweepResult, _connect, run_sweep
-from ..sweep.spec import Range, SweepSpec, load_spec
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.sweep.driver import SweepResult, _connect, run_sweep
+from onnxfuse.sweep.spec import Range, SweepSpec, load_spec
 
 __all__ = ["optimize", "suggest_from_space"]
 

@@ -18,17 +18,17 @@ onnxruntime is imported only inside the functions that profile or run.
 """
 from __future__ import annotations
 
-from .costs import CostTable, cost_table
-from .devices import Device, load_device_spec, make_devices
-from .graph import PlacementGraph, build_graph, example_feeds
-from .orders import ORDER_NAMES, ORDERS, CycleError, Dag, traversal_order
-from .partition import Partition, Stage, assign_stages, partition_graph
-from .placers import (PLACER_NAMES, PLACERS, MemoryLedger, Placement, Placer, greedy_placement, heft_placement,
-                      place, placement_memory, single_placement)
-from .plan import Candidate, Plan, measure_plan, plan_placements, recommend, results_table
-from .report import PlacementReport, place_model
-from .shard import ArrayInfo, find_array, shard_groups, shard_plan
-from .simulate import SimResult, simulate
+from onnxfuse.placement.costs import CostTable, cost_table
+from onnxfuse.placement.devices import Device, load_device_spec, make_devices
+from onnxfuse.placement.graph import PlacementGraph, build_graph, example_feeds
+from onnxfuse.placement.orders import ORDER_NAMES, ORDERS, CycleError, Dag, traversal_order
+from onnxfuse.placement.partition import Partition, Stage, assign_stages, partition_graph
+from onnxfuse.placement.placers import (PLACER_NAMES, PLACERS, MemoryLedger, Placement, Placer, greedy_placement,
+                                        heft_placement, place, placement_memory, single_placement)
+from onnxfuse.placement.plan import Candidate, Plan, measure_plan, plan_placements, recommend, results_table
+from onnxfuse.placement.result import PlacementReport, place_model
+from onnxfuse.placement.shard import ArrayInfo, find_array, shard_groups, shard_plan
+from onnxfuse.placement.simulate import SimResult, simulate
 
 __all__ = [
     "PlacementGraph", "build_graph", "example_feeds", "Device", "make_devices", "load_device_spec",

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .devices import Device, comm_time
-from .graph import PlacementGraph
+from onnxfuse.placement.devices import Device, comm_time
+from onnxfuse.placement.graph import PlacementGraph
 
 __all__ = ["CostTable", "cost_table"]
 

@@ -29,8 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .._units import parse_rate, parse_size, parse_time
-from ..errors import ConfigError, InputFileError
+from onnxfuse.core._units import parse_rate, parse_size, parse_time
+from onnxfuse.core.errors import ConfigError, InputFileError
 
 __all__ = ["Device", "make_devices", "load_device_spec", "parse_size", "parse_rate", "parse_time", "comm_time",
            "format_bytes", "size_flag", "replace_all", "DEVICE_FIELDS"]

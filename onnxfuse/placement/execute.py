@@ -21,10 +21,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
-from ..errors import PlacementError
-from .devices import Device
-from .partition import Partition
-from .session import make_session
+from onnxfuse.core.errors import PlacementError
+from onnxfuse.placement.devices import Device
+from onnxfuse.placement.partition import Partition
+from onnxfuse.placement.session import make_session
 
 __all__ = ["make_session", "PipelineRunner", "RunResult", "run_whole", "time_whole", "max_rel_error",
            "run_partition"]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .devices import Device
-from .graph import PlacementGraph
-from .simulate import SimResult
+from onnxfuse.placement.devices import Device
+from onnxfuse.placement.graph import PlacementGraph
+from onnxfuse.placement.simulate import SimResult
 
 __all__ = ["gantt_png"]
 

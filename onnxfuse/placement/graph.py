@@ -28,12 +28,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .._facts import GraphFacts
-from .._graph import name_nodes
-from .._graph import reads as graph_reads
-from .._io import read_onnx
-from ..errors import ConfigError, InputFileError
-from .orders import CycleError, Dag, check_acyclic
+from onnxfuse.core._facts import GraphFacts
+from onnxfuse.core._graph import name_nodes
+from onnxfuse.core._graph import reads as graph_reads
+from onnxfuse.core._io import read_onnx
+from onnxfuse.core.errors import ConfigError, InputFileError
+from onnxfuse.placement.orders import CycleError, Dag, check_acyclic
 
 __all__ = ["TensorInfo", "PlacementGraph", "build_graph", "load_model", "bind_dims", "example_feeds",
            "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS", "optimizer_state_slots"]
@@ -142,7 +142,7 @@ class PlacementGraph:
 
 
 def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """A ModelProto from a path (read by :func:`~onnxfuse._io.read_onnx`: one error line for a missing or
+    """A ModelProto from a path (read by :func:`~onnxfuse.core._io.read_onnx`: one error line for a missing or
     unreadable file, external data only from the model's folder) or as given."""
     return model if isinstance(model, onnx.ModelProto) else read_onnx(model)
 
@@ -236,7 +236,7 @@ def _runtime_types(model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[
     import json
     import tempfile
 
-    from .session import make_session
+    from onnxfuse.placement.session import make_session
 
     wanted = set(names)
     by_node = {n.name: [t for t in n.output if t] for n in model.graph.node}

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from .._graph import CycleError as GraphCycleError
-from .._graph import topological_order
-from ..errors import PlacementError
+from onnxfuse.core._graph import CycleError as GraphCycleError
+from onnxfuse.core._graph import topological_order
+from onnxfuse.core.errors import PlacementError
 
 __all__ = ["Dag", "CycleError", "ORDERS", "ORDER_NAMES", "traversal_order", "check_acyclic",
            "topological", "reversed_topological", "lexicographic_topological", "dfs_preorder", "dfs_postorder",
@@ -193,7 +193,7 @@ def traversal_order(dag: Dag, name: str) -> list[int]:
     """The named order (see ORDERS; 'alpha', 'lex_topo' are accepted aliases)."""
     key = _ALIASES.get(name, name)
     if key not in ORDERS:
-        from ..errors import ConfigError
+        from onnxfuse.core.errors import ConfigError
 
         raise ConfigError(f"unknown traversal order '{name}'; choose from {', '.join(ORDER_NAMES)} (or 'all')")
     return ORDERS[key](dag)

@@ -23,10 +23,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..errors import PlacementError
-from .graph import PlacementGraph
-from .orders import Dag, topological
-from .placers import Placement
+from onnxfuse.core.errors import PlacementError
+from onnxfuse.placement.graph import PlacementGraph
+from onnxfuse.placement.orders import Dag, topological
+from onnxfuse.placement.placers import Placement
 
 __all__ = ["Stage", "Partition", "assign_stages", "partition_graph", "device_model", "save_partition"]
 

@@ -31,11 +31,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..errors import PlacementError
-from .costs import CostTable
-from .devices import Device, format_bytes, size_flag
-from .graph import PlacementGraph
-from .orders import topological, traversal_order
+from onnxfuse.core.errors import PlacementError
+from onnxfuse.placement.costs import CostTable
+from onnxfuse.placement.devices import Device, format_bytes, size_flag
+from onnxfuse.placement.graph import PlacementGraph
+from onnxfuse.placement.orders import topological, traversal_order
 
 __all__ = ["Placement", "MemoryLedger", "DoesNotFit", "greedy_placement", "heft_placement", "single_placement",
            "upward_ranks", "placement_memory", "check_memory", "smallest_memory", "place", "Placer", "PLACERS",

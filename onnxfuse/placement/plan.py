@@ -14,16 +14,16 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, PlacementError
-from .costs import CostTable, cost_table
-from .devices import Device, format_bytes
-from .execute import PipelineRunner, RunResult, max_rel_error, run_whole
-from .graph import PlacementGraph
-from .orders import ORDER_NAMES
-from .partition import Partition, partition_graph
-from .placers import BASELINE, PLACER_NAMES, PLACERS, Placement, Placer, check_memory, place
-from .shard import ShardPlan, shard_partition
-from .simulate import SimResult, simulate
+from onnxfuse.core.errors import ConfigError, PlacementError
+from onnxfuse.placement.costs import CostTable, cost_table
+from onnxfuse.placement.devices import Device, format_bytes
+from onnxfuse.placement.execute import PipelineRunner, RunResult, max_rel_error, run_whole
+from onnxfuse.placement.graph import PlacementGraph
+from onnxfuse.placement.orders import ORDER_NAMES
+from onnxfuse.placement.partition import Partition, partition_graph
+from onnxfuse.placement.placers import BASELINE, PLACER_NAMES, PLACERS, Placement, Placer, check_memory, place
+from onnxfuse.placement.shard import ShardPlan, shard_partition
+from onnxfuse.placement.simulate import SimResult, simulate
 
 __all__ = ["Candidate", "Plan", "PLACER_NAMES", "check_placers", "plan_placements", "measure_plan", "rescale_to_measured",
            "results_table", "recommend"]
@@ -189,7 +189,7 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
             runners[c.label] = PipelineRunner(plan.partition_of(c), plan.devices)
         probe = probe_contention and len(plan.devices) > 1 and plan.baseline is not None
         if probe:
-            from .profile import pair_partition
+            from onnxfuse.placement.profile import pair_partition
 
             runners[_PAIR] = PipelineRunner(pair_partition(plan.graph), plan.devices)
         times: dict[str, list[float]] = {label: [] for label in runners}
@@ -233,7 +233,7 @@ def rescale_to_measured(plan: Plan, calibration) -> object:
     """
     import dataclasses
 
-    from .profile import fit_calibration
+    from onnxfuse.placement.profile import fit_calibration
 
     base = plan.baseline
     if base is None or base.measured is None or plan.graph.measured_s is None:

@@ -35,11 +35,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .devices import Device
-from .execute import PipelineRunner
-from .session import make_session
-from .graph import PlacementGraph, build_graph, example_feeds
-from .partition import Partition, Stage, partition_graph
+from onnxfuse.placement.devices import Device
+from onnxfuse.placement.execute import PipelineRunner
+from onnxfuse.placement.session import make_session
+from onnxfuse.placement.graph import PlacementGraph, build_graph, example_feeds
+from onnxfuse.placement.partition import Partition, Stage, partition_graph
 
 __all__ = ["profile_graph", "profile_graphs", "Calibration", "calibrate", "fit_calibration", "chain_model",
            "interleaved_medians", "pair_partition"]

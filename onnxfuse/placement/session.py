@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import onnx
 
-from ..errors import PlacementError
-from .devices import Device
+from onnxfuse.core.errors import PlacementError
+from onnxfuse.placement.devices import Device
 
 __all__ = ["make_session"]
 

@@ -13,7 +13,7 @@ during the step (each device receives the batch, as every device reads graph inp
 for the weights (every fused weight is model-major: block b of axis 0) but not enough for the graph, whose
 attributes and constants encode B (``group = B*g`` of a grouped Conv, Reshape targets, Tile repeats, ...).
 Re-fusing the weightless source graphs of the array folder (``ArrayDir.refuse``) with each model's weights, split
-bit-exactly out of the fused model being placed (``onnxfuse.split.split_weights``), yields exactly the graph
+bit-exactly out of the fused model being placed (``onnxfuse.core.split.split_weights``), yields exactly the graph
 ``onnxfuse fuse`` makes for those models, through the same tested rules.
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..array import ArrayDir
-from ..errors import ConfigError, InputFileError, PlacementError
-from ..weights import ArraySpec
-from .devices import Device
-from .graph import PlacementGraph, load_model, union_graph
-from .partition import Partition, Stage
-from .placers import Placement
+from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.errors import ConfigError, InputFileError, PlacementError
+from onnxfuse.core.weights import ArraySpec
+from onnxfuse.placement.devices import Device
+from onnxfuse.placement.graph import PlacementGraph, load_model, union_graph
+from onnxfuse.placement.partition import Partition, Stage
+from onnxfuse.placement.placers import Placement
 
 __all__ = ["ArrayInfo", "find_array", "shard_groups", "sub_array_model", "ShardPlan", "shard_plan",
            "shard_partition"]
@@ -59,7 +59,7 @@ class ArrayInfo:
     def weights_of(self, b: int) -> dict[str, np.ndarray]:
         """Model b's original tensors, split exactly out of the fused model's initializers."""
         if self._per_model is None:
-            from ..split import split_weights
+            from onnxfuse.core.split import split_weights
 
             fused = {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
             missing = [n for n in self.spec.weights if n not in fused]
@@ -104,7 +104,7 @@ def shard_groups(B: int, devices: Sequence[Device]) -> list[tuple[int, int, int]
 
 def sub_array_model(info: ArrayInfo, b0: int, b1: int) -> onnx.ModelProto:
     """The fused model of models b0..b1-1, re-fused from the array's source graphs and their split weights."""
-    from ..passes import fuse_models
+    from onnxfuse.core.passes import fuse_models
 
     models = list(range(b0, b1))
     model, _ = ArrayDir(info.folder).refuse(models, [info.weights_of(b) for b in models], fuse_models,

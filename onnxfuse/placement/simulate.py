@@ -35,12 +35,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..errors import PlacementError
-from .costs import CostTable
-from .graph import PlacementGraph
-from .orders import topological
-from .partition import assign_stages
-from .placers import Placement, placement_memory
+from onnxfuse.core.errors import PlacementError
+from onnxfuse.placement.costs import CostTable
+from onnxfuse.placement.graph import PlacementGraph
+from onnxfuse.placement.orders import topological
+from onnxfuse.placement.partition import assign_stages
+from onnxfuse.placement.placers import Placement, placement_memory
 
 __all__ = ["Transfer", "SimResult", "simulate", "GRANULARITIES"]
 

@@ -17,11 +17,11 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from .devices import Device
-from .graph import PlacementGraph
-from .orders import ORDER_NAMES
-from .plan import Plan, plan_placements
-from .shard import ShardPlan
+from onnxfuse.placement.devices import Device
+from onnxfuse.placement.graph import PlacementGraph
+from onnxfuse.placement.orders import ORDER_NAMES
+from onnxfuse.placement.plan import Plan, plan_placements
+from onnxfuse.placement.shard import ShardPlan
 
 __all__ = ["StudyCase", "run_study", "study_table", "order_summary", "ORDER_SHORT"]
 

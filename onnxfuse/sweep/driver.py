@@ -33,13 +33,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..errors import ArrayBusyError, ConfigError, InputFileError, OutOfMemoryError, OutputError, as_user_error, \
-    shell
-from .layout import SweepDir
-from .planning import Sizer, plan_sweep
-from .report import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
-from .spec import SweepSpec, load_spec, parse_spec
-from .worker import number, rank
+from onnxfuse.core.errors import (ArrayBusyError, ConfigError, InputFileError, OutOfMemoryError, OutputError,
+                                  as_user_error, shell)
+from onnxfuse.sweep.folder import SweepDir
+from onnxfuse.sweep.planning import Sizer, plan_sweep
+from onnxfuse.sweep.results import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
+from onnxfuse.sweep.spec import SweepSpec, load_spec, parse_spec
+from onnxfuse.sweep.worker import number, rank
 
 __all__ = ["run_sweep", "SweepResult"]
 
@@ -67,7 +67,7 @@ def _one_line(e: BaseException) -> str:
 
 def _array_task(job: dict, models: dict, data, eval_data, queue, attempt: int, segment: dict) -> dict:
     """The body of an array's Ray task."""
-    from .worker import run_array
+    from onnxfuse.sweep.worker import run_array
 
     return run_array(job, models, data, eval_data, report=queue.put_nowait if queue is not None else None,
                      attempt=attempt, segment=segment)
@@ -77,9 +77,9 @@ def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
     """The array-sizing planner on a worker: B for the group's model on the device the arrays get."""
     import tempfile
 
-    from onnxfuse.training.plan import plan_array
+    from onnxfuse.measure.sizing import plan_array
 
-    from .worker import node_of_this_process
+    from onnxfuse.sweep.worker import node_of_this_process
 
     with tempfile.TemporaryDirectory(prefix="onnxfuse-sweep-plan-") as tmp:
         path = os.path.join(tmp, "model.onnx")
@@ -142,8 +142,8 @@ def _data_ref(source):
     store (read once, here)."""
     import ray
 
-    from onnxfuse.training.data import load_npz
-    from onnxfuse.training.datasets import is_named
+    from onnxfuse.recipe.data import load_npz
+    from onnxfuse.recipe.datasets import is_named
 
     return source if source is None or is_named(source) else ray.put(load_npz(source))
 
@@ -294,7 +294,7 @@ def _survivors(sweep: SweepDir, plan: dict, arrays: list[str], k: int) -> list[s
 def _next_arrays(spec: SweepSpec, plan: dict, arrays: list[dict], survivors: list[str], k: int) -> list[dict]:
     """The arrays that go on after rung k: each group's survivors, wherever they trained, re-fused into the
     fewest arrays of at most the group's B (``sources``: where each trial is, [array, place])."""
-    from .planning import array_settings, array_sizes
+    from onnxfuse.sweep.planning import array_settings, array_sizes
 
     where = {tid: [a["id"], i] for a in arrays for i, tid in enumerate(a["trials"])}
     trials = {t["id"]: t for t in plan["trials"]}

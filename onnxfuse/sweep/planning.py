@@ -3,12 +3,12 @@
 * export: every trial's model is built (``torch.manual_seed(seed)``, then the factory with ``model.args`` and the
   trial's ``model.*`` values) and exported once to ``models/<trial>.onnx``; trials with the same factory arguments
   and seed share one export (the file is copied).
-* group: trials whose graphs the identity check (``onnxfuse.identity.check_identical``, the check fusion makes)
+* group: trials whose graphs the identity check (``onnxfuse.core.identity.check_identical``, the check fusion makes)
   finds identical up to weights, and whose array-wide settings are equal, form a group. The spec's labels are not
   trusted: two ``model.width`` values that give one graph share a group, and a factory that builds different
   graphs for one value splits it.
 * size: each group is cut into the fewest arrays of at most B models, of nearly equal sizes (7 trials at B = 4:
-  4 + 3). B is ``arrays.size``, or with ``auto`` what the array-sizing planner (``training/plan.py``) recommends
+  4 + 3). B is ``arrays.size``, or with ``auto`` what the array-sizing planner (``onnxfuse/measure/sizing.py``) recommends
   for the group's model, capped by ``arrays.max_size``; the driver runs that planner on a worker.
 * arrays: each array's run settings, its per-model settings one value per trial, checked by
   ``normalize_config`` before anything trains.
@@ -21,9 +21,9 @@ import os
 import shutil
 from typing import Callable
 
-from ..errors import ConfigError, NotFusibleError
-from .layout import SweepDir
-from .spec import SweepSpec
+from onnxfuse.core.errors import ConfigError, NotFusibleError
+from onnxfuse.sweep.folder import SweepDir
+from onnxfuse.sweep.spec import SweepSpec
 
 __all__ = ["plan_sweep", "array_sizes", "array_settings", "Sizer"]
 
@@ -42,7 +42,7 @@ def array_sizes(n: int, B: int) -> list[int]:
 
 def _factory(spec: SweepSpec):
     from onnxfuse.exporters import load_factory
-    from onnxfuse.training.settings import resolve_factory
+    from onnxfuse.recipe.settings import resolve_factory
 
     return load_factory(resolve_factory(spec.model.factory, spec.base_dir))
 
@@ -86,8 +86,8 @@ def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress
 def group_trials(trials: list[dict], sweep: SweepDir) -> list[list[dict]]:
     """Trials in groups: one graph up to weights (the identity check) and the same array-wide settings. Each new
     trial is compared with the first trial of every group with its settings; the first match takes it."""
-    from onnxfuse.identity import check_identical
-    from onnxfuse.source import load_source
+    from onnxfuse.core.identity import check_identical
+    from onnxfuse.core.source import load_source
 
     groups: list[tuple[str, object, list[dict]]] = []  # (settings key, first trial's source, trials)
     for t in trials:
@@ -109,7 +109,7 @@ def group_trials(trials: list[dict], sweep: SweepDir) -> list[list[dict]]:
 
 def array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> tuple[dict, str, str | None]:
     """(TrainConfig settings, training data, eval data) of one array of ``trials``."""
-    from onnxfuse.training.config import settings_from_config
+    from onnxfuse.recipe.config import settings_from_config
 
     values = dict(trials[0]["array_values"])
     for key in trials[0]["per_model"]:

@@ -40,7 +40,7 @@ from typing import Any, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from ..errors import ConfigError
+from onnxfuse.core.errors import ConfigError
 
 __all__ = ["SweepSpec", "load_spec", "parse_spec", "METRICS", "SWEEP_SECTIONS"]
 
@@ -257,7 +257,7 @@ class SweepSpec:
     # ---------------------------------------------------------------------------------------------- keys
     @functools.cached_property
     def _per_model_keys(self) -> tuple[str, ...]:
-        from onnxfuse.training.settings import per_model_keys
+        from onnxfuse.recipe.settings import per_model_keys
 
         cfg = self.normalized()
         return tuple(per_model_keys(cfg["optimizer"]["name"], cfg["schedule"]))
@@ -276,7 +276,7 @@ class SweepSpec:
 
     def normalized(self, array_values: dict | None = None, what: str = "") -> dict:
         """The run part with ``array_values`` ({dotted key: value}) set, normalized and checked."""
-        from onnxfuse.training.settings import normalize_config
+        from onnxfuse.recipe.settings import normalize_config
 
         raw = copy.deepcopy(self.run)
         for key, value in (array_values or {}).items():
@@ -378,7 +378,7 @@ def _check_search(spec: SweepSpec, search: SearchSection, where: str) -> None:
     elif search.samples is None:
         raise ConfigError(f"{where}search.method random needs search.samples (how many trials)")
     spec.check_params({k: None for k in search.space if k != "seed"}, where + "search.space.")
-    from onnxfuse.training.settings import check_model_value
+    from onnxfuse.recipe.settings import check_model_value
 
     cfg = spec.normalized()
     for key, v in search.space.items():
@@ -418,7 +418,7 @@ def _takes(spec: SweepSpec, key: str, value) -> bool:
 
 def load_spec(path: str | os.PathLike) -> SweepSpec:
     """Read and check a sweep spec file (``.yaml``/``.yml``, or ``.toml`` on Python >= 3.11)."""
-    from onnxfuse.training.config import read_config_file
+    from onnxfuse.recipe.config import read_config_file
 
     path = os.fspath(path)
     raw = read_config_file(path, "sweep spec", EXAMPLE)

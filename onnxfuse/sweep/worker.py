@@ -21,9 +21,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..array import ArrayDir
-from ..training.run import METRICS_HEADER
-from .layout import TRIAL_ONNX, TRIAL_WEIGHTS
+from onnxfuse.core.array import ArrayDir
+from onnxfuse.training.run import METRICS_HEADER
+from onnxfuse.sweep.folder import TRIAL_ONNX, TRIAL_WEIGHTS
 
 __all__ = ["run_array", "node_of_this_process", "number", "rank", "RESULT_COLUMNS", "TRIAL_METRICS"]
 
@@ -81,8 +81,8 @@ def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp:
     previous segment returned), fused into ``array_dir`` and made a run that resumes there."""
     from onnx import numpy_helper
 
-    from onnxfuse._io import read_onnx
-    from onnxfuse.passes import fuse_models, save_array
+    from onnxfuse.core._io import read_onnx
+    from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.training.run import checkpoint_models, seed_run
 
     sources = {}
@@ -119,8 +119,8 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     "sources": {trial: [array, place]} and "states": {array: its folder as the previous rung's segment returned
     it}: where each trial of this array was at the last rung (no sources: fuse the exported models afresh)}. A
     segment that stops at a rung returns the array folder as ``state``."""
-    from onnxfuse.passes import fuse_models, save_array
-    from onnxfuse.split import model_steps, split_array
+    from onnxfuse.core.passes import fuse_models, save_array
+    from onnxfuse.core.split import model_steps, split_array
     from onnxfuse.training import TrainConfig, train_array
     from onnxfuse.training.run import TrainingStopped
 

@@ -1,0 +1,456 @@
+"""The `onnxfuse` command: a thin layer over the Python API. Errors print as one line (traceback with --verbose)."""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+import glob
+import os
+import re
+import sys
+import logging
+import traceback
+import warnings
+
+from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
+                                  shell)
+from onnxfuse.recipe.runtimes import RUNTIME_CHOICES
+from onnxfuse.recipe.settings import add_flags
+
+__all__ = ["main", "build_parser"]
+
+
+# A factory (MODULE:FUNCTION) is imported and called: whoever wrote it runs code as you (README, "What onnxfuse
+# guarantees"). Said once, in every --help that takes one.
+TRUST_NOTE = ("A model factory (MODULE:FUNCTION, in a run config's or sweep spec's model.factory, and the one a sweep "
+              "folder records for --resume) is imported and called: a config file, a sweep spec and a sweep folder "
+              "run Python code, so use them only from someone you trust, as you would a .py file.")
+
+
+def _numbers(text: str | None, flag: str, cast=float) -> list | None:
+    """'0.1' -> [0.1]; '0.1,0.05' -> [0.1, 0.05] (one per model)."""
+    if text is None:
+        return None
+    try:
+        return [cast(v) for v in str(text).split(",") if v.strip() != ""]
+    except ValueError:
+        raise ConfigError(f"{flag}: '{text}' is not a number or a comma-separated list of numbers") from None
+
+
+def _natural(path: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def _model_files(items: list[str]) -> list[str]:
+    """Files as given; a folder stands for its *.onnx files in natural order (model_2 before model_10)."""
+    out = []
+    for item in items:
+        if os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "*.onnx")), key=_natural)
+            if not found:
+                raise ConfigError(f"folder '{item}' holds no .onnx files")
+            out += found
+        else:
+            out.append(item)
+    return out
+
+
+def cmd_export(args) -> int:
+    from onnxfuse.core.array import check_output_location
+    from onnxfuse.exporters import export_array, load_factory
+
+    shape = _numbers(args.input_shape, "--input-shape", int)
+    if not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"--input-shape must be positive integers like 32,3,32,32, got '{args.input_shape}'")
+    seeds = _numbers(args.seeds, "--seeds", int)
+    module_file = args.factory.rpartition(":")[0]
+    check_output_location(args.output, [module_file] if module_file.endswith(".py") else [])
+    factory = load_factory(args.factory)
+    paths = export_array(factory, args.output, args.count, shape, seeds=seeds, overwrite=args.overwrite,
+                         opset=args.opset)
+    print(f"exported {len(paths)} models to {args.output}/ (model_0.onnx .. model_{len(paths) - 1}.onnx)")
+    return 0
+
+
+def cmd_fuse(args) -> int:
+    from onnxfuse.core._io import claim_output
+    from onnxfuse.core.array import check_output_location
+
+    check_output_location(args.output, args.models)
+    with claim_output(args.output, "fuse", overwrite=args.overwrite):  # no other command writes there meanwhile
+        return _fuse(args)
+
+
+def _fuse(args) -> int:
+    from onnxfuse.core.array import ArrayDir
+    from onnxfuse.core.passes import fuse_models, save_array
+    from onnxfuse.measure.forms import make_strategy
+
+    files = _model_files(args.models)
+    per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
+    strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads,
+                             progress=lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy)
+    for w in caught:
+        print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    save_array(fa, args.output, overwrite=args.overwrite)
+    s, fused = fa.spec.summary, ArrayDir(args.output).fused_path
+    print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {fused}: {s['nodes']} nodes per "
+          f"model -> {s['fused_nodes']} fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, "
+          f"{s['shared']} shared, {s['layout_changes']} layout changes); fused fraction "
+          f"{100 * s['fused_fraction']:.1f}%; "
+          f"{len(fa.spec.weights)} fused weights")
+    chosen = Counter(s.get("forms", {}).values())
+    if chosen:
+        print("forms: " + ", ".join(f"{n} {form}" for form, n in sorted(chosen.items())))
+    return 0
+
+
+def _run_config(args, resume: bool = False):
+    """(TrainConfig or None, overrides or None, data, eval data) from --config and the flags; with ``resume`` and
+    no config file: no TrainConfig, and the flags override the checkpoint's own settings."""
+    from onnxfuse.training import TrainConfig
+    from onnxfuse.recipe.settings import flags_to_settings
+
+    settings, data, eval_data = {}, args.data, args.eval_data
+    if args.config:
+        from onnxfuse.recipe.config import config_to_train_settings, load_config
+
+        cfg_file = load_config(args.config)
+        settings, file_data, file_eval = config_to_train_settings(cfg_file, args.array)
+        data, eval_data = data or file_data, eval_data or file_eval
+    flags = flags_to_settings(args)
+    if resume and not args.config:
+        return None, flags, data, eval_data
+    settings.update(flags)
+    if "batch_size" not in settings:
+        raise ConfigError("--batch-size is required (or batch_size in --config)")
+    if "steps" not in settings and "epochs" not in settings:
+        raise ConfigError("--steps or --epochs is required (or steps/epochs in --config)")
+    if data is None:
+        raise ConfigError("--data is required (a .npz file or sklearn:<name>), or data.train in --config")
+    return TrainConfig.from_dict(settings), None, data, eval_data
+
+
+def cmd_train(args) -> int:
+    from onnxfuse.training import train_array
+
+    cfg, overrides, data, eval_data = _run_config(args, resume=args.resume)
+    res = train_array(args.array, data, cfg, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
+                      overrides=overrides)
+    print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
+          f"({res.samples_per_s:,.0f} samples/s); metrics in {res.metrics_path}")
+    print(f"{'model':>5}  {'final loss':>10}  {'eval loss':>10}  {'eval acc':>8}  status")
+    ev_loss, ev_acc = res.eval.get("loss", {}), res.eval.get("accuracy", {})
+    for b, loss in enumerate(res.final_loss):
+        st = res.status.get(b)
+        shown_loss = f"{ev_loss[b]:.4f}" if b in ev_loss else "-"  # "-": no evaluation data (not a NaN loss)
+        shown_acc = f"{100 * ev_acc[b]:.1f}%" if b in ev_acc else "-"
+        print(f"{b:>5}  {loss:>10.4f}  {shown_loss:>10}  {shown_acc:>8}  "
+              f"{'' if st is None else st['status'] + ' at step ' + str(st['step'])}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from onnxfuse.training import load_array
+    from onnxfuse.training.run import verify_array
+
+    load_array(args.array)  # before --config could build an array there: check writes nothing
+    cfg, _, data, eval_data = _run_config(args)
+    report = verify_array(args.array, data, cfg, eval_data=eval_data)
+    print(report.table())
+    print(report.summary())
+    if not report.ok:
+        raise report.error()
+    return 0
+
+
+def cmd_report(args) -> int:
+    from onnxfuse.training.report import format_table, make_report
+
+    summary = make_report(args.array, out_png=args.output)
+    print(format_table(summary))
+    run = f"; run {summary['run']}" if summary.get("run") else ""
+    print(f"plot: {summary['png']} (summary: {summary['json']}{run})")
+    return 0
+
+
+def cmd_split(args) -> int:
+    from onnxfuse.core.split import split_array
+
+    paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial)
+    what = "initial weights" if args.initial else "trained weights"
+    print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for "
+          "inference, model_b.safetensors state_dicts)")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from onnxfuse.cli.demo import run_demo
+
+    run_demo(args.output, models=args.models, steps=args.steps, progress=not args.quiet, runtime=args.runtime)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from onnxfuse.measure.bench import run_bench
+
+    run_bench(models=[m for m in args.models.split(",") if m], B=_numbers(args.B, "--B", int), device=args.device,
+              modes=[m for m in args.modes.split(",") if m], batch=args.batch, steps=args.steps, rounds=args.rounds,
+              warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads,
+              strategy=args.strategy)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import contextlib
+
+    from onnxfuse.core._io import claim_output
+    from onnxfuse.measure.sizing import plan_array
+
+    # -o is checked and held before the probes train (no other command writes there meanwhile)
+    with claim_output(args.output, "plan", is_file=True) if args.output else contextlib.nullcontext():
+        plan = plan_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
+                          memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int),
+                          max_B=args.max_B, optimizer=args.optimizer, threads=args.threads)
+        print(plan.table())
+        for note in plan.notes:
+            print(f"note: {note}")
+        print(plan.summary())
+        if args.output:
+            plan.save(args.output)
+            print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from onnxfuse.sweep import run_sweep
+    from onnxfuse.sweep.results import table
+
+    if args.resume and (args.spec or args.output):
+        raise ConfigError("--resume SWEEP_DIR continues a sweep with the spec in its folder; give neither SPEC.yaml "
+                          "nor -o")
+    if not args.resume and (not args.spec or not args.output):
+        raise ConfigError("give a sweep spec and where to write it: onnxfuse sweep SPEC.yaml -o SWEEP_DIR (or "
+                          "--resume SWEEP_DIR)")
+    folder = args.resume or args.output
+    try:
+        res = run_sweep(None if args.resume else args.spec, folder, resume=bool(args.resume), address=args.address,
+                        runtime=args.runtime, num_cpus=args.cpus, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"onnxfuse: interrupted; finished arrays are kept: `{shell('onnxfuse', 'sweep', '--resume', folder)}` "
+              "runs the rest",
+              file=sys.stderr)
+        return 130
+    print(table(res.rows, limit=args.top))
+    done = sum(r["status"] not in ("failed", "not run") for r in res.rows)
+    print(f"{done} of {len(res.rows)} trials have results ({len(res.ran)} arrays trained now, "
+          f"{len(res.failed)} failed), best first by {res.metric}: {os.path.join(res.path, 'results.csv')}, "
+          f"report.md, report.png; curves: {shell('tensorboard', '--logdir', os.path.join(res.path, 'trials'))}")
+    return 5 if res.failed else 0
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The settings of a run, shared by `train` and `check` (which checks the run these flags describe)."""
+    p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it. "
+                   f"{TRUST_NOTE}")
+    p.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
+                   "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
+    p.add_argument("--eval-data", help="held-out data, the same forms as --data")
+    add_flags(p)  # every training setting, from onnxfuse/recipe/settings.py (the registries included)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
+                                "ONNX graph and train them together with ONNX Runtime.")
+    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
+    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make: "
+                   "imported and called, i.e. run as Python code")
+    e.add_argument("--count", type=int, required=True, help="number of models B")
+    e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1)")
+    e.add_argument("--input-shape", required=True, help="example input shape, e.g. 32,3,32,32 (batch dim is dynamic)")
+    e.add_argument("--opset", type=int, default=17)
+    e.add_argument("-o", "--output", required=True, metavar="JOBS_DIR")
+    e.add_argument("--overwrite", action="store_true")
+    e.set_defaults(func=cmd_export)
+
+    f = sub.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
+    f.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
+    f.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR")
+    f.add_argument("--strict", action="store_true",
+                   help="fail on a node without a fusion rule instead of running it once per model")
+    f.add_argument("--per-model-inputs", metavar="NAME,...",
+                   help="graph inputs that differ per model (the fused input gains a leading model axis)")
+    from onnxfuse.measure.forms import STRATEGY_CHOICES
+    f.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
+                   help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model): "
+                   "default (each rule's first), a form for every such node, or auto: per node, the form measured "
+                   "fastest on --runtime/--device at --batch samples per model (measured once per device, cached)")
+    f.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="the runtime auto measures on")
+    f.add_argument("--device", default="cpu", help="the device auto measures on (cpu, cuda, cuda:N)")
+    f.add_argument("--batch", type=int, default=32, help="samples per model per step auto measures with")
+    f.add_argument("--threads", type=int, default=0, help="CPU threads auto measures with (0: the runtime's "
+                   "default)")
+    f.add_argument("--overwrite", action="store_true")
+    f.set_defaults(func=cmd_fuse)
+
+    t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
+    t.add_argument("array", metavar="ARRAY_DIR")
+    _add_run_flags(t)
+    t.add_argument("--resume", action="store_true",
+                   help="continue the folder's current run from its newest checkpoint (with its settings and data; "
+                   "flags may change only steps/epochs, logging, evaluation, checkpoints and the device)")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
+    t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("check", help="check the first training step(s) of every model of an array against the "
+                       "model trained alone, without training (the check `train` makes; writes nothing)")
+    c.add_argument("array", metavar="ARRAY_DIR")
+    _add_run_flags(c)
+    c.add_argument("-q", "--quiet", action="store_true", help="warnings only in the log")
+    c.set_defaults(func=cmd_check)
+
+    s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
+    s.add_argument("array", metavar="ARRAY_DIR")
+    s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR")
+    s.add_argument("--overwrite", action="store_true", help="replace MODELS_DIR (never the array or a folder "
+                   "holding it)")
+    s.add_argument("--initial", action="store_true",
+                   help="split the weights the array was fused with (an untrained array is refused without it)")
+    s.set_defaults(func=cmd_split)
+
+    r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
+    r.add_argument("array", metavar="ARRAY_DIR")
+    r.add_argument("-o", "--output", metavar="PNG", help="where to write the plot (default ARRAY_DIR/report.png)")
+    r.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("demo", help="train 8 small CNNs with 8 learning rates on scikit-learn's digits")
+    d.add_argument("-o", "--output", default="onnxfuse-demo")
+    d.add_argument("--models", type=int, default=8)
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("-q", "--quiet", action="store_true")
+    d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="the fused array vs every way to train the same models: PyTorch one after "
+                       "another, onnxruntime-training one after another, a torch.func ensemble, an HFTA-style "
+                       "hand-fused model, one model at batch B*N")
+    b.add_argument("--models", default="lenet,resnet18,transformer_lm",
+                   help="zoo models or .onnx files (one data input, one output), comma-separated")
+    b.add_argument("--B", default="1,8,16", help="array sizes to measure, e.g. 1,8,16,32")
+    b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the ort modes run on the CPU only)")
+    from onnxfuse.measure.bench import MODES
+    b.add_argument("--modes", default=",".join(MODES),
+                   help="torch, ort (the fused array on each runtime), seq-torch (PyTorch one after another: the "
+                   "baseline, always measured), seq-ort (onnxruntime-training one after another), vmap (torch.func "
+                   "ensemble), hfta (HFTA-style fused PyTorch, hand-written: lenet, resnet18, transformer_lm), "
+                   "dense (one model at batch B*N: the ceiling)")
+    b.add_argument("--batch", type=int, default=32, help="samples per model per step")
+    b.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    b.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes; medians reported")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before the rounds")
+    b.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
+    b.add_argument("--threads", type=int, default=0, help="CPU threads of every mode, both runtimes (0: each "
+                   "one's default: 1 for the torch runtime, onnxruntime's own)")
+    b.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
+                   help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
+    b.add_argument("-o", "--output", default="onnxfuse-bench",
+                   help="folder for bench.json, bench.csv, bench.md, bench.png")
+    b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="predict a fused training step's time and memory per B from a few small "
+                        "arrays really trained, and recommend B (onnxfuse/measure/sizing.py)")
+    pl.add_argument("model", metavar="MODEL", help="a zoo model (e.g. lenet) or an ONNX file with one data input")
+    pl.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array")
+    pl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    pl.add_argument("--batch", type=int, default=32, help="samples per model per step")
+    pl.add_argument("--memory-budget", metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes (default: 0.9 x the GPU's "
+                    "memory, 0.8 x the RAM available)")
+    pl.add_argument("--max-B", type=int, default=1024, help="largest array size considered")
+    pl.add_argument("--probe", default="1,2,4", help="array sizes really trained to fit the predictions")
+    pl.add_argument("--optimizer", default="adamw", help="the optimizer whose state the arrays hold")
+    pl.add_argument("--threads", type=int, default=0, help="CPU threads (0: the runtime's default)")
+    pl.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+    sw = sub.add_parser("sweep", help="run a hyper-parameter sweep: trials grouped into fused arrays by graph "
+                        "identity, trained on Ray (a local one by default); see docs/sweep.example.yaml",
+                        epilog=TRUST_NOTE)
+    sw.add_argument("spec", nargs="?", metavar="SPEC.yaml", help="the sweep spec")
+    sw.add_argument("-o", "--output", metavar="SWEEP_DIR", help="where the sweep's files go (a new or empty folder)")
+    sw.add_argument("--resume", metavar="SWEEP_DIR", help="continue the sweep in SWEEP_DIR: run only the arrays "
+                    "with no result (or a failed one)")
+    sw.add_argument("--address", help="a running Ray cluster (e.g. HEAD_IP:6379, or auto); default: start a "
+                    "local Ray on this machine")
+    sw.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all of this machine's)")
+    sw.add_argument("--runtime", choices=RUNTIME_CHOICES, help="what trains the arrays (default: the spec's)")
+    sw.add_argument("--top", type=int, default=20, help="trials shown in the table (all are in results.csv)")
+    sw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sw.set_defaults(func=cmd_sweep)
+    from onnxfuse.cli.place import add_place_parser
+    add_place_parser(sub)
+    return p
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Log lines go to sys.stderr as it is when they are written (a caller, or a test, may have replaced it since
+    the first command of the process set the handler up)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+    logger = logging.getLogger("onnxfuse")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("onnxfuse: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        return args.func(args) or 0
+    except TrainingStoppedError as e:  # a run stopped on purpose (--on-diverge stop): its state is saved
+        print(f"onnxfuse: {' '.join(str(e).split())}", file=sys.stderr)
+        return 3
+    except VerificationError as e:  # the array would train a model wrongly: neither bad input nor a crash
+        if args.verbose:
+            traceback.print_exc()
+        print(f"onnxfuse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 4
+    except OnnxFuseError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"onnxfuse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("onnxfuse: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.verbose:
+            traceback.print_exc()
+        user = as_user_error(e)  # a full disk, a read-only folder, out of memory: the user's to fix
+        if user is not None:
+            print(f"onnxfuse: error: {' '.join(str(user).split())}", file=sys.stderr)
+            return 2
+        # a bug: still one line unless --verbose
+        print(f"onnxfuse: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "
+              "(run with --verbose for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Writing folders atomically: build in a temporary sibling, then rename, so a failure leaves nothing behind; and
+reading the files onnxfuse is given, each failure one error naming the file (``load_safetensors``, ``read_onnx``).
+
+The temporary names start with a dot and end in ``.tmp-<random>`` / ``.old-<random>``: a process killed in between
+leaves them, and the next command holding what they belong to removes them (``remove_temporaries``)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from onnxfuse.core._graph import subgraphs
+from onnxfuse.core._lock import LOCK_FILE, folder_lock, holds, locked_folders_around
+from onnxfuse.core.errors import InputFileError, as_user_error
+
+__all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "remove_temporaries",
+           "atomic_write_bytes", "load_safetensors", "check_tensors", "read_onnx", "check_no_external_data"]
+
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_write_bytes create
+
+
+def _only_marks(path: str) -> bool:
+    """A folder that holds nothing but an onnxfuse lock file counts as empty (a command killed while it held a
+    new output folder leaves that)."""
+    return all(name == LOCK_FILE for name in os.listdir(path))
+
+
+def check_output_dir(path: str, overwrite: bool) -> None:
+    """Refuse to replace a non-empty folder unless asked to, and a path under a file (checked before any work
+    starts)."""
+    _check_parent(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise InputFileError(f"output '{path}' exists and is not a folder; choose another path")
+        if not overwrite and not _only_marks(path):
+            raise InputFileError(f"output folder '{path}' already exists and is not empty; "
+                                 "pass --overwrite to replace it or choose another folder")
+
+
+def _check_parent(path: str) -> None:
+    parent = os.path.dirname(os.path.normpath(os.path.abspath(path)))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+    if parent and not os.path.isdir(parent):
+        raise InputFileError(f"output '{path}' cannot be created: '{parent}' is a file, not a folder; "
+                             "choose another path")
+
+
+def check_output_file(path: str) -> None:
+    """Refuse a file output (``plan -o``, ``report -o``) that is a folder or lies under a file."""
+    if os.path.isdir(path):
+        raise InputFileError(f"output '{path}' is a folder; give a file path")
+    _check_parent(path)
+
+
+@contextlib.contextmanager
+def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = False, replace: bool = True,
+                 is_file: bool = False, mark: bool = False, what: str = "output folder") -> Iterator[str]:
+    """Hold what writing the output ``path`` needs, for ``command`` (a word for messages), and yield its real path
+    (a symbolic link is followed: the folder it names is written, the link stays).
+
+    The output is checked first (``check_output_dir``; ``replace`` False: a folder written in place, e.g. a
+    sweep's, need only be a folder or absent; ``is_file``: ``check_output_file``). Then every onnxfuse folder
+    around it (one carrying a lock file) and the output folder itself are locked, so that no other onnxfuse
+    command writes, replaces or trains in them meanwhile: a folder that does not exist yet is created to hold its
+    lock (and removed again if the command writes nothing into it). Nothing is locked where this process already
+    holds the output or a folder around it. Stale temporaries of the output (``.NAME.tmp-*``, ``.NAME.old-*``
+    beside it, left by a killed process) are removed under its lock. The lock file goes again when the command
+    ends, unless the folder had one (an onnxfuse folder) or ``mark`` (a folder written in place that becomes one: a
+    sweep's). ``what`` names the folder in messages."""
+    shown = os.fspath(path)
+    real = os.path.realpath(shown)
+    if is_file:
+        check_output_file(shown)
+    elif replace:
+        check_output_dir(shown, overwrite)
+    elif os.path.exists(real) and not os.path.isdir(real):
+        raise InputFileError(f"output '{shown}' exists and is not a folder; choose another path")
+    else:
+        _check_parent(shown)
+    if holds(real):
+        yield real
+        return
+    with contextlib.ExitStack() as stack:
+        for around in locked_folders_around(real):
+            stack.enter_context(folder_lock(around, command, "folder"))
+        if is_file:
+            yield real
+            return
+        created = False
+        try:
+            os.makedirs(real)
+            created = True
+        except FileExistsError:
+            pass
+        except OSError as e:  # a read-only location, a file where a folder should be, ...
+            raise (as_user_error(e, shown) or e) from e
+        try:
+            marked = os.path.isfile(os.path.join(real, LOCK_FILE))
+            stack.enter_context(folder_lock(real, command, what, remove=not (marked or mark)))
+            if replace:
+                check_output_dir(real, overwrite)  # again, holding it: another command may have filled it
+                remove_temporaries(os.path.dirname(real), of=os.path.basename(real))
+            yield real
+        finally:
+            if created and os.path.isdir(real) and _only_marks(real):  # nothing was written into it
+                stack.close()
+                with contextlib.suppress(OSError):
+                    for name in os.listdir(real):
+                        os.remove(os.path.join(real, name))
+                    os.rmdir(real)
+
+
+def remove_temporaries(folder: str, of: str | None = None) -> list[str]:
+    """Remove the temporary files and folders in ``folder`` that ``atomic_dir`` and ``atomic_write_bytes`` leave
+    when killed (only those of the output named ``of``, when given); call it holding what they belong to. Returns
+    the paths removed."""
+    removed = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if _TEMPORARY.match(name) and (of is None or name.startswith(f".{of}.")):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str, mark: bool = False
+               ) -> Iterator[str]:
+    """Yield a temporary folder; on success it replaces ``path`` in one rename, on error it is removed. The output
+    is held for ``command`` throughout (``claim_output``). ``mark``: the new folder carries the lock file that
+    marks it as an onnxfuse folder (an array), so that every later command writing in it holds it first."""
+    shown = os.fspath(path)
+    with claim_output(shown, command, overwrite=overwrite) as real:
+        parent = os.path.dirname(real)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.tmp-", dir=parent)
+            if mark:
+                open(os.path.join(tmp, LOCK_FILE), "wb").close()
+        except OSError as e:  # a read-only location, a file where a folder should be, ...
+            raise (as_user_error(e, shown) or e) from e
+        try:
+            yield tmp
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            user = as_user_error(e, shown)  # a full disk or a read-only folder while writing: name the output
+            if user is None or user is e:
+                raise
+            raise user from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the output gets a folder's mode
+            old = None
+            if os.path.exists(real):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.old-", dir=parent)
+                os.rmdir(old)
+                os.rename(real, old)
+            os.rename(tmp, real)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise (as_user_error(e, shown) or e) from e
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write a file through a temporary name and rename it into place."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise (as_user_error(e, path) or e) from e
+
+
+def load_safetensors(path: str, fix: str, expected: Mapping[str, tuple[Sequence[int], str]] | None = None) -> dict:
+    """The tensors of a safetensors file; a missing, truncated or corrupt file is one InputFileError naming it,
+    ending with ``fix`` (what to do about it). ``expected`` ({name: (shape, dtype)}): the file must hold exactly
+    these tensors (``check_tensors``)."""
+    from safetensors.numpy import load_file
+
+    if not os.path.exists(path):
+        raise InputFileError(f"'{path}' is missing; {fix}")
+    try:
+        tensors = load_file(path)
+    except Exception as e:  # safetensors raises its own error types for truncated or garbled files
+        cause = " ".join(str(e).split())[:120]
+        raise InputFileError(f"'{path}' is not readable (truncated or corrupt: {cause}); {fix}") from e
+    if expected is not None:
+        check_tensors(tensors, expected, path, fix)
+    return tensors
+
+
+def check_tensors(tensors: Mapping[str, np.ndarray], expected: Mapping[str, tuple[Sequence[int], str]], path: str,
+                  fix: str) -> None:
+    """``tensors`` (read from ``path``) are exactly ``expected``: every name there, none other, each with its
+    shape and dtype; else one InputFileError naming the file and the first tensor that is not, ending with
+    ``fix``. A file of the right format but the wrong content (edited, or from another array) fails here, not
+    as a reshape error deep in training or splitting."""
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputFileError(f"'{path}' has no tensor '{missing[0]}'{more}, which the array needs; {fix}")
+    extra = [n for n in tensors if n not in expected]
+    if extra:
+        raise InputFileError(f"'{path}' holds a tensor '{extra[0]}' the array does not have; {fix}")
+    for name, (shape, dtype) in expected.items():
+        a = tensors[name]
+        if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
+            raise InputFileError(f"'{path}': tensor '{name}' is {a.dtype} {list(a.shape)}, but the array's is "
+                                 f"{np.dtype(dtype)} {list(shape)}; {fix}")
+
+
+def read_onnx(path: str | os.PathLike, fix: str = "re-export it") -> onnx.ModelProto:
+    """The model in the ONNX file ``path`` with its external data read in: the one loader of ONNX files in
+    onnxfuse. Every way the file can be wrong is one InputFileError naming it and ending with ``fix`` (what the
+    caller's user should do, e.g. "re-run `onnxfuse fuse`").
+
+    External data is read only from inside the model's own folder (the real path of the folder the .onnx file is
+    in), symlinks followed: onnx's own loader refuses ``../x.bin`` and absolute locations but follows a symlink
+    wherever it points, so a model could otherwise make onnxfuse read any file its user can read, and
+    ``onnxfuse split`` write it out as weights."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise InputFileError(f"model file '{path}' does not exist; {fix}")
+    if os.path.isdir(path):
+        raise InputFileError(f"'{path}' is a folder, not an ONNX model file; give the .onnx file in it")
+    if os.path.getsize(path) == 0:
+        raise InputFileError(f"'{path}' is empty (0 bytes), not an ONNX model; {fix}")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except OSError as e:
+        raise InputFileError(f"'{path}' cannot be read ({e.strerror or e}); {fix}") from e
+    except Exception as e:  # protobuf's DecodeError, a RuntimeWarning, ...: the bytes are not a ModelProto
+        raise InputFileError(f"'{path}' is not a readable ONNX model: it is not ONNX protobuf, or it is truncated "
+                             f"({_first_line(e)}); {fix}") from e
+    if not model.HasField("graph") or not model.opset_import:
+        # protobuf parses many byte strings (a cut at a field boundary, other protobuf messages) without error
+        raise InputFileError(f"'{path}' is not a readable ONNX model: it parses as protobuf but has no "
+                             f"{'graph' if not model.HasField('graph') else 'opset_import'} (truncated, or not an "
+                             f"ONNX file); {fix}")
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for tensor in _all_tensors(model):
+        if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _read_external(tensor, path, folder, fix)
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    return (" ".join(str(e).split())[:120]) or type(e).__name__
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``graph``: initializers, sparse initializers, node attributes, and those of subgraphs
+    (onnx.external_data_helper's iterators skip sparse tensors, which can be external too)."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        yield from _node_tensors(node)
+        for g in subgraphs(node):
+            yield from _graph_tensors(g)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    """The tensors ``node``'s own attributes hold (not its subgraphs')."""
+    for a in node.attribute:
+        if a.HasField("t"):
+            yield a.t
+        yield from a.tensors
+        for sparse in ([a.sparse_tensor] if a.HasField("sparse_tensor") else []) + list(a.sparse_tensors):
+            yield from (sparse.values, sparse.indices)
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+            for g in subgraphs(node):
+                yield from _graph_tensors(g)
+
+
+def check_no_external_data(model: onnx.ModelProto, label: str) -> None:
+    """A model handed over in memory holds all its data: one with a tensor still stored externally (read with
+    ``load_external_data=False``) would have it read by onnx relative to the current folder, unchecked by
+    :func:`read_onnx`; refuse it naming the tensor."""
+    for tensor in _all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            where = next((e.value for e in tensor.external_data if e.key == "location"), "?")
+            raise InputFileError(f"{label}: tensor '{tensor.name}' still has its data in the external file "
+                                 f"'{where}' (the model was read with load_external_data=False); give the .onnx "
+                                 "file's path instead, or load the model with its data (onnx.load(path))")
+
+
+def _read_external(tensor: onnx.TensorProto, path: str, folder: str, fix: str) -> None:
+    """Read ``tensor``'s external data into ``raw_data``, in place, after checking that it lies inside ``folder``
+    (symlinks followed) and is as long as the tensor needs."""
+    info = {e.key: e.value for e in tensor.external_data}
+    location = info.get("location", "")
+    where = f"'{path}': tensor '{tensor.name}' has its data in external file '{location}'"
+    try:  # os.path.join drops `folder` for an absolute location; realpath then resolves `..` and every symlink
+        target = os.path.realpath(os.path.join(folder, location))
+    except ValueError as e:  # a NUL byte in the location
+        raise InputFileError(f"{where}, which is not a valid path ({e}); {fix}") from e
+    if os.path.commonpath([folder, target]) != folder:
+        link = os.path.normpath(location)
+        if os.path.isabs(location) or link == os.pardir or link.startswith(os.pardir + os.sep):
+            how = (f"copy the data file into '{folder}' and set the tensor's location to its name there "
+                   "(relative to the model's folder)")
+        else:  # a symlink (in the location's path) leads out of the folder
+            how = (f"replace the symlink by a copy of '{target}', or inline the data: "
+                   f"onnx.save(onnx.load('{path}'), '{path}', save_as_external_data=False)")
+        resolves = "" if target == location else f" (it resolves to '{target}')"
+        raise InputFileError(f"{where}{resolves}, which is outside the model's folder '{folder}'; onnxfuse reads "
+                             f"external data only from inside it. To fix this, {how}; or {fix}")
+    if not os.path.exists(target):
+        raise InputFileError(f"{where}, which does not exist (looked for '{target}'); put the data file next to "
+                             f"the model, or {fix}")
+    if not os.path.isfile(target):  # a folder, or a FIFO or device that reading could block on forever
+        what = "a folder, not a data file" if os.path.isdir(target) else "not a regular file (a FIFO, socket or device)"
+        raise InputFileError(f"{where}, which is {what}; {fix}")
+    try:
+        offset, length = (int(info[k]) if info.get(k) else None for k in ("offset", "length"))
+    except ValueError as e:
+        raise InputFileError(f"{where} at offset '{info.get('offset')}' length '{info.get('length')}', which "
+                             f"are not whole numbers; {fix}") from e
+    offset = offset or 0
+    size = os.path.getsize(target)
+    if offset < 0 or (length is not None and length < 0) or offset + (length or 0) > size:
+        raise InputFileError(f"{where} at offset {offset} length {length}, but that file has {size} bytes "
+                             f"(truncated, or not this model's data file); {fix}")
+    try:
+        with open(target, "rb") as f:  # the resolved path: what was checked is what is read
+            f.seek(offset)
+            data = f.read(length if length is not None else -1)
+    except OSError as e:
+        raise InputFileError(f"{where}, which cannot be read ({e.strerror or e}); {fix}") from e
+    need = _tensor_bytes(tensor)
+    if need is not None and len(data) != need:
+        raise InputFileError(f"{where}: {len(data)} bytes at offset {offset}, but a "
+                             f"{onnx.TensorProto.DataType.Name(tensor.data_type)} tensor of shape "
+                             f"{list(tensor.dims)} needs {need} (truncated, or not this model's data file); {fix}")
+    tensor.raw_data = data
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes of ``tensor``'s raw data, or None where they do not follow from its type (strings, unknown)."""
+    name = onnx.TensorProto.DataType.Name(tensor.data_type) if tensor.data_type in \
+        onnx.TensorProto.DataType.values() else ""
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    if name in ("INT4", "UINT4", "FLOAT4E2M1"):  # two values per byte
+        return (count + 1) // 2
+    if name in ("", "UNDEFINED", "STRING"):
+        return None
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize

@@ -1,0 +1,138 @@
+"""The fusion pipeline as passes, each a function a test can run alone:
+
+    load (resolve what is static: ``resolve_static_pass``) -> identity check -> fuse -> clean up
+    -> topological sort -> onnx.checker
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import onnx
+from onnx import numpy_helper
+
+from onnxfuse.core._graph import cleanup_pass, toposort_pass
+from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.engine import Strategy, fuse_aligned
+from onnxfuse.core.errors import ConfigError, NotFusibleError
+from onnxfuse.core.identity import check_identical
+from onnxfuse.core.rules import RULES
+from onnxfuse.core.source import SourceModel, load_source, resolve_static_pass
+from onnxfuse.core.weights import ArraySpec
+
+__all__ = ["FusedArray", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
+           "check_pass", "FORMS", "fixed_strategy"]
+
+# Every fused form some rule offers (``Rule.forms``), e.g. "grouped", "per-model": the names a fixed strategy takes.
+FORMS: tuple[str, ...] = tuple(dict.fromkeys(f for r in RULES.values() for f in r.forms))
+
+
+def fixed_strategy(form: str) -> Strategy:
+    """The strategy that emits ``form`` wherever a rule offers it, and each rule's default elsewhere."""
+    if form not in FORMS:
+        raise ConfigError(f"--strategy: unknown form '{form}'; the rules offer: {', '.join(FORMS)}")
+    return lambda g, forms: form if form in forms else forms[0]
+
+
+@dataclass
+class FusedArray:
+    model: onnx.ModelProto
+    spec: ArraySpec
+    sources: list[SourceModel]
+
+    @property
+    def B(self) -> int:
+        return self.spec.B
+
+
+def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx.checker with shape inference: the fused graph must be valid ONNX."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:
+        raise NotFusibleError(f"internal error: the fused graph is not valid ONNX: {str(e).splitlines()[0]}") from e
+    return model
+
+
+def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None,
+                strict: bool = False, per_model_inputs: Sequence[str] = (),
+                strategy: str | Strategy | None = None) -> FusedArray:
+    """Fuse B models that are the same graph up to weights into one horizontally fused model.
+
+    ``per_model_inputs`` names graph inputs that differ per model: the fused graph takes them as [B, ...].
+    A node without a fusion rule runs once per model (with a warning) unless ``strict``, which raises
+    ``UnsupportedOpError`` instead. ``strategy`` picks the form of nodes whose rule offers several (every form is
+    the same maths and the same weight layout): None or "default" (each rule's first: grouped convolutions), a form
+    name (:data:`FORMS`, that form wherever offered), or a callable (:data:`onnxfuse.core.engine.Strategy`;
+    ``onnxfuse.measure.forms.measured_strategy`` measures each node's forms on a runtime and device).
+    """
+    if isinstance(strategy, str):
+        strategy = None if strategy == "default" else fixed_strategy(strategy)
+    if labels is None:
+        labels = _labels(models)
+    sources = [load_source(m, labels[k]) for k, m in enumerate(models)]
+    names = {vi.name for vi in sources[0].inputs}
+    unknown = [n for n in per_model_inputs if n not in names]
+    if unknown:
+        raise ConfigError(f"--per-model-inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
+                          f"(its inputs: {', '.join(sorted(names))})")
+    aligned = check_identical(sources)
+    result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs), strategy=strategy)
+    if result.summary["unfused"]:
+        listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
+        more = len(result.summary["unfused"]) - 10
+        warnings.warn(f"{len(result.summary['unfused'])} node(s) run once per model instead of fused: {listed}"
+                      + (f" and {more} more" if more > 0 else "") + "; see array.json summary.unfused for why",
+                      stacklevel=2)
+    model = check_pass(toposort_pass(cleanup_pass(result.model)))
+    src = sources[0]
+
+    def io(vis, per_model=()):
+        return [{"name": v.name, "shape": src.shapes.get(v.name),
+                 "dtype": onnx.helper.tensor_dtype_to_np_dtype(src.dtypes.get(v.name, onnx.TensorProto.FLOAT)).name,
+                 "per_model": v.name in per_model} for v in vis]
+
+    summary = dict(result.summary)
+    summary["fused_nodes"] = len(model.graph.node)
+    spec = ArraySpec(
+        B=len(sources),
+        sources=[s.label for s in sources],
+        inputs=io(src.inputs, set(per_model_inputs)),
+        outputs=io(src.outputs),
+        weights=result.weights,
+        extra_state=[dict(s.meta.get("extra_state", {})) for s in sources],
+        summary=summary,
+    )
+    return FusedArray(model=model, spec=spec, sources=sources)
+
+
+def _labels(models) -> list[str]:
+    """How each model is named in messages: its file name, or its path when file names repeat."""
+    paths = [os.fspath(m) if not isinstance(m, onnx.ModelProto) else f"model {k}" for k, m in enumerate(models)]
+    names = [os.path.basename(p) for p in paths]
+    return names if len(set(names)) == len(names) else paths
+
+
+def _strip_weights(src: SourceModel) -> onnx.ModelProto:
+    """The source graph without its weight data (split puts trained weights back)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(src.model)
+    keep = [t for t in m.graph.initializer if t.name not in src.weight_names]
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(keep)
+    return m
+
+
+def save_array(fa: FusedArray, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
+    """Write the array folder (:class:`onnxfuse.core.array.ArrayDir`): the fused graph, its spec and the weightless
+    source graphs, atomically. With ``overwrite``, an array folder there is replaced as a whole (its runs too),
+    holding its lock."""
+    out_dir = os.fspath(out_dir)
+    ArrayDir.create(out_dir, fa.model, fa.spec, [_strip_weights(src) for src in fa.sources], overwrite)
+    return out_dir
+
+
+def fused_initial_weights(model: onnx.ModelProto) -> dict:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}

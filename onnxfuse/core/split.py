@@ -1,0 +1,137 @@
+"""Split a fused array back into B ordinary models: ``model_{b}.onnx`` (inference-ready, the original graph with
+its trained weights) and ``model_{b}.safetensors`` (the original state_dict keys, loadable with
+``load_state_dict(strict=True)``).
+
+The weights are the array's trained ones, of the folder's current run (``ArrayDir.trained``); an array without
+them (never trained, or its run did not finish) is refused unless the initial weights are asked for
+(``initial``)."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxfuse.core._io import atomic_dir
+from onnxfuse.core.array import ArrayDir, check_output_location
+from onnxfuse.core.errors import InputFileError
+from onnxfuse.core.weights import ArraySpec, unpack_weight
+
+__all__ = ["to_inference", "split_weights", "model_steps", "final_states", "split_array"]
+
+
+def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """BatchNorm on running statistics (one output) and Dropout off, in place; returns the model."""
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization":
+            for a in node.attribute:
+                if a.name == "training_mode":
+                    a.i = 0
+            del node.output[1:]
+        elif node.op_type == "Dropout" and len(node.input) > 2:
+            node.input[2] = ""
+    return model
+
+
+def model_steps(status: dict | None, steps: int) -> int:
+    """The optimizer steps a model took when the array took ``steps``: a model that diverged at step t kept the
+    state of step t - 1 (its step t was rejected); ``status`` is its entry in a run's status (None: trained on)."""
+    status = status or {}
+    diverged = status.get("step") if status.get("status") == "diverged" else status.get("diverged")
+    return steps if diverged is None else min(steps, int(diverged) - 1)
+
+
+def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Sequence[int] = 0
+                  ) -> list[dict[str, np.ndarray]]:
+    """Per-model {state_dict key: tensor}: every key the exporter recorded, so that torch's
+    ``load_state_dict(strict=True)`` accepts it. ``steps``: the optimizer steps taken, one for all models or one
+    per model (``model_steps``).
+
+    Fused weights are unpacked (one entry per tensor, however many nodes read it). The entries of
+    ``spec.extra_state`` are state that is not a graph initializer: ``alias`` of another key (tied weights: the
+    trained value of the key it aliases, copied), ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the
+    number of training steps, as torch does once per training forward) and ``constant`` (its value at export time).
+    Arrays made before aliases were recorded carry tied weights as constants (their export-time value)."""
+    per_model = list(steps) if isinstance(steps, (list, tuple)) else [steps] * spec.B
+    out = []
+    for b in range(spec.B):
+        state = {fw.sources[b]: unpack_weight(fw, fused[fw.name], b) for fw in spec.weights.values()}
+        aliases = {}
+        for key, e in spec.extra_state[b].items():
+            if e.get("kind") == "alias":
+                aliases[key] = e["of"]
+                continue
+            value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
+            if e.get("kind") == "bn_counter":
+                value = np.asarray(value + per_model[b], dtype=e["dtype"])
+            state[key] = value
+        for key, of in aliases.items():
+            if of not in state:
+                raise InputFileError(f"{spec.sources[b]}: state_dict entry '{key}' is an alias of '{of}', which the "
+                                     "array does not hold; re-export the model and re-run `onnxfuse fuse`")
+            state[key] = state[of].copy()
+        out.append(state)
+    return out
+
+
+def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = False
+                 ) -> list[dict[str, np.ndarray]]:
+    """Every original model's state_dict after the current run (``initial``: as fused), from what
+    :meth:`ArrayDir.trained` gives. A run that shrank the array (successive halving) stored the surviving array
+    and each dropped model's state at the step it was dropped. A diverged model's ``num_batches_tracked`` stopped
+    with it."""
+    array = ArrayDir(array_dir)
+    trained = array.trained(initial)
+    current = trained.spec or spec
+    missing = [n for n in current.weights if n not in trained.weights]
+    if missing:
+        raise InputFileError(f"'{array.path}': fused weight '{missing[0]}' is missing from the stored weights; "
+                             "re-run `onnxfuse fuse` or `onnxfuse train`")
+    models = trained.models if trained.models is not None else list(range(current.B))
+    states: list = [None] * spec.B
+    for b, state in zip(models, split_weights(current, trained.weights,
+                                              [model_steps(trained.status.get(str(b)), trained.steps)
+                                               for b in models])):
+        states[b] = state
+    for b in range(spec.B):
+        if states[b] is None:
+            states[b] = array.dropped_state(b, f"model {b} was dropped and its state is lost: train the array "
+                                               "again, or pass --initial to split the initial weights")
+    return states
+
+
+def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+                initial: bool = False) -> list[str]:
+    """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths.
+
+    The weights are the current run's trained ones (an array without them is refused); ``initial``: the
+    weights the array was fused with. ``out_dir`` may not be, be inside, or contain the array folder. Holds the
+    array folder's lock."""
+    array, out_dir = ArrayDir(array_dir), os.fspath(out_dir)
+    array.check_exists()
+    check_output_location(out_dir, [array.path])
+    with array.locked("split"):
+        return _split_locked(array, out_dir, overwrite, initial)
+
+
+def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool) -> list[str]:
+    from safetensors.numpy import save_file
+
+    spec = array.load_spec()
+    if not initial:
+        array.check_one_run()
+    per_model = final_states(array.path, spec, initial)
+    sources = [array.load_source(b) for b in range(spec.B)]
+    paths = []
+    with atomic_dir(out_dir, overwrite, command="split") as tmp:
+        for b, (src, state) in enumerate(zip(sources, per_model)):
+            graph_names = {i for n in src.graph.node for i in n.input}
+            src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
+            onnx.save(to_inference(src), os.path.join(tmp, f"model_{b}.onnx"))
+            # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
+            save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()},
+                      os.path.join(tmp, f"model_{b}.safetensors"))
+            paths.append(os.path.join(out_dir, f"model_{b}.onnx"))
+    return paths

@@ -1,0 +1,210 @@
+"""Export torch modules to ONNX for training: BatchNorm in training mode, no constant folding, parameter names
+kept as the state_dict keys, and the module's state left exactly as it was before the export."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import warnings
+from typing import Callable, Sequence
+
+import onnx
+import torch
+from onnx import numpy_helper
+
+from onnxfuse.core._io import atomic_dir
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.source import METADATA_KEY
+
+__all__ = ["export_module", "export_array", "load_factory", "DEFAULT_OPSET"]
+
+# The TorchScript exporter keeps BatchNorm's training outputs; the dynamo exporter (torch >= 2.9 default) folded
+# BatchNorm into the preceding Conv even in train mode, which makes the graph untrainable as exported.
+DEFAULT_OPSET = 17
+MIN_OPSET = 13  # onnxfuse reads opsets from 13 on (onnxfuse/core/source.py)
+
+
+def _max_opset() -> int:
+    """The newest opset torch's TorchScript exporter writes (20 in torch 2.4-2.13)."""
+    try:
+        from torch.onnx import _constants
+
+        return int(_constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
+    except (ImportError, AttributeError):  # pragma: no cover - other torch versions
+        return 20
+
+
+def check_opset(opset) -> int:
+    """``opset`` if onnxfuse reads it and the TorchScript exporter writes it; else one ConfigError line."""
+    top = _max_opset()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= top:
+        raise ConfigError(f"--opset {opset} is not supported: torch's TorchScript exporter writes opsets up to "
+                          f"{top} and onnxfuse reads opsets from {MIN_OPSET} on; give one in {MIN_OPSET}..{top} "
+                          f"(default {DEFAULT_OPSET})")
+    return opset
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys are the same memory viewed the same way: one tensor under two names."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _state_metadata(module: torch.nn.Module, graph_inits: set[str]) -> dict:
+    """What each ``state_dict`` entry of ``module`` is, so that ``split`` can write every key back:
+
+    - a graph initializer: ``trainable`` (a parameter with requires_grad) or ``buffers`` (the rest); fused and
+      trained, and written from its trained value;
+    - ``extra_state[key] = {"kind": "alias", "of": other}``: the same tensor as ``other`` (tied weights, e.g.
+      GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``; found by storage identity, as torch's
+      ``named_parameters(remove_duplicate=True)`` drops the later names). The graph holds it once, under one
+      name; split writes the trained value of ``other`` under ``key`` too;
+    - ``extra_state[key]`` with kind ``bn_counter`` (BatchNorm's num_batches_tracked: advanced by the number of
+      training steps) or ``constant``: not an initializer of the graph, its value recorded here at export time
+      and written back unchanged. That is right for a buffer the exporter turned into a Constant node and for
+      a parameter or buffer the forward never reads, since training cannot change them. (A key that shares memory
+      with an initializer without being the same tensor, e.g. a slice of it, would be stale: warned about.)
+    """
+    state = module.state_dict(keep_vars=True)
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    counters = {f"{name}.num_batches_tracked" for name, m in module.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
+    # one tensor, several keys: the key the graph holds (else the first) stands for the others
+    canonical: dict[tuple, str] = {}
+    for key, t in state.items():
+        if t.numel() == 0:
+            continue
+        k = _storage_key(t)
+        if k not in canonical or (key in graph_inits and canonical[k] not in graph_inits):
+            canonical[k] = key
+    in_graph_storage = {state[k].untyped_storage().data_ptr() for k in graph_inits if k in state}
+    meta = {"framework": "torch", "torch_version": torch.__version__, "trainable": [], "buffers": [],
+            "extra_state": {}}
+    for key, t in state.items():
+        first = canonical.get(_storage_key(t), key) if t.numel() else key
+        if key in graph_inits:
+            meta["trainable" if key in trainable else "buffers"].append(key)
+        elif first != key:
+            meta["extra_state"][key] = {"kind": "alias", "of": first}
+        else:
+            if t.numel() and t.untyped_storage().data_ptr() in in_graph_storage:
+                warnings.warn(f"state_dict entry '{key}' shares memory with a graph initializer but is not the same "
+                              "tensor (a slice or reshaped view of it): split writes its value from export time, "
+                              "not the trained one", stacklevel=3)
+            arr = t.detach().cpu().numpy()
+            meta["extra_state"][key] = {
+                "dtype": str(arr.dtype), "shape": list(arr.shape), "value": arr.reshape(-1).tolist(),
+                "kind": "bn_counter" if key in counters else "constant",
+            }
+    return meta
+
+
+def export_module(
+    module: torch.nn.Module,
+    path: str | os.PathLike,
+    input_shape: Sequence[int] | None = None,
+    example_inputs: tuple | None = None,
+    input_names: Sequence[str] = ("input",),
+    output_names: Sequence[str] = ("output",),
+    opset: int = DEFAULT_OPSET,
+    dynamic_batch: bool = True,
+) -> onnx.ModelProto:
+    """Export ``module`` in training mode to ``path``; returns the ModelProto.
+
+    The batch dimension (dim 0 of every input and output) is symbolic ``N`` unless ``dynamic_batch=False``.
+    Exporting runs one training forward, which moves BatchNorm running statistics: the module's state_dict is
+    restored afterwards and the ONNX initializers hold the values from before the export.
+    """
+    check_opset(opset)
+    if example_inputs is None:
+        if input_shape is None:
+            raise ConfigError("export_module needs input_shape or example_inputs")
+        gen = torch.Generator().manual_seed(0)
+        example_inputs = (torch.randn(*input_shape, generator=gen),)
+    snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    was_training = module.training
+    module.train()
+    dynamic_axes = {n: {0: "N"} for n in list(input_names) + list(output_names)} if dynamic_batch else None
+    buf = io.BytesIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module, example_inputs, buf, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False, opset_version=opset, input_names=list(input_names),
+                output_names=list(output_names), dynamic_axes=dynamic_axes,
+            )
+    except Exception as e:
+        shapes = [list(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        first = " ".join(str(e).split())[:300]
+        raise ConfigError(f"torch could not export {type(module).__name__} with input shape(s) {shapes}: {first}; "
+                          "check --input-shape against what the model expects") from e
+    finally:
+        module.load_state_dict(snapshot)
+        module.train(was_training)
+    proto = onnx.load_from_string(buf.getvalue())
+    for init in proto.graph.initializer:
+        if init.name in snapshot:
+            init.CopyFrom(numpy_helper.from_array(snapshot[init.name].cpu().numpy(), init.name))
+    meta = _state_metadata(module, {i.name for i in proto.graph.initializer})
+    proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(meta))
+    proto.ir_version = min(proto.ir_version, 10)
+    onnx.save(proto, os.fspath(path))
+    return proto
+
+
+def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
+    """Resolve ``MODULE:FACTORY`` (a dotted module importable from the current folder, or a .py file path)."""
+    if ":" not in spec:
+        raise ConfigError(f"'{spec}' is not MODULE:FACTORY (e.g. onnxfuse.exporters.zoo:LeNet or my_models.py:make)")
+    mod_name, _, attr = spec.rpartition(":")
+    try:
+        if mod_name.endswith(".py"):
+            if not os.path.exists(mod_name):
+                raise ConfigError(f"model file '{mod_name}' does not exist")
+            s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
+            module = importlib.util.module_from_spec(s)
+            s.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import '{mod_name}' ({e}); run from the folder that holds it or give a .py path") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"'{mod_name}' has no callable '{attr}'")
+    return factory
+
+
+def export_array(
+    factory: Callable[[], torch.nn.Module],
+    out_dir: str | os.PathLike,
+    count: int,
+    input_shape: Sequence[int],
+    seeds: Sequence[int] | None = None,
+    overwrite: bool = False,
+    **export_kwargs,
+) -> list[str]:
+    """Build ``count`` modules (``torch.manual_seed(seed)`` before each ``factory()`` call) and export each to
+    ``out_dir/model_{b}.onnx``. Returns the file paths."""
+    seeds = list(range(count)) if seeds is None else list(seeds)
+    if len(seeds) != count:
+        raise ConfigError(f"--seeds has {len(seeds)} values but --count is {count}; give one seed per model")
+    if count < 1:
+        raise ConfigError("--count must be at least 1")
+    check_opset(export_kwargs.get("opset", DEFAULT_OPSET))
+    out_dir = os.fspath(out_dir)
+    with atomic_dir(out_dir, overwrite, command="export") as tmp:
+        for b, seed in enumerate(seeds):
+            torch.manual_seed(seed)
+            module = factory()
+            if not isinstance(module, torch.nn.Module):
+                raise ConfigError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
+            export_module(module, os.path.join(tmp, f"model_{b}.onnx"), input_shape=input_shape, **export_kwargs)
+        with open(os.path.join(tmp, "jobs.json"), "w") as f:
+            json.dump({"count": count, "seeds": seeds, "input_shape": list(input_shape)}, f, indent=1)
+    return [os.path.join(out_dir, f"model_{b}.onnx") for b in range(count)]

@@ -1,0 +1,531 @@
+"""`onnxfuse bench`: the fused array against every way a user could train the same B models, in one process.
+
+For each model and B: B models with different weights; one ONNX model per model, fused; then rounds that alternate
+the modes (the order reversed every other round), each timing ``steps`` steps after ``warmup`` untimed ones:
+
+    torch      the fused array on the torch runtime: one step trains all B models (per-model AdamW learning rates)
+    ort        the fused array on the ort runtime (onnxruntime-training; CPU only)
+    seq-torch  B torch modules, each with its own torch.optim.AdamW, stepped one after another: the baseline
+    seq-ort    the same B models one after another in onnxruntime-training: B one-model arrays on the ort runtime
+    vmap       the B modules as one torch.func ensemble (stack_module_state + functional_call + vmap), one AdamW
+               over the stacked parameters (one learning rate; BatchNorm without running statistics, which vmap
+               cannot update in place: torch.func.replace_all_batch_norm_modules_)
+    hfta       the B modules rewritten by hand as one HFTA-style PyTorch model (onnxfuse/measure/hfta_models.py: grouped
+               Conv2d, batched Linear, packed BatchNorm / LayerNorm / Embedding), one AdamW over its parameters
+               (one learning rate, as vmap); zoo models lenet, resnet18 and transformer_lm only
+    dense      ONE model at batch B * N: the FLOPs of the array in one ordinary model, the ceiling fusion can approach
+
+on the same device-resident random batch (N samples per model). Samples/s count all B models: B * N * steps / the
+median round time. A mode's ratio to seq-torch (and to dense) is the median of its per-round ratios: the runs of
+one round see the same machine. Peak memory is torch's allocator peak on CUDA (per mode, and over the row), else
+the process's peak RSS (one figure for the row: it only grows). Where a mode cannot run (ort and seq-ort off the
+CPU or without onnxruntime.training, hfta for a model without a hand-fused version) it is left out with a note.
+
+A model is a zoo name or an ONNX file. Zoo model b is the zoo module built after ``torch.manual_seed(b)``; one
+export whose initializers are replaced by each module's state_dict (the exporter keeps state_dict names) gives
+the B ONNX models. An ONNX file (one data input, float or int64 token ids that index an embedding initializer;
+one output) gives model 0 its own weights and model b > 0 a copy with seeded Gaussian noise of 1 % of each
+weight's standard deviation; its input is random at --batch (or at the file's fixed batch), its labels random
+classes over the output's last axis (cross-entropy over the last axis, as for the zoo's LM). With no torch module
+to run, seq-torch and dense run the file's ONNX graph in torch eager by onnxfuse's own converter
+(onnxfuse/runtime/torch_graph.py, initializers as nn.Parameters, torch.optim.AdamW); vmap and hfta are left out, and
+dense too when the file's batch is fixed.
+
+``run_bench(..., out=DIR)`` writes DIR/bench.json, bench.csv (one row per model and B), bench.md (the table and
+the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model).
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import resource
+import statistics
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from onnxfuse.core._io import claim_output
+from onnxfuse.core.errors import ConfigError, shell
+
+from onnxfuse.measure.workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file,
+                                        load_onnx_file, zoo_batch, zoo_modules, zoo_protos)
+
+__all__ = ["run_bench", "MODES", "MODE_TITLES", "FILE_TITLES"]
+
+MODE_TITLES = {"torch": "fused (torch runtime)", "ort": "fused (ort runtime)",
+               "seq-torch": "PyTorch one after another", "seq-ort": "onnxruntime-training one after another",
+               "vmap": "torch.func ensemble", "hfta": "HFTA-style fused PyTorch (hand-written)",
+               "dense": "one model at batch B*N"}
+# an ONNX file has no torch module: these modes run its ONNX graph by onnxfuse's converter instead
+FILE_TITLES = {"seq-torch": "the ONNX graph in torch eager (onnxfuse's converter) one after another",
+               "dense": "the ONNX graph in torch eager (onnxfuse's converter) at batch B*N"}
+MODES = tuple(MODE_TITLES)
+BASELINE, CEILING = "seq-torch", "dense"
+_ORT_MODES = ("ort", "seq-ort")
+
+
+# ----------------------------------------------------------------------------------------------- the workloads
+@dataclass
+class _Workload:
+    """One model at one B: the B ONNX models the fused array and the ort modes train, the B torch models seq-torch
+    trains (on the device), the batch every model sees and the axis the loss reads its classes from."""
+
+    name: str
+    source: str  # "zoo" or "onnx" (a file)
+    protos: list
+    modules: list
+    fresh: Callable[[], object]  # a new copy of model 0 on the device (for dense)
+    x: object
+    y: object
+    input_name: str
+    class_last: bool  # cross-entropy over the last axis ([N, .., classes]: an LM, an ONNX file), else axis 1
+    export_s: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        return int(self.x.shape[0])
+
+
+def _zoo_workload(name: str, B: int, n: int, device, folder: str) -> _Workload:
+    from onnxfuse.exporters.zoo import ZOO
+
+    mods = zoo_modules(name, B)
+    t0 = time.perf_counter()
+    protos = zoo_protos(name, mods, n, folder)
+    export_s = time.perf_counter() - t0
+    x, y = zoo_batch(name, n, device)
+    seq = [m.to(device).train() for m in mods]
+    return _Workload(name, "zoo", protos, seq, lambda: copy.deepcopy(seq[0]), x, y, "input",
+                     ZOO[name].task == "lm", export_s)
+
+
+def _file_workload(f: OnnxFile, B: int, device) -> _Workload:
+    """Model b's torch module is its ONNX graph in torch eager by onnxfuse's converter (initializers as
+    nn.Parameters): there is no other torch version of a file."""
+    from onnxfuse.runtime.torch_graph import OnnxModule
+
+    protos = file_protos(f, B)
+    mods = [OnnxModule(copy.deepcopy(p)).to(device).train() for p in protos]
+    x, y = file_batch(f, device)
+    return _Workload(f.path, "onnx", protos, mods, lambda: OnnxModule(copy.deepcopy(protos[0])).to(device).train(),
+                     x, y, f.input_name, True)
+
+
+def _left_out(name: str, f: OnnxFile | None) -> dict[str, str]:
+    """The modes model ``name`` cannot run, each with why."""
+    from onnxfuse.measure.hfta_models import HFTA_MODELS
+
+    if f is None:
+        return {} if name in HFTA_MODELS else {
+            "hfta": f"no hand-fused version of {name} (onnxfuse/measure/hfta_models.py has {', '.join(HFTA_MODELS)})"}
+    out = {m: "an ONNX file has no torch module" for m in ("vmap", "hfta")}
+    if f.fixed_batch:
+        out[CEILING] = f"its batch is fixed ({f.input_shape[0]})"
+    return out
+
+
+def _plan(models: Sequence[str], modes: list[str], files: dict[str, OnnxFile], notes: list[str]
+          ) -> dict[str, list[str]]:
+    """The modes each model runs; a note for each mode left out and for what an ONNX file's modes run."""
+    plan = {}
+    for name in models:
+        left = _left_out(name, files.get(name))
+        plan[name] = [m for m in modes if m not in left]
+        reasons: dict[str, list[str]] = {}
+        for m in modes:
+            if m in left:
+                reasons.setdefault(left[m], []).append(m)
+        notes.extend(f"{name}: left out {', '.join(ms)}: {why}" for why, ms in reasons.items())
+        if name in files:
+            eager = [m for m in (BASELINE, CEILING) if m in plan[name]]
+            notes.append(f"{name}: {' and '.join(eager)} run{'s' if len(eager) == 1 else ''} the file's ONNX graph "
+                         "in torch eager by onnxfuse's converter (onnxfuse/runtime/torch_graph.py), not a torch module; model "
+                         "b > 0 is the file's weights plus 1 % seeded noise"
+                         + (f"; measured at its fixed batch {files[name].input_shape[0]}"
+                            if files[name].fixed_batch else ""))
+    return plan
+
+
+def _output(module, x):
+    """A module's output; onnxfuse's converter returns the graph's outputs as a tuple."""
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _loss(class_last: bool, out, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if class_last else F.cross_entropy(out, y)
+
+
+# ---------------------------------------------------------------------------------------------------- the modes
+def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: str, feeds: dict,
+                workdir: str, threads: int = 0, strategy: str = "default", batch: int = 32) -> Callable[[], None]:
+    from onnxfuse.core.passes import fuse_models
+
+    from onnxfuse.measure.forms import make_strategy
+    from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.recipe.runtimes import make_trainer
+
+    fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
+                     strategy=make_strategy(strategy, runtime, device, batch, threads))
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
+                           device=device, workdir=workdir, threads=threads or None)
+    return lambda: trainer.step(feeds)
+
+
+def _seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir: str,
+                  threads: int = 0) -> Callable[[], None]:
+    """B one-model arrays on the ort runtime, stepped one after another."""
+    steps = [_fused_step([p], [lr], loss_name, "ort", "cpu", feeds, os.path.join(workdir, f"model_{b}"), threads)
+             for b, (p, lr) in enumerate(zip(protos, lrs))]
+
+    def step() -> None:
+        for s in steps:
+            s()
+    return step
+
+
+def _seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y) -> Callable[[], None]:
+    import torch
+
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(mods, lrs)]
+
+    def step() -> None:
+        for m, o in zip(mods, opts):
+            o.zero_grad(set_to_none=True)
+            _loss(class_last, _output(m, x), y).backward()
+            o.step()
+    return step
+
+
+def _vmap_step(mods: list, class_last: bool, x, y, lr: float) -> Callable[[], None]:
+    """One AdamW step of the B models as a torch.func ensemble (the loss summed over the models)."""
+    import torch
+    from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state
+
+    base = copy.deepcopy(mods[0])
+    replace_all_batch_norm_modules_(base)
+    params, buffers = stack_module_state([replace_all_batch_norm_modules_(copy.deepcopy(m)) for m in mods])
+    params = {k: torch.nn.Parameter(v) for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=lr)
+
+    def one(p, b, xx):
+        return functional_call(base, (p, b), (xx,))
+
+    ensemble = torch.vmap(one, in_dims=(0, 0, None), randomness="different")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = ensemble(params, buffers, x)  # [B, N, ...]
+        sum(_loss(class_last, out[b], y) for b in range(out.shape[0])).backward()
+        opt.step()
+    return step
+
+
+def _hfta_step(name: str, mods: list, class_last: bool, x, y, lr: float) -> Callable[[], None]:
+    """One AdamW step of the B models rewritten by hand as one HFTA-style model (the loss summed over the models;
+    one learning rate, as vmap)."""
+    import torch
+
+    from onnxfuse.measure.hfta_models import hfta_model
+
+    model = hfta_model(name, mods)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(x)  # [B, N, ...]
+        sum(_loss(class_last, out[b], y) for b in range(out.shape[0])).backward()
+        opt.step()
+    return step
+
+
+def _dense_step(model, class_last: bool, x, y, B: int, lr: float) -> Callable[[], None]:
+    """One AdamW step of ONE model at batch B * N."""
+    import torch
+
+    xb, yb = x.repeat((B,) + (1,) * (x.dim() - 1)), y.repeat((B,) + (1,) * (y.dim() - 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(class_last, _output(model, xb), yb).backward()
+        opt.step()
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+def _peak_mib(device) -> float:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, modes: list[str], folder: str,
+             threads: int = 0, strategy: str = "default") -> dict:
+    import torch
+
+    from onnxfuse.recipe.losses import LABELS, get_loss
+
+    B, n, seq, x, y, last = len(work.protos), work.batch, work.modules, work.x, work.y, work.class_last
+    lrs = [float(v) for v in np.geomspace(1e-4, 1e-3, B)] if B > 1 else [1e-3]
+    loss_name = get_loss("cross-entropy", class_axis=-1) if last else "cross-entropy"
+    feeds = {work.input_name: x, LABELS: y}
+    host = {k: v.cpu().numpy() for k, v in feeds.items()}  # the ort runtime takes numpy (CPU)
+    make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder, threads,
+                                         strategy, n),
+            "ort": lambda: _fused_step(work.protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
+                                       threads, strategy, n),
+            "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y),
+            "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
+                                             threads),
+            "vmap": lambda: _vmap_step(seq, last, x, y, lrs[0]),
+            "hfta": lambda: _hfta_step(work.name, seq, last, x, y, lrs[0]),
+            "dense": lambda: _dense_step(work.fresh(), last, x, y, B, lrs[0])}
+    steppers, setup_s = {}, {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        steppers[mode] = make[mode]()
+        setup_s[mode] = time.perf_counter() - t0  # fusing, sessions, optimizers: not timed
+        for _ in range(warmup):
+            steppers[mode]()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    peaks: dict[str, float] = {m: 0.0 for m in modes}
+
+    def reset_peak(mode: str) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def read_peak(mode: str) -> None:
+        peaks[mode] = max(peaks[mode], _peak_mib(device))
+
+    cuda = device.type == "cuda"
+    times = interleaved_rounds({m: steppers[m] for m in modes}, rounds, steps, sync,
+                               reset_peak if cuda else None, read_peak if cuda else None)
+    samples = B * n * steps
+    result = {}
+    for mode in modes:
+        result[mode] = {
+            "samples_s": samples / statistics.median(times[mode]),
+            "over_seq_torch": statistics.median(b / t for t, b in zip(times[mode], times[BASELINE])),
+            "of_dense": (statistics.median(d / t for t, d in zip(times[mode], times[CEILING]))
+                         if CEILING in times else None),
+            "round_s": times[mode], "setup_s": setup_s[mode],
+            "peak_mib": peaks[mode] if device.type == "cuda" else None}
+    return {"model": work.name, "source": work.source, "B": B, "batch": n, "device": str(device), "steps": steps,
+            "warmup": warmup, "rounds": rounds, "export_s": work.export_s,
+            "peak_mib": max(peaks.values()) if device.type == "cuda" else _peak_mib(device), "modes": result}
+
+
+def _ort_unavailable(device) -> str | None:
+    if device.type != "cpu":
+        return f"the ort modes run on the CPU only (device {device})"
+    try:
+        import onnxruntime.training  # noqa: F401
+    except ImportError as e:
+        return f"onnxruntime.training does not import ({e}); pip install '.[cpu]' for the ort modes"
+    return None
+
+
+def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch: int, steps: int, rounds: int,
+           warmup: int) -> None:
+    from onnxfuse.exporters.zoo import ZOO
+
+    for name in models:
+        if name not in ZOO and not is_onnx_file(name):
+            raise ConfigError(f"--models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}, or give the path "
+                              "of an .onnx file")
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"--modes: unknown mode '{mode}'; choose from: {', '.join(MODES)}")
+    if not Bs or any(isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1 for B in Bs):
+        raise ConfigError(f"--B: array sizes must be integers >= 1, e.g. 1,8,16; got {list(Bs)}")
+    for flag, v, least in (("--batch", batch, 1), ("--steps", steps, 1), ("--rounds", rounds, 1),
+                           ("--warmup", warmup, 0)):
+        if v < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {v}")
+
+
+def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequence[str], batch: int, steps: int,
+            rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0,
+            strategy: str = "default") -> str:
+    """The `onnxfuse bench` command line that reproduces a run."""
+    words = ["onnxfuse", "bench", "--models", ",".join(models), "--B", ",".join(map(str, B)), "--device", device,
+             "--modes", ",".join(modes), "--batch", str(batch), "--steps", str(steps), "--rounds", str(rounds),
+             "--warmup", str(warmup)]
+    words += ["--budget-s", f"{budget_s:g}"] if budget_s else []
+    words += ["--threads", str(threads)] if threads else []
+    words += ["--strategy", strategy] if strategy != "default" else []
+    return shell(*words, "-o", out)
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+def mode_title(row: dict, mode: str) -> str:
+    """What ``mode`` measured for this row: an ONNX file's seq-torch and dense run its graph by onnxfuse's converter."""
+    return FILE_TITLES.get(mode, MODE_TITLES[mode]) if row.get("source") == "onnx" else MODE_TITLES[mode]
+
+
+def table(rows: list[dict], modes: list[str]) -> str:
+    """One line per model, B and mode measured: samples/s, the ratio to PyTorch one after another and to the dense
+    ceiling, peak memory (per mode on CUDA; the process's peak RSS so far on the CPU)."""
+    lines = ["| model | B | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) | peak MiB |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        for m in (m for m in modes if m in r["modes"]):
+            c = r["modes"][m]
+            dense = "–" if c["of_dense"] is None else f"{c['of_dense']:.2f}"
+            peak = r["peak_mib"] if c["peak_mib"] is None else c["peak_mib"]
+            lines.append(f"| {r['model']} | {r['B']} | {mode_title(r, m)} | {c['samples_s']:,.0f} | "
+                         f"{c['over_seq_torch']:.2f}× | {dense} | {peak:,.0f} |")
+    return "\n".join(lines)
+
+
+def wide_table(rows: list[dict], modes: list[str]) -> str:
+    """One line per model and B, one column per mode: samples/s and, in brackets, the ratio to PyTorch one after
+    another; the last column is the fused array on the torch runtime as a fraction of the dense ceiling. A mode no
+    row has is left out."""
+    modes = [m for m in modes if any(m in r["modes"] for r in rows)]
+    head = [MODE_TITLES[m] for m in modes]
+    lines = ["| model | B | " + " | ".join(head) + " | fused torch ÷ ceiling |",
+             "|---|---:|" + "---:|" * (len(modes) + 1)]
+    for r in rows:
+        cells = [f"{r['modes'][m]['samples_s']:,.0f} ({r['modes'][m]['over_seq_torch']:.2f}×)" if m in r["modes"]
+                 else "–" for m in modes]
+        torch_cell = r["modes"].get("torch", {}).get("of_dense")
+        lines.append(f"| {r['model']} | {r['B']} | " + " | ".join(cells)
+                     + f" | {'–' if torch_cell is None else f'{torch_cell:.2f}'} |")
+    return "\n".join(lines)
+
+
+def _write_csv(path: str, rows: list[dict], modes: list[str]) -> None:
+    cols = ["model", "B", "batch", "device", "steps", "rounds", "peak_mib"]
+    per_mode = [f"{m} {k}" for m in modes for k in ("samples_s", "over_seq_torch", "of_dense")]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols + per_mode)
+        for r in rows:
+            w.writerow([r[c] for c in cols] + [r["modes"].get(m, {}).get(k) for m in modes
+                                               for k in ("samples_s", "over_seq_torch", "of_dense")])
+
+
+def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    models = list(dict.fromkeys(r["model"] for r in rows)) or ["(no measurement)"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["B"])
+        for mode in modes:
+            pts = [(r["B"], r["modes"][mode]["samples_s"]) for r in mine if mode in r["modes"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=mode_title(mine[0], mode),
+                        linestyle="--" if mode in (BASELINE, CEILING) else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["B"] for r in mine}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_title(os.path.basename(name))
+        ax.set_xlabel("B (models in the array)")
+        ax.set_ylabel("training samples/s (all B models)")
+        ax.grid(True, alpha=0.3)
+        if ax is axes[0][0] or (mine and mine[0].get("source") == "onnx"):  # a file's titles differ
+            ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(title, 60 * len(models)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B: Sequence[int] = (1, 8, 16),
+              device: str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10, rounds: int = 3,
+              warmup: int = 3, out: str | os.PathLike = "onnxfuse-bench", budget_s: float = 0, threads: int = 0,
+              strategy: str = "default", progress: bool = True) -> list[dict]:
+    """Measure every mode for every model and B (see the module docstring); write bench.json, bench.csv, bench.md
+    and bench.png to ``out``; return one dict per (model, B) with each mode's samples/s and ratios under
+    ``row["modes"][mode]``. ``budget_s`` > 0: no new measurement starts after that many seconds. ``strategy``: the
+    fusion strategy of the fused modes (``onnxfuse fuse --strategy``; ``auto`` measures each node's forms on the
+    mode's own runtime first, outside the timed rounds)."""
+    import torch
+
+    models, Bs = list(models), list(B)
+    modes = list(dict.fromkeys(modes))
+    _check(models, Bs, modes, batch, steps, rounds, warmup)
+    out = os.fspath(out)
+    with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
+        cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
+        say = print if progress else (lambda *a, **k: None)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: torch sees no CUDA device; use --device cpu")
+        if threads:
+            torch.set_num_threads(threads)
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        notes = []
+        why = _ort_unavailable(dev) if set(modes) & set(_ORT_MODES) else None
+        if why:
+            notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
+            modes = [m for m in modes if m not in _ORT_MODES]
+        measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
+        files = {name: load_onnx_file(name, batch) for name in models if is_onnx_file(name)}  # all checked before measuring
+        plan = _plan(models, measured, files, notes)
+        env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
+        say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
+            f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes {','.join(measured)}")
+        for note in notes:
+            say(note)
+        rows: list[dict] = []
+        t_start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as folder:
+            for name in models:
+                for b in Bs:
+                    if budget_s and time.perf_counter() - t_start > budget_s:
+                        say(f"skipped {name} B={b}: over the {budget_s:g} s budget")
+                        notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
+                        continue
+                    try:
+                        work = (_file_workload(files[name], b, dev) if name in files
+                                else _zoo_workload(name, b, batch, dev, folder))
+                        r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads, strategy)
+                    except torch.OutOfMemoryError as e:
+                        say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
+                        notes.append(f"{name} B={b}: out of memory")
+                        continue
+                    finally:
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats(dev)
+                    rows.append(r)
+                    cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
+                                      for m, c in r["modes"].items())
+                    say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB", flush=True)
+        with open(os.path.join(out, "bench.json"), "w") as f:
+            json.dump({"command": cmd, "env": env, "modes": measured, "notes": notes, "rows": rows}, f, indent=1)
+        _write_csv(os.path.join(out, "bench.csv"), rows, measured)
+        text = table(rows, measured)
+        with open(os.path.join(out, "bench.md"), "w") as f:
+            f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
+                    "all B models (median round); ratios are medians of per-round ratios.\n\n"
+                    + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
+                    + "\n\nEvery mode, with the ratio to the dense ceiling and peak memory:\n\n" + text + "\n")
+        _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
+        say(text)
+        say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
+        return rows

@@ -1,0 +1,162 @@
+"""Runtimes: what trains a fused graph. The run loop (``run.py``), verification, the GAN loop and the benchmarks
+are written against :class:`Runtime`; each runtime is one registration in :data:`RUNTIMES`.
+
+A runtime is built from the fused graph, its :class:`ArraySpec`, a loss and a per-model optimizer configuration,
+and keeps the same state under the same names whichever it is, so a checkpoint written by one resumes in another:
+
+    weights()           fused parameters and buffers (BatchNorm running statistics) by fused name, model-major
+    optimizer_state()   flat [B, P] buffers ``optim.<state>`` (P = parameters per model, in ``trainable`` order)
+    load(tensors)       set any of the above by name
+
+``step(feeds, values)`` trains all B models on one batch with this step's per-model coefficients
+(:meth:`OptimizerConfig.coefficients`) and returns the per-model losses; ``last_ok`` then says which models' steps
+were applied (fault isolation: a model whose loss, gradient, new parameters or new buffers are not finite keeps
+its whole state). ``eval_batch(feeds)`` returns the per-model losses and the fused output in inference mode.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import numpy as np
+import onnx
+
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.weights import ArraySpec
+
+from onnxfuse.recipe.data import Dataset
+from onnxfuse.recipe.losses import LABELS, LossSpec
+
+if TYPE_CHECKING:  # optim reads the settings, which read this module's table
+    from onnxfuse.recipe.optim import OptimizerConfig, StepValues
+
+__all__ = ["Runtime", "RuntimeInfo", "RUNTIMES", "RUNTIME_CHOICES", "resolve_runtime", "make_trainer", "evaluate",
+           "parameter_names", "check_feeds"]
+
+
+class Runtime(Protocol):
+    spec: ArraySpec
+    opt: OptimizerConfig
+    loss: LossSpec
+    device: str
+    steps: int
+    last_ok: np.ndarray
+    trainable: list[str]
+    buffers: list[str]
+
+    def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray: ...
+
+    def eval_batch(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]: ...
+
+    def weights(self) -> dict[str, np.ndarray]: ...
+
+    def optimizer_state(self) -> dict[str, np.ndarray]: ...
+
+    def load(self, tensors: dict[str, np.ndarray]) -> None: ...
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """One runtime: its class, named ``module:Class`` so that listing the runtimes imports
+    neither torch nor onnxruntime. The class takes ``(fused, spec, loss, optimizer, device=, workdir=,
+    threads=)`` and has a static ``unavailable(device) -> str | None``: why it cannot train there (with the fix)."""
+
+    name: str
+    target: str
+    help: str
+
+    def load(self) -> type:
+        module, cls = self.target.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+# Each runtime is one entry. `auto` picks the first entry that can run on the device: the torch runtime trained
+# the fused arrays faster than onnxruntime-training on this CPU (README, "Runtimes") and is the only one that
+# reaches a current GPU stack.
+RUNTIMES: dict[str, RuntimeInfo] = {r.name: r for r in (
+    RuntimeInfo("torch", "onnxfuse.runtime.torch_runtime:TorchTrainer",
+                "PyTorch: the fused graph as a torch module, autograd, any device torch supports"),
+    RuntimeInfo("ort", "onnxfuse.runtime.ort_runtime:FusedTrainer",
+                "onnxruntime-training 1.19: CPU, or CUDA 11.8 with the onnxruntime-training GPU build"),
+)}
+RUNTIME_CHOICES = ("auto",) + tuple(RUNTIMES)
+
+
+def parameter_names(spec: ArraySpec) -> tuple[list[str], list[str]]:
+    """(trainable parameters, buffers) of an array, by fused name, in the order every runtime keeps them."""
+    trainable = [n for n, w in spec.weights.items() if w.role == "param"]
+    buffers = [n for n, w in spec.weights.items() if w.role != "param"]
+    if not trainable:
+        raise ConfigError("the array has no trainable parameters")
+    return trainable, buffers
+
+
+def resolve_runtime(runtime: str, device: str) -> str:
+    """The registered runtime for ``runtime`` (a name or ``auto``) on ``device``; an unavailable one is a
+    ConfigError saying why and what to do."""
+    if runtime == "auto":
+        reasons = {}
+        for name, info in RUNTIMES.items():
+            reasons[name] = info.load().unavailable(device)
+            if reasons[name] is None:
+                return name
+        raise ConfigError(f"no runtime can train on '{device}': " + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIME_CHOICES)}")
+    why = RUNTIMES[runtime].load().unavailable(device)
+    if why is not None:
+        raise ConfigError(why)
+    return runtime
+
+
+def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
+                 optimizer: OptimizerConfig, device: str = "cpu", workdir: str | None = None,
+                 threads: int | None = None) -> Runtime:
+    """A trainer of ``fused`` on ``runtime`` (a name or ``auto``)."""
+    cls = RUNTIMES[resolve_runtime(runtime, device)].load()
+    return cls(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads)
+
+
+def evaluate(trainer: Runtime, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
+    """Per-model mean loss over ``data`` in inference mode (BatchNorm on running statistics, Dropout off), and
+    for cross-entropy / nll the accuracy: the fraction of labels (every labelled element for [N, C, d...] or
+    class-axis -1 outputs) whose argmax class is right, ignored labels left out, as the loss does."""
+    B, loss = trainer.spec.B, trainer.loss
+    n = len(data)
+    loss_sum, weight = np.zeros(B), np.zeros(B)
+    correct, counted = np.zeros(B), np.zeros(B)
+    axis = loss.resolved_class_axis(trainer.spec.outputs[0]["shape"]) + 1 if loss.classification else None
+    for start in range(0, n, batch_size):
+        stop = min(n, start + batch_size)
+        batch = data.batch(slice(start, stop))
+        per_model, scores = trainer.eval_batch(batch)
+        if loss.classification:
+            # the loss of a batch is a mean over its kept labels: weight it by their count
+            labels = np.broadcast_to(batch[LABELS], scores.shape[:axis] + scores.shape[axis + 1:])
+            keep = (labels != loss.ignore_index).reshape(B, -1)
+            hits = (scores.argmax(axis) == labels).reshape(B, -1) & keep
+            correct += hits.sum(1)
+            w = keep.sum(1).astype(np.float64)
+            counted += w
+        else:
+            w = np.full(B, float(stop - start))
+        loss_sum += np.where(w > 0, per_model * w, 0.0)
+        weight += w
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = {"loss": loss_sum / weight}
+        if loss.classification:
+            out["accuracy"] = correct / counted
+    return out
+
+
+def check_feeds(names: Sequence[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The arrays a step reads, in order; a missing one is a DataError naming what a step needs."""
+    from onnxfuse.core.errors import DataError
+
+    missing = [n for n in names if n not in feeds]
+    if missing:
+        raise DataError(f"the batch has no array '{missing[0]}'; a step needs {', '.join(names)}")
+    return [feeds[n] for n in names]

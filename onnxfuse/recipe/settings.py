@@ -1,0 +1,870 @@
+"""Every training setting, declared once: its type, default, range, whether it may differ per model, and its help.
+
+Everything else is derived from these declarations:
+
+- ``TrainConfig`` (``run.py``): the flat settings of a run, a pydantic model built from :data:`RUN_SETTINGS` and the
+  hyper-parameters of every registered optimizer (:func:`train_config_model`);
+- the flags of ``onnxfuse train`` / ``check`` (:func:`add_flags`, :func:`flags_to_settings`), which are also the
+  overrides of a resumed run;
+- the config-file reader's validation and normalized form (:func:`normalize_config`, used by ``config.py``);
+- the error messages: one :class:`ConfigError` line naming the key (``optimizer.lr[1] = nan must be ...`` in a
+  file, ``--lr must be ..., got nan`` for flags and the Python API), made in one place (:func:`_message`).
+
+Optimizers and schedules are registered once each, next to their maths: ``optim.py`` calls
+:func:`register_optimizer` with an :class:`OptimizerSpec` (its hyper-parameters as :class:`Param` s),
+``schedules.py`` decorates each torch scheduler builder with :func:`register_schedule`. The CLI's choices, the
+config schema, placement's optimizer choices and the grid's per-model keys all read :data:`OPTIMIZERS` and
+:data:`SCHEDULES`.
+
+Values are validated by pydantic (v2): each :class:`Kind` below is a pydantic type plus how a command line writes
+it; a :class:`Param` is a named, documented setting of a kind.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Annotated, Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, TypeAdapter,
+                      ValidationError, ValidationInfo, WrapValidator, create_model, model_validator)
+from pydantic_core import PydanticCustomError
+
+from onnxfuse.core.errors import ConfigError
+
+from onnxfuse.recipe.datasets import NAMED_DATASETS, is_named
+from onnxfuse.recipe.losses import LOSSES
+from onnxfuse.recipe.runtimes import RUNTIME_CHOICES, RUNTIMES
+
+__all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
+           "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
+           "pair", "step_list", "text", "check_value", "check_model_value", "check_optimizer",
+           "check_schedule_entry", "check_halving", "train_config_model", "TrainSettings", "normalize_config",
+           "per_model_keys", "is_per_model_list", "add_flags", "flags_to_settings", "REQUIRED"]
+
+REQUIRED: Any = object()  # a parameter without a default (a schedule's step_size)
+
+
+# ------------------------------------------------------------------------------------------------ the vocabulary
+@dataclass(frozen=True)
+class Kind:
+    """A type of setting: what pydantic validates (``annotation``) and how a command line writes one value
+    (``parse``: str -> value; None for a switch, a bool)."""
+
+    annotation: Any
+    parse: Callable[[str], Any] | None = float
+    choices: Callable[[], Sequence[str]] | None = None  # called when a parser is built: registries grow
+    metavar: str | None = None
+
+
+def _phrase(text: str | Callable[[str], str]) -> WrapValidator:
+    """Reword a failed check as one phrase about the whole value ("must be finite and in [0, 1)"), in the style
+    asked for through the validation context ("file": key = value ...; "flag": --key ..., got value)."""
+    def wrap(value: Any, handler: Callable, info: ValidationInfo) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as e:
+            kind = e.errors()[0]["type"]
+            style = (info.context or {}).get("style", "flag")
+            msg = "is not a number" if kind in ("float_parsing", "float_type") else \
+                (text(style) if callable(text) else text)
+            raise PydanticCustomError("setting", msg.replace("{", "{{").replace("}", "}}")) from None
+    return WrapValidator(wrap)
+
+
+def _not_bool(v: Any) -> Any:
+    # pydantic reads True as 1.0; a boolean where a number belongs is a mistake
+    if isinstance(v, (bool, np.bool_)):
+        raise PydanticCustomError("float_type", "is not a number")
+    return v
+
+
+def _plain_int(v: Any) -> Any:
+    return int(v) if isinstance(v, np.integer) else v
+
+
+def _plain_bool(v: Any) -> Any:
+    return bool(v) if isinstance(v, np.bool_) else v
+
+
+def _bounds(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
+    lo, lo_open = (gt, True) if gt is not None else (ge, False)
+    hi, hi_open = (lt, True) if lt is not None else (le, False)
+    if hi is None:
+        return f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else "a number"
+    return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def real(ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+         finite: bool = True) -> Kind:
+    """A real number in the given bounds (``finite=False``: inf allowed, e.g. "no clipping"). Numeric strings
+    are accepted: YAML 1.1 reads ``1e-3`` (no dot) as a string."""
+    where = _bounds(ge, gt, le, lt)
+    said = f"finite and {where}" if finite else where
+    ann = Annotated[float, Field(ge=ge, gt=gt, le=le, lt=lt, allow_inf_nan=not finite), BeforeValidator(_not_bool),
+                    _phrase(f"must be {said}")]
+    return Kind(ann, float)
+
+
+def integer(ge: int | None = None) -> Kind:
+    """An integer (not a bool, not 2.0, not "2") of at least ``ge``."""
+    def said(style: str) -> str:
+        if style == "flag" and ge is not None:
+            return f"must be an integer >= {ge}"
+        return "must be " + {None: "an integer", 1: "a positive integer"}.get(ge, f"an integer >= {ge}")
+    ann = Annotated[int, BeforeValidator(_plain_int), Strict(), Field(ge=ge), _phrase(said)]
+    return Kind(ann, int)
+
+
+BOOL = Kind(Annotated[bool, BeforeValidator(_plain_bool), Strict(), _phrase("must be true or false")], None)
+
+
+def choice(names: Callable[[], Sequence[str]] | Sequence[str]) -> Kind:
+    """One of ``names`` (a callable for a registry, read at each validation so that a registration counts)."""
+    get = names if callable(names) else (lambda: tuple(names))
+
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or v not in get():
+            raise PydanticCustomError("setting", "must be one of: " + ", ".join(get()))
+        return v
+    return Kind(Annotated[Any, BeforeValidator(check)], str, choices=get)
+
+
+def text(check: Callable[[str], bool], said: str) -> Kind:
+    """A string ``check`` accepts (``said``: what is allowed)."""
+    def validate(v: Any) -> str:
+        if not isinstance(v, str) or not check(v):
+            raise PydanticCustomError("setting", f"must be {said}")
+        return v
+    return Kind(Annotated[Any, BeforeValidator(validate)], str)
+
+
+def pair(element: Kind, said: str) -> Kind:
+    """Two values, written ``a,b`` on a command line (Adam's betas)."""
+    ann = Annotated[list[element.annotation], Field(min_length=2, max_length=2), _phrase(f"must be {said}")]
+    return Kind(ann, lambda s: [float(x) for x in s.split(",")], metavar="A,B")
+
+
+def _increasing(v: list[int]) -> list[int]:
+    if any(b <= a for a, b in zip(v, v[1:])):
+        raise ValueError("not increasing")
+    return v
+
+
+def step_list(non_empty: bool) -> Kind:
+    """Strictly increasing step numbers (>= 1), written ``a,b,c`` on a command line."""
+    said = "a non-empty list of strictly increasing step numbers >= 1" if non_empty else \
+        "strictly increasing step numbers >= 1, e.g. [200, 400]"
+    step = Annotated[int, BeforeValidator(_plain_int), Strict(), Field(ge=1)]
+    ann = Annotated[list[step], Field(min_length=1 if non_empty else 0), BeforeValidator(
+        lambda v: list(v) if isinstance(v, tuple) else v), WrapValidator(lambda v, h: _increasing(h(v))),
+        _phrase(f"must be {said}")]
+    return Kind(ann, lambda s: [int(x) for x in s.split(",") if x.strip()], metavar="T1,T2,...")
+
+
+@dataclass(frozen=True)
+class Param:
+    """A named setting: its kind, default (:data:`REQUIRED`: none), help, and whether it may differ per model."""
+
+    name: str
+    kind: Kind
+    default: Any = None
+    help: str = ""
+    per_model: bool = False
+
+    def with_default(self, default: Any) -> "Param":
+        return replace(self, default=default)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def is_per_model_list(name: str, v: Any) -> bool:
+    """A list giving one value per model (for a pair such as betas: a list of pairs, one pair being one value)."""
+    if not isinstance(v, (list, tuple, np.ndarray)):
+        return False
+    if name.endswith("betas"):
+        return len(v) > 0 and all(isinstance(x, (list, tuple)) for x in v)
+    return True
+
+
+def _annotation(p: Param, optional: bool = False) -> Any:
+    ann = p.kind.annotation
+    if p.per_model and p.default is None:  # None is a value of its own for a model (clip_grad_norm: off)
+        ann = Optional[ann]
+    if p.per_model:
+        as_list = lambda v: v.tolist() if isinstance(v, np.ndarray) else v  # noqa: E731
+        either = Annotated[Union[Annotated[ann, Tag("one")], Annotated[list[ann], Field(min_length=1), Tag("each")]],
+                           Discriminator(lambda v: "each" if is_per_model_list(p.name, v) else "one")]
+        ann = Annotated[either, BeforeValidator(as_list)]
+    return Optional[ann] if optional else ann
+
+
+@lru_cache(maxsize=None)
+def _adapter(p: Param, optional: bool) -> TypeAdapter:
+    return TypeAdapter(_annotation(p, optional))
+
+
+# ------------------------------------------------------------------------------------------------ the messages
+def _show(v: Any) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def _fail(msg: str) -> ConfigError:
+    return ConfigError(" ".join(msg.split()))
+
+
+def _message(e: ValidationError, key: str, style: str, where: str = "") -> ConfigError:
+    """The first problem of a pydantic error as one line: ``key[i] = value must be ...`` (file style) or
+    ``--key must be ..., got value`` (flag style, for flags and the Python API)."""
+    err = e.errors()[0]
+    for part in err["loc"]:
+        if isinstance(part, int) and style == "file":  # the index in a per-model list; tags are names
+            key += f"[{part}]"
+    value = err.get("input")
+    msg = err["msg"]
+    if err["type"] == "too_short":
+        msg = "is an empty list; give one value, or one per model"
+    elif err["type"] == "missing":
+        return _fail(f"{where}{key} is missing")
+    elif err["type"] != "setting":
+        msg = f"is not valid ({msg})"
+    if style == "file":
+        return _fail(f"{where}{key} = {_show(value)} {msg}")
+    return _fail(f"{where}{key} {msg}, got {_show(value)}")
+
+
+def check_value(p: Param, value: Any, key: str | None = None, style: str = "flag", where: str = "",
+                optional: bool = False) -> Any:
+    """``value`` validated as ``p`` (a per-model parameter: one value or a list of them); one ConfigError line
+    naming ``key`` (default: the flag) otherwise."""
+    try:
+        return _adapter(p, optional).validate_python(value, context={"style": style})
+    except ValidationError as e:
+        raise _message(e, key or p.flag, style, where) from None
+
+
+# ------------------------------------------------------------------------------------------------ the registries
+@dataclass
+class OptimizerSpec:
+    """An optimizer's declaration: its hyper-parameters (with torch.optim's defaults) and a rule tying
+    hyper-parameters of one model together (returns a problem, or None). What is registered is a subclass that
+    adds its maths, ``optim.Optimizer`` (``optim.py``); placement plans memory by its state buffers."""
+
+    name: str
+    params: tuple[Param, ...]
+    help: str = ""
+    check: Callable[[dict], str | None] | None = None
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+
+@dataclass
+class ScheduleSpec:
+    """A learning-rate schedule: its parameters and ``build(lr_scheduler, optimizer, spec, steps)``, which returns
+    torch's scheduler (None: constant) for one model; ``spec`` has every parameter (defaults filled, None for a
+    derived one)."""
+
+    name: str
+    params: tuple[Param, ...]
+    build: Callable
+    help: str = ""
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
+    """Add an optimizer (an ``optim.Optimizer``: hyper-parameters and maths): the CLI, config files, the trainer
+    and placement accept it from then on."""
+    if not callable(getattr(spec, "emit", None)):
+        raise TypeError(f"optimizer '{spec.name}': register an onnxfuse.recipe.optim.Optimizer subclass, which "
+                        "carries the update maths with the hyper-parameters")
+    OPTIMIZERS[spec.name] = spec
+    return spec
+
+
+def register_schedule(name: str, params: Sequence[Param] = (), help: str = "") -> Callable:
+    """Decorator: ``build`` becomes the schedule ``name`` with ``params``."""
+    def add(build: Callable) -> Callable:
+        SCHEDULES[name] = ScheduleSpec(name, tuple(params), build, help)
+        return build
+    return add
+
+
+def _all_params(specs: Iterable) -> dict[str, Param]:
+    """Each parameter name once, as first declared (a shared one, such as lr, is the same Param)."""
+    out: dict[str, Param] = {}
+    for s in specs:
+        for p in s.params:
+            out.setdefault(p.name, p)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ run settings
+@dataclass(frozen=True)
+class Setting:
+    """A setting of a run: ``param`` plus where a config file keeps it (``path``, dotted; "" = not in a file),
+    its flag ("" = derived from the name, None = none) and whether a resumed run may change it."""
+
+    param: Param
+    path: str
+    flag: str | None = ""
+    resumable: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.param.name
+
+    @property
+    def cli(self) -> str | None:
+        return self.param.flag if self.flag == "" else self.flag
+
+
+_POS, _NONNEG = integer(ge=1), integer(ge=0)
+LOSS_PARAMS = (  # TrainConfig.loss_options
+    Param("label_smoothing", real(ge=0.0, le=1.0), 0.0, "cross-entropy label smoothing in [0, 1]"),
+    Param("ignore_index", integer(), -100, "cross-entropy / nll: labels with this value count for nothing"),
+    Param("class_axis", integer(), 1, "class axis of the output: 1 for [N, C, ...], -1 for [N, T, V] language models"),
+)
+ORDERS = ("shared", "per-model", "shards")
+
+
+def _is_device(v: str) -> bool:
+    import re
+
+    return re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None
+
+
+# the run's settings besides the optimizer's hyper-parameters and the schedule, in the order a config file lists
+# them (TrainConfig's fields, the flags of `onnxfuse train` and config keys are all made from this table)
+RUN_SETTINGS: tuple[Setting, ...] = (
+    Setting(Param("steps", _POS, None, "optimizer steps (or --epochs)"), "steps", resumable=True),
+    Setting(Param("epochs", _POS, None, "passes over the data (or --steps)"), "epochs", resumable=True),
+    Setting(Param("batch_size", _POS, 32, "samples per model per step"), "batch_size"),
+    Setting(Param("loss", choice(lambda: tuple(LOSSES)), "cross-entropy",
+                  "cross-entropy / nll: labels are class indices; mse, l1, bce-with-logits: targets shaped like the "
+                  "output; model: the output is the loss (no labels)"), "loss.name"),
+    Setting(Param("per_model_labels", BOOL, False, "'labels' in the data file is [B, n, ...]: one set of labels "
+                  "per model"), "data.per_model_labels"),
+    Setting(Param("optimizer", choice(lambda: tuple(OPTIMIZERS)), "sgd", "optimizer (torch.optim semantics)"),
+            "optimizer.name"),
+    Setting(Param("clip_grad_norm", real(gt=0.0, finite=False), None, "clip each model's gradient norm to this "
+                  "(inf or null: no clipping)", per_model=True), "clip_grad_norm"),
+    Setting(Param("shuffle", BOOL, True, "reshuffle every epoch (--no-shuffle: batches in file order)"),
+            "data.shuffle"),
+    Setting(Param("seed", _NONNEG, 0, "shuffling and hold-out seed"), "data.seed"),
+    Setting(Param("data_order", choice(ORDERS), "shared", "shared batches, an own shuffle per model, or shard b "
+                  "for model b"), "data.order"),
+    Setting(Param("eval_every", _NONNEG, 0, "evaluate every K steps (0: at the end only)"), "eval_every",
+            resumable=True),
+    Setting(Param("eval_batch_size", _POS, 256, "evaluation batch size"), "eval_batch_size", resumable=True),
+    Setting(Param("eval_fraction", real(ge=0.0, lt=1.0), 0.0, "hold out this fraction of --data for evaluation"),
+            "data.eval_fraction"),
+    Setting(Param("checkpoint_every", _NONNEG, 0, "write a checkpoint every K steps (0: never)"), "checkpoint_every",
+            resumable=True),
+    Setting(Param("keep_checkpoints", _POS, 2, "how many checkpoints to keep"), "keep_checkpoints", resumable=True),
+    Setting(Param("on_diverge", choice(("freeze", "stop")), "freeze", "a model whose loss or update is not "
+                  "finite: freeze it or stop the run"), "on_diverge"),
+    Setting(Param("halving", step_list(non_empty=False), None, "steps at which successive halving keeps the best "
+                  "--halving-keep of the models by eval loss"), "halving"),
+    Setting(Param("halving_keep", real(gt=0.0, lt=1.0), 0.5, "fraction kept at each halving"), "halving_keep"),
+    Setting(Param("device", text(_is_device, "cpu, cuda or cuda:N"), "cpu", "cpu or cuda[:id]"), "device",
+            resumable=True),
+    Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: " + ", ".join(
+        f"{r.name} ({r.help})" for r in RUNTIMES.values()) + ", auto (the first of these that can run on the device)"),
+        "runtime"),
+    Setting(Param("threads", _NONNEG, 0, "CPU threads of the runtime (0: 1 for torch, whose OpenMP threads slow "
+                  "down many-fold when another process holds a core; onnxruntime's default for ort); not resumable: the "
+                  "thread count can change how reductions round"), "threads"),
+    Setting(Param("log_every", _POS, 1, "write training metrics every K steps"), "log_every", resumable=True),
+    Setting(Param("verify_steps", _NONNEG, 1, "before training, check the first K steps of every model against "
+                  "the model trained alone on the same runtime (0: skip; a resumed run skips it)"), "verify_steps",
+            resumable=True),
+    Setting(Param("allow_nonfinite_data", BOOL, False, "train on data with NaN or inf in its inputs or float labels "
+                  "(by default that is an error naming the first such value)"), "allow_nonfinite_data",
+            resumable=True),
+)
+_RUN = {s.name: s for s in RUN_SETTINGS}
+# settings a resumed run may change: how long it runs, what it logs and checks, where it runs; every other setting
+# decides what a step computes, and a run resumed with another value would not be the run its checkpoint began
+RESUMABLE = tuple(s.name for s in RUN_SETTINGS if s.resumable)
+
+
+def _key(name: str, style: str) -> str:
+    """How a message names the setting ``name`` (a run setting or a hyper-parameter)."""
+    if style == "file":
+        s = _RUN.get(name)
+        return s.path if s is not None else f"optimizer.{name}"
+    return "--" + name.replace("_", "-")
+
+
+def check_halving(halving: Sequence[int] | None, total: int, style: str = "flag", where: str = "") -> None:
+    """Halving steps must come before the last step (a halving after it would train nothing)."""
+    if halving and halving[-1] >= total:
+        name = "halving" if style == "file" else "--halving"
+        raise _fail(f"{where}{name} step {halving[-1]} is not before the last of the run's {total} steps; halving "
+                    f"steps must be < {total}")
+
+
+def check_optimizer(kind: str, B: int, hyper: dict, style: str = "flag", keys: dict | None = None) -> dict:
+    """Every hyper-parameter of optimizer ``kind`` as a list of B values (the optimizer's default where ``hyper``
+    has None or nothing), checked; plus the optimizer's rule per model. ``keys`` names a value in messages."""
+    spec = OPTIMIZERS.get(kind)
+    if spec is None:
+        raise _fail(f"unknown optimizer '{kind}'; choose one of: {', '.join(OPTIMIZERS)}")
+    keys = keys or {}
+    out = {}
+    for p in spec.params:
+        key = keys.get(p.name) or _key(p.name, style)
+        v = hyper.get(p.name)
+        v = check_value(p, p.default if v is None else v, key, style)
+        if is_per_model_list(p.name, v):
+            if len(v) == 1:
+                v = list(v) * B
+            if len(v) != B:
+                raise _fail(f"{key} has {len(v)} values but the array has B={B} models; give one value, or a "
+                            f"list of {B}")
+            out[p.name] = list(v)
+        else:
+            out[p.name] = [v] * B
+    if spec.check is not None:
+        for b in range(B):
+            problem = spec.check({k: v[b] for k, v in out.items()})
+            if problem:
+                name = keys.get("__rule__") or ("optimizer." if style == "file" else "--")
+                raise _fail(f"model {b}: {name}{problem}")
+    return out
+
+
+def check_schedule_entry(raw: Any, key: str, style: str = "flag", where: str = "", fill: bool = False) -> Any:
+    """One model's schedule (None, a name or a mapping with a name), checked against the registry: the same
+    shape back with its values validated (``fill``: a mapping with every parameter, a None default left out)."""
+    if raw is None:
+        return {"name": "constant"} if fill else None
+    entry = {"name": raw} if isinstance(raw, str) else raw
+    if not isinstance(entry, dict):
+        raise _fail(f"{where}{key} must be a mapping with a name (or a list of them, one per model), got "
+                    f"{_show(raw)}")
+    name = entry.get("name", "constant")
+    if name not in SCHEDULES:
+        said = f"{key}.name = {_show(name)}" if style == "file" else f"{key}: unknown schedule {_show(name)};"
+        raise _fail(f"{where}{said} must be one of: {', '.join(SCHEDULES)}")
+    spec = SCHEDULES[name]
+    for k in entry:
+        if k != "name" and spec.param(k) is None:
+            takes = ", ".join(p.name for p in spec.params) or "no parameters"
+            raise _fail(f"{where}{key}.{k} does not apply to the {name} schedule; {name} takes: {takes}")
+    out = {"name": name}
+    for p in spec.params:
+        if p.name in entry:
+            out[p.name] = check_value(p, entry[p.name], f"{key}.{p.name}", style, where, optional=p.default is None)
+        elif p.default is REQUIRED:
+            raise _fail(f"{where}{key}.{p.name} is missing: '{name}' needs '{p.name}' ({p.flag})")
+        elif fill and p.default is not None:
+            out[p.name] = p.default
+    return out if fill or not isinstance(raw, str) else raw
+
+
+def _check_schedule(raw: Any, style: str, where: str = "", fill: bool = False) -> Any:
+    """None / one schedule / a non-empty list of them (one per model)."""
+    if isinstance(raw, (list, tuple)):
+        if not raw:
+            raise _fail(f"{where}schedule is an empty list; give one schedule, or one per model")
+        return [check_schedule_entry(s, f"schedule[{i}]", style, where, fill) for i, s in enumerate(raw)]
+    return check_schedule_entry(raw, "schedule", style, where, fill)
+
+
+# ------------------------------------------------------------------------------------------------ TrainConfig
+class TrainSettings(BaseModel):
+    """The base of ``TrainConfig``: its fields come from :func:`train_config_model`; every value is checked when
+    the object is made (one ConfigError line, flag style), cross-setting rules by :meth:`_rules`."""
+
+    # extra keys: hyper-parameters of an optimizer registered after the model was made (checked in _rules)
+    model_config = ConfigDict(extra="allow", arbitrary_types_allowed=True, protected_namespaces=())
+
+    def __init__(self, **settings: Any) -> None:
+        unknown = sorted(set(settings) - set(type(self).model_fields) - set(_all_params(OPTIMIZERS.values())))
+        if unknown:
+            raise ConfigError(f"unknown training setting '{unknown[0]}'")
+        try:
+            super().__init__(**settings)
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else ""
+            if err["type"] == "missing":
+                raise ConfigError(f"{_key(name, 'flag')} is required") from None
+            if err["type"] == "value_error" and not name:  # from _rules: its own sentence
+                raise ConfigError(str(err.get("ctx", {}).get("error", err["msg"]))) from None
+            raise _message(e, _key(name, "flag"), "flag") from None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "TrainSettings":
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of --steps and --epochs")
+        try:
+            _check_schedule(self.schedule, "flag")
+            unknown = sorted(set(self.loss_options) - {p.name for p in LOSS_PARAMS})
+            if unknown:
+                raise ConfigError(f"unknown loss option '{unknown[0]}'; the options are "
+                                  f"{', '.join(p.name for p in LOSS_PARAMS)}")
+            for p in LOSS_PARAMS:
+                if p.name in self.loss_options:
+                    check_value(p, self.loss_options[p.name])
+            hyper = _all_params(OPTIMIZERS.values())
+            for name, v in (self.__pydantic_extra__ or {}).items():
+                self.__pydantic_extra__[name] = None if v is None else check_value(hyper[name], v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainSettings":
+        return cls(**d)
+
+    def as_dict(self) -> dict:
+        """Every setting by name, as given (what a checkpoint records and the settings hash reads)."""
+        return {**{name: getattr(self, name) for name in type(self).model_fields}, **(self.__pydantic_extra__ or {})}
+
+
+def _flat_default(name: str) -> Any:
+    """A hyper-parameter's TrainConfig default: the one every optimizer taking it shares, else None (the
+    optimizer's own, e.g. weight_decay: AdamW 0.01, otherwise 0)."""
+    defaults = {repr(s.param(name).default) for s in OPTIMIZERS.values() if s.param(name) is not None}
+    return OPTIMIZERS[next(s for s in OPTIMIZERS if OPTIMIZERS[s].param(name))].param(name).default \
+        if len(defaults) == 1 else None
+
+
+def train_config_model(base: type[TrainSettings] = TrainSettings) -> type[TrainSettings]:
+    """The flat settings model: every run setting and every hyper-parameter of the registered optimizers (one
+    value, or one per model), the schedule (None, a name, a mapping, or one per model) and the loss options."""
+    fields: dict[str, Any] = {}
+    for s in RUN_SETTINGS:
+        p = s.param
+        fields[p.name] = (_annotation(p, optional=p.default is None), Field(p.default, description=p.help))
+    for p in _all_params(OPTIMIZERS.values()).values():
+        fields[p.name] = (_annotation(p, optional=True), Field(_flat_default(p.name), description=p.help))
+    fields["schedule"] = (Any, Field(None, description="None, a name, a mapping, or a list of B of those"))
+    fields["loss_options"] = (dict, Field(default_factory=dict, description="label_smoothing, ignore_index, "
+                                                                            "class_axis"))
+    return create_model("TrainConfig", __base__=base, **fields)
+
+
+# ------------------------------------------------------------------------------------------------ config files
+_SECTIONS = ("model", "data", "loss", "optimizer", "grid", "schedule")
+_MODEL_KEYS = ("factory", "count", "seeds", "input_shape", "per_model_inputs")
+
+
+def _file_keys(section: str) -> tuple[str, ...]:
+    """The keys a config file takes under ``section`` ("" = top level), from the tables."""
+    if section == "":
+        return _SECTIONS + tuple(s.path for s in RUN_SETTINGS if "." not in s.path)
+    if section == "data":
+        return ("train", "eval") + tuple(s.path[5:] for s in RUN_SETTINGS if s.path.startswith("data."))
+    if section == "loss":
+        return ("name",) + tuple(p.name for p in LOSS_PARAMS)
+    if section == "optimizer":
+        return ("name",) + tuple(_all_params(OPTIMIZERS.values()))
+    return _MODEL_KEYS
+
+
+def _section(where: str, key: str, v: Any) -> dict:
+    """A mapping whose keys are all known under ``key``."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise _fail(f"{where}{key} must be a mapping of settings (key: value), got {_show(v)}")
+    allowed = _file_keys(key)
+    for k in v:
+        if k not in allowed:
+            raise _fail(f"{where}unknown key '{key}.{k}'; valid keys under {key}: {', '.join(allowed)}")
+    return v
+
+
+def _resolve(path: Any, base_dir: str | None) -> Any:
+    """A relative file path in the config is relative to the config file's folder."""
+    if base_dir is None or not isinstance(path, str) or is_named(path) or os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(base_dir, path))
+
+
+def resolve_factory(factory: str, base_dir: str | None) -> str:
+    """``MODULE:FACTORY`` with a ``.py`` file's path made relative to ``base_dir`` (the config file's folder)."""
+    module, _, attr = factory.rpartition(":")
+    return f"{_resolve(module, base_dir)}:{attr}" if module.endswith(".py") else factory
+
+
+def _model(where: str, raw: Any, base_dir: str | None) -> dict | None:
+    if raw is None:
+        return None
+    m = _section(where, "model", raw)
+    for key in ("factory", "count", "input_shape"):
+        if key not in m:
+            raise _fail(f"{where}model.{key} is missing; the model section needs factory, count and input_shape "
+                        "(or remove the section when the array is fused already)")
+    factory = m["factory"]
+    if not isinstance(factory, str) or ":" not in factory:
+        raise _fail(f"{where}model.factory = {_show(factory)} must be MODULE:FACTORY, e.g. "
+                    "onnxfuse.exporters.zoo:LeNet or my_models.py:make")
+    factory = resolve_factory(factory, base_dir)
+    count = check_value(Param("count", _POS), m["count"], "model.count", "file", where)
+    seeds = m.get("seeds") if m.get("seeds") is not None else list(range(count))
+    if not isinstance(seeds, list) or len(seeds) != count:
+        raise _fail(f"{where}model.seeds = {_show(seeds)} must be a list of model.count = {count} integers")
+    seeds = [check_value(Param("seed", _NONNEG), s, f"model.seeds[{i}]", "file", where) for i, s in enumerate(seeds)]
+    shape = m["input_shape"]
+    if not isinstance(shape, list) or not shape:
+        raise _fail(f"{where}model.input_shape = {_show(shape)} must be a list of positive integers like "
+                    "[32, 1, 28, 28]")
+    shape = [check_value(Param("d", _POS), d, f"model.input_shape[{i}]", "file", where) for i, d in enumerate(shape)]
+    pmi = m.get("per_model_inputs") or []
+    if not isinstance(pmi, list) or not all(isinstance(n, str) and n for n in pmi):
+        raise _fail(f"{where}model.per_model_inputs = {_show(pmi)} must be a list of graph input names")
+    return {"factory": factory, "count": count, "seeds": seeds, "input_shape": shape, "per_model_inputs": pmi}
+
+
+def _data_source(where: str, key: str, v: Any, base_dir: str | None) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, str) and is_named(v):
+        if v not in NAMED_DATASETS:
+            raise _fail(f"{where}{key} = {_show(v)} is not a bundled data set; choose one of: "
+                        f"{', '.join(NAMED_DATASETS)}")
+        return v
+    if not isinstance(v, str) or not v.endswith(".npz"):
+        raise _fail(f"{where}{key} = {_show(v)} must be a .npz file or one of: {', '.join(NAMED_DATASETS)}")
+    return _resolve(v, base_dir)
+
+
+def _setting(where: str, raw: dict, s: Setting) -> Any:
+    """The value of run setting ``s`` in a config mapping (null or absent: the default)."""
+    section, _, leaf = s.path.rpartition(".")
+    v = (raw.get(section) or {}).get(leaf) if section else raw.get(leaf)
+    if v is None:
+        return s.param.default
+    return check_value(s.param, v, s.path, "file", where)
+
+
+def per_model_keys(optimizer: str, schedule: Any) -> list[str]:
+    """The dotted keys a grid may vary: the optimizer's per-model hyper-parameters, clip_grad_norm, and the
+    parameters of the schedule when one schedule is given."""
+    keys = [f"optimizer.{p.name}" for p in OPTIMIZERS[optimizer].params if p.per_model]
+    keys += [s.path for s in RUN_SETTINGS if s.param.per_model]
+    if isinstance(schedule, dict):
+        keys += [f"schedule.{p.name}" for p in SCHEDULES[schedule["name"]].params]
+    return keys
+
+
+def check_model_value(key: str, value: Any, label: str, cfg: dict, where: str = "") -> Any:
+    """One model's value of the per-model setting ``key`` (a config grid's, a sweep's search), checked as the
+    setting itself is (``cfg``: the normalized config, for its optimizer and schedule)."""
+    p = replace(_setting_param(key, cfg["optimizer"]["name"], cfg["schedule"]), per_model=False)
+    return check_value(p, value, label, "file", where, optional=p.default is None)
+
+
+def _setting_param(key: str, optimizer: str, schedule: Any) -> Param | None:
+    section, _, leaf = key.partition(".")
+    if section == "optimizer":
+        return OPTIMIZERS[optimizer].param(leaf)
+    if section == "schedule" and isinstance(schedule, dict):
+        return SCHEDULES[schedule["name"]].param(leaf)
+    s = _RUN.get(key)
+    return s.param if s is not None else None
+
+
+def _grid(where: str, raw: Any, cfg: dict, explicit: dict) -> dict:
+    """Grid axes ``{dotted key: [values]}``; each value is checked like the setting itself."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail(f"{where}grid must be a mapping of setting: [values], e.g. optimizer.lr: [0.1, 0.01]; got "
+                    f"{_show(raw)}")
+    valid = per_model_keys(cfg["optimizer"]["name"], cfg["schedule"])
+    out = {}
+    for key, values in raw.items():
+        if key not in valid:
+            raise _fail(f"{where}grid key '{key}' is not a per-model setting of this run; valid grid keys: "
+                        f"{', '.join(valid)}")
+        section, _, leaf = key.partition(".")
+        given = explicit.get(section) if leaf else explicit
+        if isinstance(given, dict) and given.get(leaf or key) is not None:
+            raise _fail(f"{where}{key} is set both in grid and as {key}; give its values in one place")
+        if not isinstance(values, list) or not values:
+            raise _fail(f"{where}grid.{key} = {_show(values)} must be a non-empty list of values")
+        out[key] = [check_model_value(key, v, f"grid.{key}[{i}]", cfg, where) for i, v in enumerate(values)]
+    return out
+
+
+def normalize_config(raw: dict, source: str = "config", base_dir: str | None = None) -> dict:
+    """Validate a config mapping (as read from a file) and return its normalized form with defaults filled in
+    (see ``config.py``). ``source`` prefixes every error message; ``base_dir``, when given, is the folder relative
+    file paths in ``data`` and ``model.factory`` are relative to."""
+    where = f"{source}: " if source else ""
+    if not isinstance(raw, dict):
+        raise _fail(f"{where}the config must be a mapping of settings (key: value), got {type(raw).__name__}")
+    top = _file_keys("")
+    for k in raw:
+        if k not in top:
+            raise _fail(f"{where}unknown key '{k}'; valid keys: {', '.join(top)}")
+    raw = dict(raw)
+    for section in ("loss", "optimizer"):  # a name alone
+        if isinstance(raw.get(section), str):
+            raw[section] = {"name": raw[section]}
+    for section in ("data", "loss", "optimizer"):
+        raw[section] = _section(where, section, raw.get(section))
+    value = {s.name: _setting(where, raw, s) for s in RUN_SETTINGS}
+    data = raw["data"]
+    cfg: dict[str, Any] = {
+        "model": _model(where, raw.get("model"), base_dir),
+        "data": {"train": _data_source(where, "data.train", data.get("train"), base_dir),
+                 "eval": _data_source(where, "data.eval", data.get("eval"), base_dir),
+                 **{s.path[5:]: value[s.name] for s in RUN_SETTINGS if s.path.startswith("data.")}},
+        "loss": {"name": value["loss"], **{p.name: check_value(p, raw["loss"].get(p.name, p.default),
+                                                                f"loss.{p.name}", "file", where)
+                                           for p in LOSS_PARAMS}},
+    }
+    cfg["data"] = {k: cfg["data"][k] for k in _file_keys("data")}  # the documented key order
+    if cfg["data"]["eval"] is not None and cfg["data"]["eval_fraction"] > 0:
+        raise _fail(f"{where}data.eval and data.eval_fraction are both set; give held-out data one way")
+    loss = cfg["loss"]
+    if loss["label_smoothing"] and loss["name"] != "cross-entropy":
+        raise _fail(f"{where}loss.label_smoothing applies to cross-entropy only, not to {loss['name']} (as in torch)")
+    if loss["class_axis"] == 0:
+        raise _fail(f"{where}loss.class_axis = 0 is the batch axis; use 1 ([N, C, ...]) or -1 ([N, ..., C])")
+    from onnxfuse.recipe.losses import get_loss
+
+    try:  # the loss's own rules, as a backstop
+        get_loss(loss["name"], **{p.name: loss[p.name] for p in LOSS_PARAMS})
+    except ConfigError as e:
+        raise _fail(f"{where}loss: {e}") from None
+    cfg["optimizer"] = _optimizer(where, raw["optimizer"], value["optimizer"])
+    cfg["schedule"] = _check_schedule(raw.get("schedule"), "file", where, fill=True)
+    cfg["grid"] = _grid(where, raw.get("grid"), cfg, raw)
+    for s in RUN_SETTINGS:
+        if "." not in s.path:
+            cfg[s.path] = value[s.name]
+    cfg["halving"] = cfg["halving"] or []
+    if (cfg["steps"] is None) == (cfg["epochs"] is None):
+        both = "both are set" if cfg["steps"] is not None else "neither is set"
+        raise _fail(f"{where}give exactly one of steps and epochs ({both})")
+    if cfg["halving"]:
+        if cfg["data"]["eval"] is None and cfg["data"]["eval_fraction"] == 0:
+            raise _fail(f"{where}halving needs eval data to rank the models; set data.eval or data.eval_fraction")
+        if cfg["steps"] is not None:
+            check_halving(cfg["halving"], cfg["steps"], "file", where)
+    return cfg
+
+
+def _optimizer(where: str, given: dict, name: str) -> dict:
+    """The optimizer section: its name and each of its hyper-parameters (default filled in)."""
+    spec = OPTIMIZERS[name]
+    takes = [p.name for p in spec.params]
+    for k in given:
+        if k != "name" and k not in takes:
+            raise _fail(f"{where}optimizer.{k} does not apply to {name}; {name} takes: {', '.join(takes)}")
+    out = {"name": name}
+    for p in spec.params:
+        v = given.get(p.name)
+        out[p.name] = check_value(p, p.default if v is None else v, f"optimizer.{p.name}", "file", where)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+def _flag_params() -> list[tuple[Param, str, str]]:
+    """(param, flag, the TrainConfig name or "schedule." / "loss_options." + parameter), for every setting that
+    has a flag: run settings, the optimizers' hyper-parameters, the loss options and the schedules' parameters."""
+    out = [(s.param, s.cli, s.name) for s in RUN_SETTINGS if s.cli]
+    out += [(p, p.flag, p.name) for p in _all_params(OPTIMIZERS.values()).values()]
+    out += [(p, p.flag, f"loss_options.{p.name}") for p in LOSS_PARAMS]
+    taken = {flag for _, flag, _ in out}
+    out += [(p, p.flag, f"schedule.{p.name}") for p in _all_params(SCHEDULES.values()).values() if p.flag not in taken]
+    return out
+
+
+def _dest(name: str) -> str:
+    return "setting_" + name.replace(".", "__")
+
+
+def _help(p: Param, what: str) -> str:
+    said = p.help
+    if p.per_model and p.kind.parse is not None and p.kind.metavar is None:
+        said += "; one value, or one per model (comma-separated)"
+    elif p.per_model and p.kind.parse is None:
+        said += " (per model: --config)"
+    if what.startswith("schedule."):
+        users = [s.name for s in SCHEDULES.values() if s.param(p.name) is not None]
+        said = f"{'/'.join(users)}: {said}"
+    elif what in _all_params(OPTIMIZERS.values()):
+        users = [s.name for s in OPTIMIZERS.values() if s.param(p.name) is not None]
+        if len(users) < len(OPTIMIZERS):
+            said = f"{'/'.join(users)}: {said}"
+        defaults = {s.name: s.param(p.name).default for s in OPTIMIZERS.values() if s.param(p.name) is not None}
+        if len({repr(v) for v in defaults.values()}) > 1:
+            return f"{said} (default: " + ", ".join(f"{k} {v}" for k, v in defaults.items()) + ")"
+    if p.default is not None and p.default is not REQUIRED and p.kind.parse is not None:
+        said += f" (default {p.default})"
+    return said.replace("%", "%%")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every setting (``onnxfuse train`` / ``check``), read from the tables and registries now."""
+    for p, flag, what in _flag_params():
+        dest, h = _dest(what), _help(p, what)
+        if p.kind.parse is None:  # a switch: says the non-default
+            if p.default is True:
+                parser.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False, help=h)
+            else:
+                parser.add_argument(flag, dest=dest, action="store_const", const=True, help=h)
+        elif p.kind.choices is not None:
+            parser.add_argument(flag, dest=dest, choices=list(p.kind.choices()), help=h)
+        elif p.per_model or p.kind.metavar:
+            parser.add_argument(flag, dest=dest, metavar=p.kind.metavar or "V[,V...]", help=h)
+        else:
+            metavar = {int: "N", float: "X"}.get(p.kind.parse, p.name.upper())
+            parser.add_argument(flag, dest=dest, type=p.kind.parse, metavar=metavar, help=h)
+    parser.add_argument("--schedule", dest=_dest("schedule"), choices=list(SCHEDULES),
+                        help="learning-rate schedule (torch.optim.lr_scheduler): " + ", ".join(
+                            f"{s.name}{' (' + s.help + ')' if s.help else ''}" for s in SCHEDULES.values()))
+
+
+def _parse(p: Param, flag: str, text: str) -> Any:
+    """A flag's text as a value: per-model numbers are comma-separated (one, or one per model)."""
+    try:
+        if p.per_model and p.kind.metavar is None:  # a pair (betas) is one value, written a,b
+            values = [p.kind.parse(v) for v in str(text).split(",") if v.strip() != ""]
+            return values[0] if len(values) == 1 else values
+        return p.kind.parse(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: '{text}' is not a number or a comma-separated list of numbers") from None
+
+
+def flags_to_settings(args: argparse.Namespace) -> dict:
+    """The settings given as flags, as TrainConfig keys (only those given: they override a config file, or a
+    resumed run's own settings)."""
+    out: dict[str, Any] = {}
+    schedule: dict[str, Any] = {}
+    for p, flag, what in _flag_params():
+        v = getattr(args, _dest(what), None)
+        if v is None:
+            continue
+        if isinstance(v, str) and p.kind.choices is None and p.kind.parse is not None and \
+                (p.per_model or p.kind.metavar):
+            v = _parse(p, flag, v)
+        if what.startswith("schedule."):
+            schedule[what[9:]] = v
+        elif what.startswith("loss_options."):
+            out.setdefault("loss_options", {})[what[13:]] = v
+        else:
+            out[what] = v
+    name = getattr(args, _dest("schedule"), None)
+    if name:
+        out["schedule"] = {"name": name, **schedule}
+    return out

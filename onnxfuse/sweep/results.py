@@ -1,0 +1,243 @@
+"""What a sweep leaves for its user: every trial's files (written as each array finishes) and, at the end,
+``results.csv`` and ``report.md`` (every trial, best first by the spec's metric) and ``report.png`` (the best
+trials' curves). TensorBoard event files are TensorBoard's own records (its ``RecordWriter`` and ``Event``
+protos, torch's ``scalar``/``text`` summaries), one run per trial: ``tensorboard --logdir SWEEP_DIR/trials``.
+
+Every file is written whole or not at all (``SweepDir.write_bytes``; a trial's folder as one temporary folder
+renamed into place, ``SweepDir.replacing``), and a write that fails (a full disk) names the file.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import os
+import socket
+import time
+
+from onnxfuse.core.errors import as_user_error
+from onnxfuse.sweep.folder import METRICS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
+from onnxfuse.sweep.worker import RESULT_COLUMNS, TRIAL_METRICS, number, rank
+
+__all__ = ["write_array_result", "close_rung", "failed_result", "collect", "write_report", "table", "all_arrays"]
+
+log = logging.getLogger("onnxfuse.sweep")
+_warned_tb = False
+
+
+def _tensorboard(rows: list[dict], hparams: dict) -> tuple[str, bytes] | None:
+    """A trial's TensorBoard event file, (its name, its bytes) as TensorBoard's SummaryWriter names and writes
+    one; None without the tensorboard package. Made in memory, so that it is written whole like every other file
+    (SummaryWriter's background thread would leave a half-written file on a full disk, and report the error on
+    stderr)."""
+    global _warned_tb
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        from torch.utils.tensorboard.summary import scalar, text
+    except ImportError:
+        if not _warned_tb:
+            log.warning("no TensorBoard event files: install the tensorboard package (pip install "
+                        "'onnxfuse[sweep]'); metrics.csv has every curve")
+            _warned_tb = True
+        return None
+    buf = io.BytesIO()
+    w, now = RecordWriter(buf), time.time()
+    w.write(Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+    for r in rows:
+        step = int(r["step"])
+        for col in ("loss", "accuracy", "lr"):
+            v = number(r.get(col, ""))
+            if math.isfinite(v):
+                w.write(Event(wall_time=now, step=step, summary=scalar(f"{r['split']}/{col}", v)).SerializeToString())
+    w.write(Event(wall_time=now, summary=text("hyper-parameters", "  \n".join(
+        f"{k} = {v}" for k, v in hparams.items()))).SerializeToString())
+    return f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.0", buf.getvalue()
+
+
+def _record(job: dict, out: dict, attempts: int) -> dict:
+    return {"array": job["id"], "state": "done", "attempts": attempts,
+            **{k: out[k] for k in ("host", "node", "pid", "steps", "elapsed_s", "stopped")},
+            "trials": {tid: {k: t[k] for k in RESULT_COLUMNS} for tid, t in out["trials"].items()}}
+
+
+def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, params: dict[str, dict],
+                       segment: int | None = None) -> dict:
+    """Write an array's trials (weights, metrics, event files) and its metrics as they are now, then its
+    result.json (last: its presence marks the array done); with ``segment`` k (successive halving), its folder as
+    ``state_<k>.tar`` and ``segment_<k>.json`` instead: the array stopped at rung k. Returns the record."""
+    _write_trials(sweep, job, out, params)
+    record = _record(job, out, attempts)
+    if segment is None:
+        sweep.write_json(sweep.result_path(job["id"]), record)
+    else:
+        sweep.write_bytes(sweep.state_path(job["id"], segment), out["state"])
+        sweep.write_json(sweep.segment_path(job["id"], segment), record)
+    return record
+
+
+def close_rung(sweep: SweepDir, job: dict, segment: int, moved: dict[str, str]) -> dict:
+    """An array at rung ``segment``, decided: its result is its record there, each trial either gone on
+    (``continued``, ``to`` the array ``moved`` names) or stopped there."""
+    record = sweep.read_json(sweep.segment_path(job["id"], segment), "a segment record")
+    for tid, t in record["trials"].items():
+        if tid in moved:
+            t.update(status="continued", to=moved[tid])
+        elif t["status"] == "finished":
+            t["status"] = "stopped"
+    sweep.write_json(sweep.result_path(job["id"]), record)
+    return record
+
+
+def _read_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _write_trials(sweep: SweepDir, job: dict, out: dict, params: dict[str, dict]) -> None:
+    for tid, t in out["trials"].items():
+        if job.get("sources"):  # it went on from a rung: its curve so far comes first
+            first = min((int(r["step"]) for r in t["metrics"]), default=math.inf)
+            t["metrics"] = [r for r in _read_rows(sweep.trial_file(tid, METRICS)) if int(r["step"]) < first] + \
+                t["metrics"]
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, TRIAL_METRICS)
+        w.writeheader()
+        w.writerows(t["metrics"])
+        files = {**t["files"], METRICS: buf.getvalue().encode()}
+        events = _tensorboard(t["metrics"], params[tid])
+        if events:
+            files[events[0]] = events[1]
+        # the trial's folder whole, or as it was (an earlier attempt's, or none)
+        with sweep.replacing(sweep.trial_path(tid)) as tmp:
+            for name, data in files.items():
+                _write_new(os.path.join(tmp, name), data, sweep.trial_file(tid, name))
+    sweep.write_bytes(sweep.array_metrics_path(job["id"]), out["metrics_csv"].encode())
+
+
+def _write_new(path: str, data: bytes, shown: str) -> None:
+    """A file of a folder being built (renamed into place when it is complete); a failure names ``shown``, the
+    file's name in its final place."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise (as_user_error(e, shown) or e) from e
+
+
+def failed_result(sweep: SweepDir, job: dict, attempts: int, error: str) -> dict:
+    record = {"array": job["id"], "state": "failed", "attempts": attempts, "error": error,
+              "trials": {tid: {"status": "failed"} for tid in job["trials"]}}
+    sweep.write_json(sweep.result_path(job["id"]), record)
+    return record
+
+
+def all_arrays(sweep: SweepDir, plan: dict) -> list[dict]:
+    """The plan's arrays, then those successive halving formed at each rung (halving.json), in order."""
+    rungs = sweep.read_json(sweep.halving_path, "halving.json") if os.path.exists(sweep.halving_path) else []
+    return plan["arrays"] + [a for d in rungs for a in d["arrays"]]
+
+
+def collect(sweep: SweepDir, plan: dict) -> list[dict]:
+    """One row per trial, from the last array it trained in; best first by the plan's metric, trials without a
+    finite metric last, in id order."""
+    metric = plan["metric"]
+    keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
+    trials = {t["id"]: t for t in plan["trials"]}
+    last: dict[str, tuple] = {}  # trial -> (array, its result, the trial's entry there)
+    for a in all_arrays(sweep, plan):
+        res = sweep.result(a["id"]) or {"state": "not run", "trials": {}}
+        for tid in a["trials"]:
+            t = res["trials"].get(tid, {"status": res["state"]})
+            if t["status"] != "continued":
+                last[tid] = (a, res, t)
+    rows = []
+    for tid, (a, res, t) in last.items():
+        done = res["state"] == "done"
+        rows.append({"trial": tid, "array": a["id"], **{k: trials[tid]["params"].get(k, "") for k in keys},
+                     "status": t["status"], metric: t.get(metric, math.nan),
+                     **{k: t.get(k, math.nan) for k in RESULT_COLUMNS[1:] if k != metric},
+                     "checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_WEIGHTS)) if done else "",
+                     "onnx": sweep.relative(sweep.trial_file(tid, TRIAL_ONNX)) if done else "",
+                     "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
+                     "attempts": res.get("attempts", 0), "error": res.get("error", "")})
+
+    return sorted(rows, key=lambda r: rank(number(r[metric]), plan["direction"], r["trial"]))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    return str(v)
+
+
+def table(rows: list[dict], limit: int | None = None) -> str:
+    """A plain-text table of the rows (the first ``limit``)."""
+    if not rows:
+        return "(no trials)"
+    cols = [c for c in rows[0] if c not in ("checkpoint", "onnx", "error", "host")]
+    shown = rows[:limit] if limit else rows
+    cells = [[_fmt(r[c]) for c in cols] for r in shown]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in cells]
+    if limit and len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more in results.csv")
+    return "\n".join(lines)
+
+
+def _curves(sweep: SweepDir, tid: str, split: str) -> tuple[list[int], list[float]]:
+    path = sweep.trial_file(tid, METRICS)
+    if not os.path.exists(path):
+        return [], []
+    with open(path, encoding="utf-8") as f:
+        pts = [(int(r["step"]), number(r["loss"])) for r in csv.DictReader(f) if r["split"] == split]
+    pts = [(s, v) for s, v in pts if math.isfinite(v)]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -> None:
+    """results.csv, report.md and report.png (the ``best`` trials' training and eval loss curves)."""
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, list(rows[0]) if rows else ["trial"])
+    w.writeheader()
+    w.writerows({k: _fmt(v) for k, v in r.items()} for r in rows)
+    sweep.write_bytes(sweep.results_path, buf.getvalue().encode())
+    done = sum(r["status"] != "failed" and r["status"] != "not run" for r in rows)
+    md = [f"# Sweep report: {len(rows)} trials in {len(plan['arrays'])} arrays",
+          "", f"Sorted by {plan['metric']} ({plan['direction']}); {done} trials have results.", "",
+          "```", table(rows), "```", ""]
+    sweep.write_bytes(sweep.report_md_path, "\n".join(md).encode())
+    top = [r["trial"] for r in rows[:best] if r["status"] not in ("failed", "not run")]
+    trials = {t["id"]: t for t in plan["trials"]}
+    if not top:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for tid in top:
+        params = trials[tid]["params"]
+        label = f"{tid} " + ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+        for ax, split in zip(axes, ("train", "eval")):
+            x, y = _curves(sweep, tid, split)
+            if x:
+                ax.plot(x, y, marker="o" if split == "eval" and len(x) < 30 else None, ms=3, label=label)
+    for ax, split in zip(axes, ("train", "eval")):
+        ax.set_title(f"{split} loss, best {len(top)} by {plan['metric']}")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    sweep.write_bytes(sweep.report_png_path, png.getvalue())

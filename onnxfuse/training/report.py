@@ -1,0 +1,303 @@
+"""`onnxfuse report`: a summary, a plot and a JSON file from an array's ``metrics.csv``.
+
+``metrics.csv`` has one row per model per logged training step and per evaluation::
+
+    step,model,split,loss,accuracy,lr,elapsed_s,status
+
+``split`` is ``train`` or ``eval``; ``accuracy`` is empty for train rows and regression losses; ``status`` is empty,
+``diverged`` (the model's loss or update became non-finite at that step; it is frozen from then on) or ``dropped``
+(removed by successive halving at that step). The older header ``step,model,loss,lr,elapsed_s`` is read too: a
+missing column means train rows without accuracy or status.
+
+:func:`make_report` writes ``ARRAY_DIR/report.png`` (train loss, eval loss and, when there is one, eval accuracy
+per model against the step; diverged / dropped models marked where it happened) and ``ARRAY_DIR/report.json``
+(the summary plus, per panel, the curves plotted), and returns the same summary.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from onnxfuse.core._io import claim_output
+from onnxfuse.core.array import ArrayDir, complete_lines
+from onnxfuse.core.errors import ConfigError, InputFileError, shell
+
+__all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "format_table"]
+
+METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run")
+REQUIRED_COLUMNS = ("step", "model", "loss")
+SPLITS = ("train", "eval")
+MARKERS = {"diverged": "x", "dropped": "v"}  # other statuses get "o"
+
+
+@dataclass
+class ModelLog:
+    """One model's rows, in file order: (step, value) pairs per series, and its status events."""
+
+    model: int
+    train_loss: list[tuple[int, float]] = field(default_factory=list)
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)
+    eval_accuracy: list[tuple[int, float]] = field(default_factory=list)
+    lr: list[tuple[int, float]] = field(default_factory=list)
+    events: list[tuple[str, int]] = field(default_factory=list)  # (status, first step it appeared)
+
+
+# ---------------------------------------------------------------- reading
+def _number(path: str, line: int, column: str, text: str | None, cast=float) -> Any:
+    """A cell as a number (None when empty); a bad cell is one InputFileError naming the line."""
+    if text is None or text.strip() == "":
+        return None
+    try:
+        return cast(float(text)) if cast is int else cast(text)
+    except ValueError:
+        raise InputFileError(f"'{path}' line {line}: {column} '{text}' is not a number; the file is corrupt, "
+                             "re-run `onnxfuse train`") from None
+
+
+def _open_metrics(array_dir: str) -> str:
+    ArrayDir(array_dir).check_exists()
+    path = ArrayDir(array_dir).metrics_path
+    if not os.path.isfile(path):
+        raise InputFileError(f"'{path}' is missing; train the array first with `{shell('onnxfuse', 'train', array_dir)} ...`")
+    return path
+
+
+def read_metrics(path: str) -> dict[int, ModelLog]:
+    """Parse a metrics.csv (either header) into one :class:`ModelLog` per model id, sorted by id."""
+    reader = csv.DictReader(complete_lines(path))  # a last line cut short by a full disk or a kill: unwritten
+    header = reader.fieldnames or []
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise InputFileError(f"'{path}' has no column '{missing[0]}' (header: {','.join(header) or 'none'}); "
+                             f"expected {','.join(METRICS_COLUMNS)}")
+    logs: dict[int, ModelLog] = {}
+    for row in reader:
+        _add_row(path, reader.line_num, row, logs)
+    if not logs:
+        raise InputFileError(f"'{path}' has no rows; train for at least one logged step")
+    return dict(sorted(logs.items()))
+
+
+def _add_row(path: str, line: int, row: dict, logs: dict[int, ModelLog]) -> None:
+    step = _number(path, line, "step", row.get("step"), int)
+    model = _number(path, line, "model", row.get("model"), int)
+    if step is None or model is None:
+        raise InputFileError(f"'{path}' line {line}: step and model must be given; the file is corrupt")
+    split = (row.get("split") or "train").strip()
+    if split not in SPLITS:
+        raise InputFileError(f"'{path}' line {line}: split '{split}' is neither train nor eval")
+    log = logs.setdefault(model, ModelLog(model))
+    loss = _number(path, line, "loss", row.get("loss"))
+    if split == "train":
+        log.train_loss.append((step, math.nan if loss is None else loss))
+        lr = _number(path, line, "lr", row.get("lr"))
+        if lr is not None:
+            log.lr.append((step, lr))
+    else:
+        log.eval_loss.append((step, math.nan if loss is None else loss))
+        acc = _number(path, line, "accuracy", row.get("accuracy"))
+        if acc is not None:
+            log.eval_accuracy.append((step, acc))
+    status = (row.get("status") or "").strip()
+    if status and status not in {s for s, _ in log.events}:
+        log.events.append((status, step))
+
+
+# ---------------------------------------------------------------- summary
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _best(series: list[tuple[int, float]], pick) -> tuple[float | None, int | None]:
+    finite = [(v, s) for s, v in series if math.isfinite(v)]
+    if not finite:
+        return None, None
+    v, s = pick(finite, key=lambda t: t[0])
+    return v, s
+
+
+def _model_summary(log: ModelLog) -> dict:
+    finite_train = [(s, v) for s, v in log.train_loss if math.isfinite(v)]
+    best_loss, best_loss_step = _best(log.eval_loss, min)
+    best_acc, best_acc_step = _best(log.eval_accuracy, max)
+    status, status_step = log.events[0] if log.events else ("ok", None)
+    return {
+        "model": log.model,
+        "lr": max(v for _, v in log.lr) if log.lr else None,  # the peak: a warm-up starts far below it
+        "final_lr": log.lr[-1][1] if log.lr else None,
+        "last_train_loss": finite_train[-1][1] if finite_train else None,
+        "last_train_step": finite_train[-1][0] if finite_train else None,
+        "best_eval_loss": best_loss,
+        "best_eval_loss_step": best_loss_step,
+        "last_eval_loss": _finite(log.eval_loss[-1][1]) if log.eval_loss else None,
+        "best_eval_accuracy": best_acc,
+        "best_eval_accuracy_step": best_acc_step,
+        "last_eval_accuracy": _finite(log.eval_accuracy[-1][1]) if log.eval_accuracy else None,
+        "status": status,
+        "status_step": status_step,
+        "events": [{"status": s, "step": st} for s, st in log.events],
+    }
+
+
+def _best_model(models: list[dict]) -> int | None:
+    """The model with the lowest best eval loss, else the lowest last train loss (None when none is finite)."""
+    for key in ("best_eval_loss", "last_train_loss"):
+        ranked = [m for m in models if m[key] is not None]
+        if ranked:
+            return min(ranked, key=lambda m: m[key])["model"]
+    return None
+
+
+def summarize(logs: dict[int, ModelLog]) -> dict:
+    """The per-model summary of parsed metrics (JSON-ready: non-finite values are None)."""
+    models = [_model_summary(log) for log in logs.values()]
+    steps = [s for log in logs.values() for s, _ in log.train_loss + log.eval_loss]
+    return {"B": len(models), "last_step": max(steps) if steps else None, "best_model": _best_model(models),
+            "models": models}
+
+
+# ---------------------------------------------------------------- plot
+def _colors(B: int) -> list:
+    from matplotlib import colormaps
+
+    if B <= 10:
+        return [colormaps["tab10"](b) for b in range(B)]
+    if B <= 20:
+        return [colormaps["tab20"](b) for b in range(B)]
+    return [colormaps["viridis"](b / (B - 1)) for b in range(B)]
+
+
+def _label(summary: dict) -> str:
+    lr = summary["lr"]
+    return f"model {summary['model']}" + (f" (lr {lr:g})" if lr is not None else "")
+
+
+def _marker_at(series: list[tuple[int, float]], step: int) -> tuple[int, float] | None:
+    """Where the marker of an event at ``step`` goes: at that step, at the height of the last finite value at or
+    before it (the loss at a divergence itself is not finite)."""
+    before = [v for s, v in series if s <= step and math.isfinite(v)]
+    return (step, before[-1]) if before else None
+
+
+def _draw_panel(ax, name: str, title: str, logs: dict[int, ModelLog], summaries: dict[int, dict], colors: dict,
+                allow_log: bool) -> dict:
+    """Draw one series of every model on ``ax``; return the panel's record for report.json."""
+    curves, markers, values = [], [], []
+    for model, log in logs.items():
+        series = getattr(log, name)
+        points = [(s, v) for s, v in series if math.isfinite(v)]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, color=colors[model], linewidth=1.2, marker="." if len(points) < 30 else None,
+                label=_label(summaries[model]))
+        curves.append({"label": _label(summaries[model]), "model": model, "points": len(points)})
+        values += ys
+        for status, step in log.events:
+            at = _marker_at(series, step)
+            if at is None:
+                continue
+            ax.plot([at[0]], [at[1]], linestyle="none", marker=MARKERS.get(status, "o"), markersize=10,
+                    markeredgewidth=2, color=colors[model], label="_nolegend_")
+            markers.append({"model": model, "status": status, "step": step, "at": [at[0], at[1]]})
+    yscale = "log" if allow_log and values and min(values) > 0 else "linear"
+    ax.set_yscale(yscale)
+    if yscale == "log":  # plain numbers (0.3, 2) rather than 3x10^-1 on short log ranges
+        from matplotlib.ticker import FuncFormatter
+
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        few_decades = math.log10(max(values) / min(values)) < 1.5  # label 2, 3, 5 x 10^k only then
+        ax.yaxis.set_minor_formatter(FuncFormatter(
+            lambda v, _: f"{v:g}" if few_decades and f"{v:.0e}"[0] in "235" else ""))
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    return {"name": name, "title": title, "yscale": yscale, "curves": curves, "markers": markers}
+
+
+def _plot(logs: dict[int, ModelLog], summary: dict, out_png: str) -> list[dict]:
+    """Write the report figure (Agg canvas, no pyplot: nothing global is changed); return the panel records."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    summaries = {m["model"]: m for m in summary["models"]}
+    colors = dict(zip(logs, _colors(len(logs))))
+    panels = [("train_loss", "train loss", True), ("eval_loss", "eval loss", True)]
+    if any(log.eval_accuracy for log in logs.values()):
+        panels.append(("eval_accuracy", "eval accuracy", False))
+    ncol = max(1, math.ceil(len(logs) / 24))  # legend columns; ~2.4 inches each
+    fig = Figure(figsize=(5.5 * len(panels) + 2.4 * ncol, 4.8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    records = [_draw_panel(ax, name, title, logs, summaries, colors, allow_log)
+               for ax, (name, title, allow_log) in zip(axes, panels)]
+    for ax, rec in zip(axes, records):
+        if not rec["curves"]:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    handles = [Line2D([], [], color=colors[m], label=_label(summaries[m])) for m in logs]
+    used = sorted({mk["status"] for rec in records for mk in rec["markers"]})
+    legend_title = ", ".join(f"{MARKERS.get(s, 'o')} = {s}" for s in used) or None
+    right = 1 - 2.4 * ncol / fig.get_figwidth()
+    fig.tight_layout(rect=(0, 0, right, 1))
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(right, 0.5), ncol=ncol, fontsize="small",
+               title=legend_title, title_fontsize="small", frameon=False)
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return records
+
+
+# ---------------------------------------------------------------- entry points
+def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None = None) -> dict:
+    """Read ``ARRAY_DIR/metrics.csv``; write the plot (``out_png``, default ``ARRAY_DIR/report.png``) and
+    ``ARRAY_DIR/report.json``; return the summary (per model: peak and final lr, last train loss, best eval loss
+    and its step, best and last eval accuracy, status and its step; per panel: the curves plotted)."""
+    array_dir = os.fspath(array_dir)
+    array = ArrayDir(array_dir)
+    png = os.fspath(out_png) if out_png is not None else array.report_png_path
+    _check_plot_format(png)
+    path = _open_metrics(array_dir)
+    with array.locked("report"), claim_output(png, "report", is_file=True):  # a plot elsewhere: its folders too
+        run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
+        logs = read_metrics(path)
+        summary = summarize(logs)
+        json_path = array.report_json_path
+        summary.update({"array_dir": array_dir, "run": run_id, "metrics": path, "png": png, "json": json_path})
+        summary["panels"] = _plot(logs, summary, png)
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=1, allow_nan=False)
+    return summary
+
+
+def _check_plot_format(png: str) -> None:
+    """The plot's file type, from its name, is one matplotlib writes (before anything is read or drawn)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(png)[1].lower().lstrip(".")
+    if ext not in kinds:
+        raise ConfigError(f"-o '{png}': matplotlib cannot write {'.' + ext if ext else 'a file without an extension'}"
+                          f"; give a name ending in one of {', '.join('.' + k for k in sorted(kinds))}")
+
+
+def _fmt(v: float | None, spec: str = ".4g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(summary: dict) -> str:
+    """The summary as a text table: model, lr, last train loss, best eval loss @step, best eval acc, status."""
+    lines = [f"{'model':>5}  {'lr':>9}  {'last train loss':>15}  {'best eval loss @step':>20}  {'best eval acc':>13}  "
+             "status"]
+    for m in summary["models"]:
+        best = "-" if m["best_eval_loss"] is None else f"{m['best_eval_loss']:.4f} @{m['best_eval_loss_step']}"
+        acc = "-" if m["best_eval_accuracy"] is None else f"{100 * m['best_eval_accuracy']:.1f}%"
+        status = m["status"] if m["status_step"] is None else f"{m['status']} @{m['status_step']}"
+        lines.append(f"{m['model']:>5}  {_fmt(m['lr']):>9}  {_fmt(m['last_train_loss'], '.4f'):>15}  {best:>20}  "
+                     f"{acc:>13}  {status}")
+    if summary.get("best_model") is not None:
+        lines.append(f"best: model {summary['best_model']}")
+    return "\n".join(lines)
