@@ -1,0 +1,259 @@
+"""Checkpoints and exact resume: a run's identity (settings and data hashes, ``run.json``), the state folders a run
+writes (``checkpoints/step_<t>/``, ``trained/``), finding and checking the point a resumed run continues from,
+and moving models between arrays at a checkpoint (``checkpoint_models``, ``seed_run``: a sweep's halving)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from onnxfuse.core._io import atomic_dir
+from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.errors import ConfigError, DataError, InputFileError
+from onnxfuse.core.passes import fuse_models, fused_initial_weights
+from onnxfuse.core.split import split_weights
+from onnxfuse.recipe.data import BatchSampler, Dataset
+from onnxfuse.recipe.optim import STATE_PREFIX
+from onnxfuse.recipe.settings import RESUMABLE
+from onnxfuse.runtime.ort_runtime import FusedTrainer
+from onnxfuse.recipe.train_config import TrainConfig
+from onnxfuse.training.run_state import RunState
+
+
+log = logging.getLogger("onnxfuse.train")
+
+
+def _save_state(run: RunState, folder: str) -> None:
+    ArrayDir.write_state(folder, run.trainer.weights(), run.trainer.optimizer_state(), run.spec, run.dropped)
+
+
+def jsonable(d):
+    if isinstance(d, dict):
+        return {k: jsonable(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [jsonable(v) for v in d]
+    if isinstance(d, float) and not math.isfinite(d):
+        return str(d)
+    return d
+
+
+def _unjson(v):
+    if isinstance(v, list):
+        return [_unjson(x) for x in v]
+    return float(v) if v in ("inf", "-inf", "nan") else v
+
+
+def checkpoint_folders(array_dir: str) -> list[str]:
+    """The checkpoint folders, oldest first."""
+    return ArrayDir(array_dir).checkpoints()
+
+
+def _damaged(path: str, what: str) -> InputFileError:
+    return InputFileError(f"checkpoint '{path}' is incomplete or corrupt ({what}); remove that folder to resume "
+                          "from the checkpoint before it, or start a new run without --resume")
+
+
+def _read_state(path: str) -> dict:
+    record = os.path.basename(ArrayDir.checkpoint_record_path(path))
+    try:
+        st = ArrayDir.read_checkpoint_record(path)
+        for key in ("step", "models", "active", "trainer_steps", "status", "sampler", "elapsed_s", "config"):
+            st[key]
+    except FileNotFoundError:
+        raise _damaged(path, f"it has no {record}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _damaged(path, f"{record}: {type(e).__name__} {e}") from e
+    return st
+
+
+def resume_point(array_dir: str) -> tuple[str, dict]:
+    """The newest checkpoint of the folder's current run, and its state: a resumed run continues that run only."""
+    array = ArrayDir(array_dir)
+    current = array.read_run()
+    found = array.checkpoints()
+    if current is None:
+        if found:
+            raise InputFileError(f"--resume: the checkpoints in '{array.checkpoints_path}' do not say "
+                                 "which run wrote them (an onnxfuse from before runs were recorded); start a new "
+                                 "run without --resume")
+        raise InputFileError(f"--resume: '{array_dir}' has no checkpoint; train with --checkpoint-every first")
+    for path in reversed(found):
+        st = _read_state(path)
+        if (st.get("run") or {}).get("id") == current["id"]:
+            return path, st
+    raise InputFileError(f"--resume: the current run of '{array_dir}', {current['id']} (started "
+                         f"{current.get('started', '?')}), has no checkpoint (it ran without --checkpoint-every, or "
+                         "stopped before its first); start a new run without --resume")
+
+
+def saved_settings(st: dict) -> dict:
+    return {k: _unjson(v) for k, v in st["config"].items() if not k.startswith("_")}
+
+
+def _canon(v):
+    """A setting's value in one form, so that equal settings hash equally however they were given (a value for
+    every model or a list of one, 1 or 1.0, a tuple or a list, inf or "inf")."""
+    if isinstance(v, dict):
+        return {str(k): _canon(x) for k, x in sorted(v.items())}
+    if isinstance(v, (list, tuple, np.ndarray)):
+        items = [_canon(x) for x in v]
+        return items[0] if len(items) == 1 else items
+    if v is None or isinstance(v, (bool, np.bool_, str)):
+        return bool(v) if isinstance(v, np.bool_) else v
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return float(v) if math.isfinite(float(v)) else str(float(v))
+    return str(v)
+
+
+def _trajectory(settings: dict) -> dict:
+    """The settings that decide what a step computes (all but ``RESUMABLE``), canonical."""
+    return {k: _canon(v) for k, v in settings.items() if k not in RESUMABLE and not k.startswith("_")}
+
+
+def settings_hash(config: TrainConfig) -> str:
+    """A run's settings hash: what its steps compute, not how long it runs or what it logs (``RESUMABLE``)."""
+    return hashlib.sha256(json.dumps(_trajectory(config.as_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_hash(*datasets: Dataset | None) -> str:
+    """The training and evaluation data as the run reads them (after the held-out split and sharding)."""
+    h = hashlib.blake2b(digest_size=16)
+    for ds in datasets:
+        if ds is None:
+            h.update(b"none;")
+            continue
+        for name in sorted(ds.arrays):
+            a = np.ascontiguousarray(ds.arrays[name])
+            h.update(f"{name}:{a.dtype.str}:{a.shape}:{name in ds.per_model};".encode())
+            h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def new_run(identity: dict) -> dict:
+    """A new run's record (run.json): a fresh id, ``identity`` (its settings and data hashes), when and by whom."""
+    return {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
+
+
+def check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, data) -> dict:
+    """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
+    record = st.get("run") or {}
+    if record.get("settings_hash") != identity["settings_hash"]:
+        saved, given = saved_settings(st), config.as_dict()
+        before, now = _trajectory(saved), _trajectory(given)
+        key = next((k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)), None)
+        # shown as given (16, not the canonical 16.0 the comparison uses)
+        what = f"setting '{key}' is {given.get(key)!r} but run {record.get('id')} trained with {saved.get(key)!r}" \
+            if key else f"the settings differ from run {record.get('id')}'s"
+        raise ConfigError(f"--resume: {what} (checkpoint '{ckpt}'); a resumed run may change only "
+                          f"{', '.join(RESUMABLE)}: resume with the run's settings, or start a new run without "
+                          "--resume")
+    if record.get("data_hash") != identity["data_hash"]:
+        shown = os.fspath(data) if isinstance(data, (str, os.PathLike)) else "the data given"
+        raise DataError(f"--resume: {shown} is not the data run {record.get('id')} trained on (checkpoint "
+                        f"'{ckpt}'); resume with that run's data, or start a new run without --resume")
+    return record
+
+
+def restore(run: RunState, path: str, st: dict, sampler: BatchSampler) -> float:
+    fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
+    weights, opt_state, dropped = ArrayDir.read_state(path, fix, run.array.load_spec(),
+                                                      [STATE_PREFIX + s for s in run.opt.state_names()])
+    models = st["models"]
+    if models != run.models:  # the array had shrunk: rebuild it for the survivors
+        states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
+        run.fused, run.spec = run.array.refuse(models, states, fuse_models)
+        positions = [run.models.index(b) for b in models]
+        run.opt = run.opt0.select(positions)
+        run.schedules = run.schedules.select(positions)
+        run.models = models
+        run.trainer = run._trainer()
+        run.last_loss = np.full(len(models), np.nan)
+    run.load(weights, opt_state)
+    run.trainer.steps = st["trainer_steps"]
+    run.step = st["step"]
+    run.active = st["active"]
+    run.status = {int(k): v for k, v in st["status"].items()}
+    run.dropped = dropped
+    run.schedules.advance(st["step"])
+    sampler.load_state_dict(st["sampler"])
+    if sampler.per_model is not None and sampler.per_model != len(models):
+        raise InputFileError(f"checkpoint '{path}' does not match the data order; resume with the same settings")
+    log.info("resumed from %s (step %d)", path, run.step)
+    return float(st["elapsed_s"])
+
+
+def write_checkpoint(run: RunState, sampler: BatchSampler, elapsed: float) -> None:
+    """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints
+    (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first)."""
+    path = run.array.checkpoint_path(run.step)
+    with atomic_dir(path, overwrite=True, command="train") as tmp:
+        _save_state(run, tmp)
+        ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": sampler.state_dict(), "elapsed_s": elapsed,
+                                               "config": jsonable(run.config_record), "run": run.run_record})
+    run.array.prune_checkpoints(run.config.keep_checkpoints)
+    log.info("checkpoint at step %d: %s", run.step, path)
+
+
+@dataclass
+class CheckpointModels:
+    """Every model of an array at its current run's newest checkpoint, one by one (original index -> ...)."""
+    record: dict  # the checkpoint's state.json: step, sampler, run (id, settings and data hashes), ...
+    states: dict[int, dict[str, np.ndarray]]  # state_dicts
+    optimizer: dict[int, dict[str, np.ndarray]]  # each model's slice of every optimizer buffer
+    status: dict[int, dict]  # a diverged model's {"status", "step"}
+
+
+def checkpoint_models(array_dir: str | os.PathLike) -> CheckpointModels:
+    """The models of the array in ``array_dir`` as its newest checkpoint holds them, each on its own: what
+    :func:`seed_run` puts together again in another array (a sweep's successive halving re-fuses the survivors
+    of several arrays into one)."""
+    array_dir = os.fspath(array_dir)
+    path, st = resume_point(array_dir)
+    weights, opt_state, _ = ArrayDir.read_state(path, "train the array again", ArrayDir(array_dir).load_spec())
+    models = st["models"]
+    states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
+    return CheckpointModels(st, dict(zip(models, states)),
+                            {b: {k: v[i] for k, v in opt_state.items()} for i, b in enumerate(models)},
+                            {int(k): v for k, v in st["status"].items() if int(k) in models})
+
+
+def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Sequence[Mapping[str, np.ndarray]],
+             status: Sequence[dict | None], template: dict) -> None:
+    """Make the array in ``array_dir`` (fused from models as :func:`checkpoint_models` gave them: its initial
+    weights are their current ones) a run that ``train_array(..., resume=True)`` continues, at the step of the
+    checkpoint record ``template`` (its sampler position and data hash: every source array trained on the same
+    data and batches), with model b's optimizer state ``optimizer[b]`` and its diverged ``status[b]``."""
+    array = ArrayDir(array_dir)
+    fused, spec = array.load()
+    weights = fused_initial_weights(fused)
+    opt_state = {k: np.stack([o[k] for o in optimizer]) for k in optimizer[0]} if optimizer and optimizer[0] else {}
+    record = new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]})
+    run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
+    st = {k: template[k] for k in ("step", "trainer_steps", "sampler", "elapsed_s")}
+    st.update(models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
+              status={str(b): s for b, s in enumerate(status) if s}, config=jsonable(config.as_dict()),
+              run=run_record)
+    with atomic_dir(array.checkpoint_path(st["step"]), command="train") as tmp:
+        ArrayDir.write_state(tmp, weights, opt_state, spec, {})
+        ArrayDir.write_checkpoint_record(tmp, st)
+    array.write_run(record)
+
+
+def write_trained(run: RunState, folder: str, elapsed: float, stopped: str | None) -> None:
+    _save_state(run, folder)
+    if isinstance(run.trainer, FusedTrainer):  # onnxruntime's own checkpoint, for users of its training API
+        run.trainer.save_checkpoint(ArrayDir.ort_checkpoint_path(folder))
+    final = {b: float(run.last_loss[i]) for i, b in enumerate(run.models)}
+    ArrayDir.write_train_state(folder, **jsonable({
+        "steps": run.trainer.steps, "models": run.models, "status": {str(k): v for k, v in run.status.items()},
+        "run": run.run_record, "step": run.step, "final_loss": {str(k): v for k, v in final.items()},
+        "elapsed_s": elapsed, "stopped": stopped, "config": run.config_record}))

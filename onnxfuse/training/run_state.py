@@ -1,0 +1,137 @@
+"""The mutable state of one run (``RunState``): the current array, possibly shrunk by halving, its trainer, per-model
+status and the batches each step gives the models still in it."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import onnx
+
+from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.passes import fuse_models
+from onnxfuse.core.split import model_steps, split_weights
+from onnxfuse.core.weights import ArraySpec
+from onnxfuse.recipe.data import Dataset
+from onnxfuse.recipe.losses import LossSpec
+from onnxfuse.recipe.optim import OptimizerConfig
+from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules
+from onnxfuse.recipe.runtimes import Runtime, make_trainer
+from onnxfuse.recipe.train_config import TrainConfig
+
+
+log = logging.getLogger("onnxfuse.train")
+
+
+def full_batch(ds: Dataset, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's arrays for every model of the array."""
+    if idx.ndim == 2:  # per-model order: [B, N] indices into shared arrays -> [B, N, ...]
+        return {k: v[idx] for k, v in ds.arrays.items()}
+    return ds.batch(idx)
+
+
+def model_batch(ds: Dataset, idx: np.ndarray, run: "RunState") -> dict[str, np.ndarray]:
+    """The step's arrays for the models still in the array."""
+    if idx.ndim == 2 or len(run.models) == run.spec0.B:
+        return full_batch(ds, idx)
+    rows = np.asarray(run.models)[:, None]  # per-model arrays: the surviving models' rows only
+    return {k: (v[rows, idx[None, :]] if k in ds.per_model else v[idx]) for k, v in ds.arrays.items()}
+
+
+class RunState:
+    """The mutable state of one run: the current (possibly shrunk) array and everything needed to checkpoint it."""
+
+    def __init__(self, array_dir: str, config: TrainConfig, fused: onnx.ModelProto, spec: ArraySpec,
+                 loss: LossSpec, total_steps: int, workdir: str):
+        self.array_dir, self.config, self.loss, self.total = array_dir, config, loss, total_steps
+        self.array = ArrayDir(array_dir)
+        self.workdir = workdir
+        self.spec0 = spec  # the original array (all B models)
+        self.models = list(range(spec.B))  # original index of each model of the current array
+        self.status: dict[int, dict] = {}  # original model -> {"status": ..., "step": ...}
+        self.active = [True] * spec.B
+        self.dropped: dict[int, dict[str, np.ndarray]] = {}  # original model -> its state_dict when dropped
+        self.opt0, self.schedules = optimizer_and_schedules(config, spec.B, total_steps)
+        self.opt = self.opt0
+        self.fused, self.spec = fused, spec
+        self.trainer = self._trainer()
+        self.step = 0
+        self.last_loss = np.full(spec.B, np.nan)
+        self.last_eval: dict = {}
+        self.last_eval_step = -1
+        self.config_record: dict = config.as_dict()
+        self.run_record: dict = {}  # the run's id, settings hash and data hash (written with every state)
+
+    def _trainer(self) -> Runtime:
+        os.makedirs(self.workdir, exist_ok=True)
+        folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
+        return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
+                            workdir=folder, threads=self.config.threads or None)
+
+    # ---- state
+    def state(self) -> dict:
+        return {"step": self.step, "models": self.models, "active": self.active, "trainer_steps": self.trainer.steps,
+                "status": {str(k): v for k, v in self.status.items()}}
+
+    def per_model_states(self) -> list[dict[str, np.ndarray]]:
+        # num_batches_tracked counts the steps each model took: a diverged model's stopped with it
+        steps = [model_steps(self.status.get(b), self.trainer.steps) for b in self.models]
+        return split_weights(self.spec, self.trainer.weights(), steps=steps)
+
+    def load(self, weights: dict, opt_state: dict) -> None:
+        self.trainer.load({**weights, **opt_state})
+
+    # ---- shrinking
+    def keep(self, positions: Sequence[int], reason: str) -> None:
+        """Re-fuse the array with only the models at ``positions``, with their current weights, optimizer state
+        and schedule position; the others are recorded as ``reason`` (e.g. dropped) at this step."""
+        positions = list(positions)
+        states = self.per_model_states()
+        opt_state = self.trainer.optimizer_state()
+        for i, b in enumerate(self.models):
+            if i not in positions:
+                self.dropped[b] = states[i]
+                before = self.status.get(b, {})
+                self.status[b] = {"status": reason, "step": self.step,
+                                  **({"diverged": before["step"]} if before.get("status") == "diverged" else {})}
+        survivors = [self.models[i] for i in positions]
+        self.fused, self.spec = self.array.refuse(survivors, [states[i] for i in positions], fuse_models)
+        self.opt = self.opt.select(positions)
+        self.schedules = self.schedules.select(positions)
+        steps = self.trainer.steps
+        self.trainer = self._trainer()
+        self.trainer.steps = steps
+        self.load({}, {k: v[positions] for k, v in opt_state.items()})
+        self.active = [self.active[i] for i in positions]
+        self.models = survivors
+        self.last_loss = self.last_loss[positions]
+
+
+def optimizer_and_schedules(config: TrainConfig, B: int, total_steps: int
+                             ) -> tuple[OptimizerConfig, PerModelSchedules]:
+    """The array's optimizer configuration and its per-model schedules at step 0."""
+    opt = config.optimizer_config(B)
+    schedules = PerModelSchedules(check_schedules(config.schedule, B, total_steps), opt, total_steps)
+    opt.momentum_varies = schedules.moves_momentum  # one-cycle moves SGD's momentum: keep a momentum buffer
+    return opt, schedules
+
+
+def model_view(data: Dataset, run: RunState) -> Dataset:
+    """Per-model arrays restricted to the models still in the array."""
+    if not data.per_model or len(run.models) == run.spec0.B:
+        return data
+    return Dataset({k: (v[run.models] if k in data.per_model else v) for k, v in data.arrays.items()}, data.per_model)
+
+
+def mark_diverged(run: RunState, ok: np.ndarray, losses: np.ndarray) -> dict[int, str]:
+    """Models whose step was rejected although active: diverged now, frozen from here on."""
+    events = {}
+    for i, b in enumerate(run.models):
+        if run.active[i] and not ok[i]:
+            run.active[i] = False
+            run.status[b] = {"status": "diverged", "step": run.step}
+            events[b] = "diverged"
+            log.warning("model %d diverged at step %d (loss %s); it is frozen at its last finite state", b,
+                        run.step, losses[i])
+    return events
