@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 from onnxfuse.core._facts import FOLD_LIMIT, GraphFacts
 from onnxfuse.core._graph import live_nodes
 from onnxfuse.core._io import check_no_external_data, read_onnx
+from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.windows import explicit_windows_pass
 
@@ -127,9 +128,7 @@ def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None 
     out.CopyFrom(model)
     g = out.graph
     weights = weight_names(out) if weights is None else set(weights)
-    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is None:
-        return out
+    opset = onnx_opset(out)
     for _ in range(_RESOLVE_ROUNDS):
         windowed = explicit_windows_pass(out)
         changed = int(windowed is not out)
@@ -229,8 +228,8 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputFileError(f"{label}: not a valid ONNX model: {first}") from e
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is None or opset < 13:
+    opset = onnx_opset(proto, label)
+    if opset < 13:
         raise InputFileError(f"{label}: ONNX opset {opset} is too old; export with opset_version between 13 and 20")
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)

@@ -15,6 +15,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxfuse.core._io import atomic_dir
+from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.array import ArrayDir, check_output_location
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.weights import ArraySpec, unpack_weight
@@ -24,8 +25,9 @@ __all__ = ["to_inference", "split_weights", "model_steps", "final_states", "spli
 
 def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
     """BatchNorm on running statistics (one output) and Dropout off, in place; returns the model."""
+    opset = onnx_opset(model)
     for node in model.graph.node:
-        if node.op_type == "BatchNormalization":
+        if is_training_batchnorm(node, opset):
             for a in node.attribute:
                 if a.name == "training_mode":
                     a.i = 0

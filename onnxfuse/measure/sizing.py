@@ -51,6 +51,7 @@ import numpy as np
 import onnx
 
 from onnxfuse.core._io import atomic_write_bytes
+from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core._units import parse_size
 from onnxfuse.core.errors import ConfigError, as_user_error
 
@@ -290,7 +291,7 @@ def _peak_live(model: onnx.ModelProto, sizes: dict[str, int]) -> int:
 def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: dict) -> MemoryEstimate:
     """Count the bytes of one training step of ``fused`` (an :class:`ArraySpec`'s graph) from its tensor shapes
     at the batch ``feeds`` gives: see :class:`MemoryEstimate`."""
-    from onnxfuse.runtime.ort_artifacts import add_loss_pass, opset_of
+    from onnxfuse.runtime.ort_artifacts import add_loss_pass
     from onnxfuse.recipe.runtimes import parameter_names
     from onnxfuse.runtime.torch_runtime import update_graph
 
@@ -318,10 +319,10 @@ def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: d
                       for o in n.output if o)
 
     shapes = {n: list(weights[n].dims) for n in trainable + buffers}
-    stats = [n for n in buffers if any(n == node.input[k] for node in fused.graph.node
-                                       if node.op_type == "BatchNormalization" for k in (3, 4) if len(node.input) > k)]
-    upd, _ = update_graph(optimizer, [(p, shapes[p]) for p in trainable], [(s, shapes[s]) for s in stats],
-                          opset_of(fused))
+    opset = onnx_opset(fused)
+    stats = [n for n in buffers if any(n in node.input[3:5] for node in fused.graph.node
+                                       if is_training_batchnorm(node, opset))]  # what the torch runtime updates
+    upd, _ = update_graph(optimizer, [(p, shapes[p]) for p in trainable], [(s, shapes[s]) for s in stats], opset)
     update = _peak_live(upd, _inferred_sizes(upd))
     return MemoryEstimate(held, batch, activations, params, update)
 

@@ -32,6 +32,7 @@ from onnxfuse.core._facts import GraphFacts
 from onnxfuse.core._graph import name_nodes
 from onnxfuse.core._graph import reads as graph_reads
 from onnxfuse.core._io import read_onnx
+from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import ConfigError, InputFileError
 from onnxfuse.placement.orders import CycleError, Dag, check_acyclic
 
@@ -188,11 +189,11 @@ def _static_shape(type_proto: onnx.TypeProto) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _inferred_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...] | None]]:
+def _inferred_types(model: onnx.ModelProto, label: str = "the model"
+                    ) -> dict[str, tuple[int, tuple[int, ...] | None]]:
     """{tensor: (elem_type, static shape or None)} from the graph's facts (ONNX shape inference, partial results
     kept)."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-    facts = GraphFacts(model, opset)
+    facts = GraphFacts(model, onnx_opset(model, label))
     if facts.inference_error:  # a custom-domain op can stop inference; the runtime fills the rest
         warnings.warn(f"ONNX shape inference failed ({facts.inference_error}); sizes come from a run")
     out: dict[str, tuple[int, tuple[int, ...] | None]] = {}
@@ -354,7 +355,7 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
                                              if t in producer and producer[t] != c]))
     except CycleError as e:
         raise CycleError(f"{label}: {e}") from None
-    types = _inferred_types(proto)
+    types = _inferred_types(proto, label)
     init_names = {t.name for t in g.initializer}
     graph_inputs = [vi.name for vi in g.input if vi.name not in init_names]
     produced = [t for n in g.node for t in n.output if t]

@@ -35,6 +35,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxfuse.core._graph import all_nodes
+from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
 from onnxfuse.core.legalize import legalize
 from onnxfuse.core.weights import ArraySpec
@@ -66,11 +67,6 @@ class TrainingArtifacts:
     legalized: list[str]  # the trainability rewrites applied, one line each
 
 
-def opset_of(model: onnx.ModelProto) -> int:
-    """The model's default-domain opset."""
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-
-
 def _value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, dtype, shape)
 
@@ -92,7 +88,7 @@ def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec
         raise ConfigError(f"the model has {len(spec.outputs)} outputs; training needs exactly one "
                                     "(the logits or prediction the loss reads)")
     out = spec.outputs[0]
-    gb = GraphBuilder(model.graph, opset_of(model), "loss/")
+    gb = GraphBuilder(model.graph, onnx_opset(model), "loss/")
     _, _, labels = add_loss(gb, loss, out["name"], out["shape"], spec.B)
     gb.flush()
     if labels is not None:  # the 'model' loss takes none
@@ -110,15 +106,14 @@ def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
     (ONNX's momentum attribute is 1 - m). n = elements per channel = Size(x) / channels.
     """
     g = model.graph
-    gb = GraphBuilder(g, opset_of(model), "bn/")
+    opset = onnx_opset(model)
+    gb = GraphBuilder(g, opset, "bn/")
     inits = {t.name: t for t in g.initializer}
     writes: list[tuple[str, str]] = []
     for node in list(g.node):
-        if node.op_type != "BatchNormalization":
+        if not is_training_batchnorm(node, opset):
             continue
         attrs = {a.name: a for a in node.attribute}
-        if "training_mode" not in attrs or attrs["training_mode"].i != 1:
-            continue
         m = 1.0 - (attrs["momentum"].f if "momentum" in attrs else 0.9)
         rm, rv = node.input[3], node.input[4]
         C = int(inits[rm].dims[0]) if rm in inits else None
@@ -343,7 +338,7 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     keep = [n for n in g.node if not (n.op_type == "InPlaceAccumulatorV2" and n.output[0].endswith(".accumulation.out"))]
     del g.node[:]
     g.node.extend(keep)
-    gb = GraphBuilder(g, opset_of(tm), "update/")
+    gb = GraphBuilder(g, onnx_opset(tm), "update/")
     true = gb.const([True], np.bool_, "overwrite")
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
     # a non-finite new running statistic rejects the model's step like a non-finite parameter would
@@ -373,7 +368,7 @@ def inference_loss_pass(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec)
 
     m = to_inference(copy.deepcopy(fused))
     model_outputs = [o.name for o in m.graph.output]
-    gb = GraphBuilder(m.graph, opset_of(m), "loss/")
+    gb = GraphBuilder(m.graph, onnx_opset(m), "loss/")
     _, per_model, labels = add_loss(gb, loss, spec.outputs[0]["name"], spec.outputs[0]["shape"], spec.B)
     gb.flush()
     if labels is not None:

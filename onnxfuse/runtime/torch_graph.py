@@ -28,6 +28,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
 from onnxfuse.runtime.torch_kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
@@ -67,7 +68,7 @@ def _sanitize(name: str, taken: set[str], owner: torch.nn.Module) -> str:
 
 
 def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    return onnx_opset(model)
 
 
 def _metadata(model: onnx.ModelProto) -> dict:

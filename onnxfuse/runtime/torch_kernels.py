@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
+from onnxfuse.core._opset import is_training_batchnorm
 from onnxfuse.core._resize import nearest_index, source_coords
 from onnxfuse.core.errors import OnnxFuseError
 from onnxfuse.core.windows import floor_mode_end_pad, output_length, same_pads
@@ -709,10 +710,7 @@ def batch_norm(spec: NodeSpec) -> Kernel:
     """
     eps = float(spec.attr("epsilon", 1e-5))
     momentum = float(spec.attr("momentum", 0.9))
-    if spec.opset >= 14:
-        train_mode = bool(spec.attr("training_mode", 0))
-    else:
-        train_mode = sum(1 for o in spec.node.output[1:] if o) > 0
+    train_mode = is_training_batchnorm(spec.node, spec.opset)
     n_out = spec.n_outputs
     if not (train_mode and spec.training):
         def infer(x, w, b, rm, rv):

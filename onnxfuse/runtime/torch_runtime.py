@@ -24,11 +24,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
-from onnxfuse.runtime.ort_artifacts import (HYPER_INPUT, add_loss_pass, inference_loss_pass, opset_of,
+from onnxfuse.runtime.ort_artifacts import (HYPER_INPUT, add_loss_pass, inference_loss_pass,
                                             weights_as_inputs_pass)
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.losses import LABELS, LossSpec, get_loss
@@ -46,14 +47,10 @@ def _batchnorm_outputs(model: onnx.ModelProto, buffers: set[str]) -> tuple[list[
     from onnxfuse.core._graph import Names
 
     names = Names.of(model.graph)
-    opset = opset_of(model)
+    opset = onnx_opset(model)
     stats, outputs = [], []
     for node in model.graph.node:
-        if node.op_type != "BatchNormalization":
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        training = attrs.get("training_mode", 0) if opset >= 14 else any(node.output[1:])
-        if not training or node.input[3] not in buffers or node.input[4] not in buffers:
+        if not is_training_batchnorm(node, opset) or node.input[3] not in buffers or node.input[4] not in buffers:
             continue
         while len(node.output) < 3:
             node.output.append("")
@@ -166,7 +163,7 @@ class TorchTrainer:
         # update graph
         shapes = {n: list(weights[n].dims) for n in held}
         upd, self._writes = update_graph(optimizer, [(p, shapes[p]) for p in self.trainable],
-                                         [(s, shapes[s]) for s in self.stats], opset_of(fused))
+                                         [(s, shapes[s]) for s in self.stats], onnx_opset(fused))
         self._update = OnnxModule(upd, trainable=[], buffers=[])
         for m in (self._train, self._eval, self._update):
             m.to(self.torch_device)

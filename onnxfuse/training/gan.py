@@ -38,6 +38,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.core.weights import ArraySpec, FusedWeight
 
@@ -142,8 +143,9 @@ def _sampler_graph(model: onnx.ModelProto, spec: ArraySpec) -> tuple[onnx.ModelP
     m.CopyFrom(model)
     g = m.graph
     by_name = {t.name: t for t in g.initializer}
+    opset = onnx_opset(m)
     for k, node in enumerate(g.node):
-        if node.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i == 1 for a in node.attribute):
+        if is_training_batchnorm(node, opset):
             for j in (3, 4):
                 dummy = f"sampler_dummy_stat_{k}_{j}"
                 g.initializer.append(numpy_helper.from_array(np.zeros(by_name[node.input[j]].dims, np.float32), dummy))

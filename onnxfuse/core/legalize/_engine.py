@@ -20,6 +20,7 @@ from onnxfuse.core.errors import OnnxFuseError, UntrainableOpError
 from onnxfuse.core._facts import Dim, GraphFacts, Shape, SymDim
 from onnxfuse.core._graph import Emitter as GraphEmitter
 from onnxfuse.core._graph import Names
+from onnxfuse.core._opset import onnx_opset
 
 __all__ = ["FINAL", "REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
 
@@ -54,7 +55,7 @@ class Context:
     new constant initializers."""
 
     def __init__(self, model: onnx.ModelProto, parameters: set[str] | None = None):
-        self.opset = _default_opset(model)
+        self.opset = onnx_opset(model)
         # the initializers that are trained (None: every initializer may be one); the others are constants
         self.parameters = parameters
         self.facts = GraphFacts(model, self.opset)
@@ -262,10 +263,3 @@ def _describe(node: onnx.NodeProto, replacement: list[onnx.NodeProto]) -> str:
         return f"{node.op_type} '{node_label(node)}' -> {node.op_type} with {n_new} outputs (was {n_old})"
     ops = list(dict.fromkeys(n.op_type for n in replacement))
     return f"{node.op_type} '{node_label(node)}' -> {' + '.join(ops)}"
-
-
-def _default_opset(model: onnx.ModelProto) -> int:
-    for o in model.opset_import:
-        if o.domain in ("", "ai.onnx"):
-            return int(o.version)
-    raise UntrainableOpError("the model imports no default-domain opset; re-export it (torch.onnx.export sets one)")

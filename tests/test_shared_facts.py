@@ -1,0 +1,101 @@
+"""One owner per idea, where a copy could drift silently: the default-domain opset (``core._opset.onnx_opset``),
+"is this BatchNorm in training mode" (``core._opset.is_training_batchnorm``, opset 13 spells it with outputs, 14+
+with an attribute), an array's trainable parameters and buffers (``ArraySpec.parameter_names``)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
+from onnxfuse.core.errors import InputFileError
+from onnxfuse.exporters import export_module
+
+
+def _model(opsets) -> onnx.ModelProto:
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+
+
+def test_the_opset_is_the_default_domains_and_there_is_no_default():
+    assert onnx_opset(_model([("com.microsoft", 1), ("", 15)])) == 15
+    assert onnx_opset(_model([("ai.onnx", 13)])) == 13
+    with pytest.raises(InputFileError, match=r"^m.onnx imports no default-domain ONNX opset \(opset_import: "
+                                             r"'com.microsoft'\); re-export it"):
+        onnx_opset(_model([("com.microsoft", 1)]), "m.onnx")
+
+
+def test_every_reader_of_the_opset_refuses_a_model_without_one(tmp_path):
+    """Placement assumed opset 17, the torch runtime 1, the legalizer raised its own error; now one error."""
+    from onnxfuse.core.legalize import legalize
+    from onnxfuse.placement import build_graph
+    from onnxfuse.runtime.torch_graph import OnnxModule
+
+    path = str(tmp_path / "m.onnx")
+    model = _model([("com.microsoft", 1)])
+    onnx.save(model, path)
+    for call in (lambda: build_graph(path, batch_size=2), lambda: legalize(model), lambda: OnnxModule(model)):
+        with pytest.raises(InputFileError, match="imports no default-domain ONNX opset"):
+            call()
+
+
+def _bn(outputs: int, **attrs) -> onnx.NodeProto:
+    return helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], [f"o{k}" for k in range(outputs)],
+                            **attrs)
+
+
+def test_training_mode_batchnorm_at_opset_13_and_15():
+    assert is_training_batchnorm(_bn(5), 13) and is_training_batchnorm(_bn(3, training_mode=1), 15)
+    assert not is_training_batchnorm(_bn(1), 13) and not is_training_batchnorm(_bn(1), 15)
+    assert not is_training_batchnorm(_bn(3), 15)  # opset 14+: the attribute decides (default 0)
+    assert not is_training_batchnorm(_bn(1, training_mode=0), 15)
+    unused = _bn(5)
+    del unused.output[1:]
+    unused.output.extend(["", "", "", ""])  # optional outputs left empty: inference at opset 13
+    assert not is_training_batchnorm(unused, 13)
+    assert not is_training_batchnorm(helper.make_node("Relu", ["x"], ["y"]), 15)
+
+
+class _ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.Linear(108, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("opset", [13, 15])
+@pytest.mark.parametrize("runtime", ["torch", "ort"])
+def test_both_runtimes_update_batchnorm_statistics_as_torch_does(tmp_path, opset, runtime):
+    """An opset-13 export marks training-mode BatchNorm by its 5 outputs: the ort runtime looked for the opset-14
+    attribute only, left ONNX Runtime's own update of the statistics in place (biased variance) and so trained
+    running_var differently from torch (0.92636 for torch's 0.92655)."""
+    from onnxfuse.core.passes import fuse_models
+    from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.recipe.runtimes import make_trainer
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 2, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 4, 4).astype(np.int64)
+    torch.manual_seed(0)
+    module = _ConvBN()
+    path = os.path.join(tmp_path, "m.onnx")
+    export_module(module, path, input_shape=(4, 2, 8, 8), opset=opset)
+    module.train()(torch.from_numpy(x))  # what torch's BatchNorm does with the same batch
+    fa = fuse_models([path, path])
+    trainer = make_trainer(runtime, fa.model, fa.spec, "cross-entropy", make_optimizer("sgd", 2, lr=0.0),
+                           workdir=str(tmp_path / "work"))
+    trainer.step({"input": x, "labels": labels})
+    w = trainer.weights()
+    by_source = {fw.sources[0]: name for name, fw in fa.spec.weights.items()}
+    for key in ("bn.running_mean", "bn.running_var"):
+        got = w[by_source[key]].reshape(2, -1)
+        want = getattr(module.bn, key.split(".")[1]).numpy()
+        np.testing.assert_allclose(got, np.stack([want, want]), rtol=1e-5, atol=1e-6, err_msg=key)
