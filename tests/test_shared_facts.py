@@ -99,3 +99,25 @@ def test_both_runtimes_update_batchnorm_statistics_as_torch_does(tmp_path, opset
         got = w[by_source[key]].reshape(2, -1)
         want = getattr(module.bn, key.split(".")[1]).numpy()
         np.testing.assert_allclose(got, np.stack([want, want]), rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_the_trainable_parameters_and_buffers_of_an_array():
+    """One split of an array's weights by role, which the optimizer state's shape, both runtimes and the GAN use."""
+    from onnxfuse.core.errors import ConfigError
+    from onnxfuse.core.weights import ArraySpec, FusedWeight, WeightSlot
+    from onnxfuse.recipe.runtimes import parameter_names
+
+    def weight(name, role, n):
+        return FusedWeight(name, WeightSlot(None, (n,)), (n,), "float32", role, [f"{name}.{b}" for b in range(2)])
+
+    roles = [("w", "param", 3), ("rm", "buffer", 4), ("e", "frozen", 5), ("v", "param", 6)]
+    spec = ArraySpec(B=2, sources=["a", "b"], inputs=[], outputs=[],
+                     weights={n: weight(n, r, k) for n, r, k in roles}, extra_state=[{}, {}])
+    assert spec.parameter_names() == (["w", "v"], ["rm", "e"]) == parameter_names(spec)
+    assert spec.optimizer_shape() == (2, 3 + 6)
+    frozen = ArraySpec(B=2, sources=["a", "b"], inputs=[], outputs=[], weights={"e": weight("e", "frozen", 5)},
+                       extra_state=[{}, {}])
+    assert frozen.parameter_names() == ([], ["e"])
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        parameter_names(frozen)
+

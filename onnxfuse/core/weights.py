@@ -189,10 +189,16 @@ class ArraySpec:
         """Every fused weight (parameters and buffers): what a state folder's weights.safetensors holds."""
         return {n: (tuple(fw.fused_shape), fw.dtype) for n, fw in self.weights.items()}
 
+    def parameter_names(self) -> tuple[list[str], list[str]]:
+        """(trainable parameters, buffers) by fused name, in the spec's order, which every runtime keeps: role
+        "param" is trained; "buffer" (BatchNorm's running statistics) and "frozen" are state, not trained."""
+        trainable = [n for n, fw in self.weights.items() if fw.role == "param"]
+        return trainable, [n for n, fw in self.weights.items() if fw.role != "param"]
+
     def optimizer_shape(self) -> tuple[int, int]:
         """``(B, P)``: every optimizer state buffer is one float32 row of P numbers per model, P = the trainable
         numbers of one model (``onnxfuse/recipe/optim.py``)."""
-        P = sum(int(np.prod(fw.fused_shape)) for fw in self.weights.values() if fw.role == "param") // self.B
+        P = sum(int(np.prod(self.weights[n].fused_shape)) for n in self.parameter_names()[0]) // self.B
         return self.B, P
 
     def model_tensors(self, b: int) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -86,9 +86,9 @@ RUNTIME_CHOICES = ("auto",) + tuple(RUNTIMES)
 
 
 def parameter_names(spec: ArraySpec) -> tuple[list[str], list[str]]:
-    """(trainable parameters, buffers) of an array, by fused name, in the order every runtime keeps them."""
-    trainable = [n for n, w in spec.weights.items() if w.role == "param"]
-    buffers = [n for n, w in spec.weights.items() if w.role != "param"]
+    """(trainable parameters, buffers) of an array to train (:meth:`ArraySpec.parameter_names`); an array without
+    a trainable parameter is a ConfigError."""
+    trainable, buffers = spec.parameter_names()
     if not trainable:
         raise ConfigError("the array has no trainable parameters")
     return trainable, buffers

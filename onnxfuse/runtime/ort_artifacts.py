@@ -43,6 +43,7 @@ from onnxfuse.core.weights import ArraySpec
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.losses import LossSpec, add_loss
 from onnxfuse.recipe.optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
+from onnxfuse.recipe.runtimes import parameter_names
 
 __all__ = ["TrainingArtifacts", "build_artifacts", "ort_failure"]
 
@@ -413,10 +414,7 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
 
     onnxruntime.set_default_logger_severity(3)
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    trainable = [n for n, w in spec.weights.items() if w.role == "param"]
-    buffers = [n for n, w in spec.weights.items() if w.role != "param"]
-    if not trainable:
-        raise ConfigError("the array has no trainable parameters")
+    trainable, buffers = parameter_names(spec)
     user_inputs = [i["name"] for i in spec.inputs]
 
     # ops ORT 1.19 cannot differentiate -> equivalent trainable forms

@@ -137,8 +137,7 @@ class OnnxModule(torch.nn.Module):
     def from_array(cls, model: onnx.ModelProto, spec, **kw) -> "OnnxModule":
         """The module of a fused array: ``spec`` (an ``onnxfuse.core.weights.ArraySpec``) says which fused weights are
         trained (role "param") and which are state (BatchNorm statistics, frozen weights)."""
-        trainable = [n for n, w in spec.weights.items() if w.role == "param"]
-        buffers = [n for n, w in spec.weights.items() if w.role != "param"]
+        trainable, buffers = spec.parameter_names()
         return cls(model, trainable=trainable, buffers=buffers, **kw)
 
     # ---- access by ONNX name

@@ -103,7 +103,7 @@ def generator_step_graph(g_model: onnx.ModelProto, g_spec: ArraySpec, d_model: o
         return g_out["name"] if name == d_in["name"] else D_PREFIX + name
 
     _rename_graph(d.graph, rename)
-    params = [n for n, w in d_spec.weights.items() if w.role == "param"]
+    params, _ = d_spec.parameter_names()
     param_set = {D_PREFIX + n for n in params}
     d_inits = [t for t in d.graph.initializer if t.name not in param_set]
     param_inputs = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -121,9 +121,9 @@ def generator_step_graph(g_model: onnx.ModelProto, g_spec: ArraySpec, d_model: o
     g.name = "generator_step"
 
     weights = dict(g_spec.weights)
-    for n, w in d_spec.weights.items():
-        if w.role != "param":
-            weights[D_PREFIX + n] = FusedWeight(D_PREFIX + n, w.slot, w.orig_shape, w.dtype, w.role, w.sources, w.extra)
+    for n in d_spec.parameter_names()[1]:  # D's buffers: state of the generator step too, under D/ names
+        w = d_spec.weights[n]
+        weights[D_PREFIX + n] = FusedWeight(D_PREFIX + n, w.slot, w.orig_shape, w.dtype, w.role, w.sources, w.extra)
     out = dict(d_spec.outputs[0], name=D_PREFIX + d_spec.outputs[0]["name"])
     spec = ArraySpec(
         B=g_spec.B, sources=list(g_spec.sources),
@@ -186,7 +186,7 @@ class FusedGAN:
         self.g_trainer = FusedTrainer(step_model, step_spec, bce, g_optimizer, device,
                                       os.path.join(workdir, "generator"), threads)
         # D's BatchNorm statistics: buffers of both trainers (the generator step's under D/ names)
-        self.d_stats = [n for n, w in self.d_spec.weights.items() if w.role != "param"]
+        _, self.d_stats = self.d_spec.parameter_names()
         so = onnxruntime.SessionOptions()
         so.log_severity_level = 3
         # ORT 1.19's Conv+BatchNorm fusion ignores training_mode: keep the graph as it is
