@@ -121,3 +121,25 @@ def test_the_trainable_parameters_and_buffers_of_an_array():
     with pytest.raises(ConfigError, match="no trainable parameters"):
         parameter_names(frozen)
 
+
+def test_fusing_and_placing_read_a_model_alike(tmp_path):
+    """One loader (core._io.read_model) and one check that every tensor read is defined, with one message, for
+    `fuse` and `place` (placement had its own, found only after its onnxruntime run for shapes)."""
+    from onnxfuse.core.source import load_source
+    from onnxfuse.placement import build_graph
+
+    g = helper.make_graph([helper.make_node("Add", ["x", "ghost"], ["y"], name="add")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])])
+    path = str(tmp_path / "broken.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    messages = []
+    for call in (lambda: load_source(path), lambda: build_graph(path, batch_size=2)):
+        with pytest.raises(InputFileError) as e:
+            call()
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and messages[0].startswith("broken.onnx: node 'add' (Add) reads 'ghost'")
+    missing = str(tmp_path / "none.onnx")
+    for call in (lambda: load_source(missing), lambda: build_graph(missing)):
+        with pytest.raises(InputFileError, match="model file '.*none.onnx' does not exist; re-export it"):
+            call()

@@ -267,6 +267,19 @@ def read_onnx(path: str | os.PathLike, fix: str = "re-export it") -> onnx.ModelP
     return model
 
 
+def read_model(model: str | os.PathLike | onnx.ModelProto, label: str | None = None,
+               fix: str = "re-export it") -> tuple[onnx.ModelProto, str]:
+    """A model its caller names by path (read by :func:`read_onnx`) or hands over in memory (refused by
+    :func:`check_no_external_data` while it still points at external data), and the label that names it in
+    messages: ``label``, else the file's name, else "model". Not a copy: a caller that changes it copies it."""
+    if isinstance(model, onnx.ModelProto):
+        label = label or "model"
+        check_no_external_data(model, label)
+        return model, label
+    path = os.fspath(model)
+    return read_onnx(path, fix), label or os.path.basename(path)
+
+
 def _first_line(e: BaseException) -> str:
     return (" ".join(str(e).split())[:120]) or type(e).__name__
 

@@ -12,13 +12,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxfuse.core._facts import FOLD_LIMIT, GraphFacts
-from onnxfuse.core._graph import live_nodes
-from onnxfuse.core._io import check_no_external_data, read_onnx
+from onnxfuse.core._graph import live_nodes, reads
+from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.windows import explicit_windows_pass
 
-__all__ = ["SourceModel", "load_source", "resolve_static_pass", "weight_names", "METADATA_KEY", "FLOAT_TYPES",
+__all__ = ["SourceModel", "load_source", "check_every_input_defined", "resolve_static_pass", "weight_names", "METADATA_KEY", "FLOAT_TYPES",
            "tensor_shape", "np_dtype"]
 
 # The exporter writes a JSON document under this metadata key: which initializers are trainable parameters,
@@ -194,16 +194,17 @@ def _static_outputs(node: onnx.NodeProto, facts: GraphFacts) -> dict[str, np.nda
     return values
 
 
-def _check_every_input_defined(proto: onnx.ModelProto, label: str) -> None:
-    """Every tensor a node of the main graph reads is a graph input, an initializer or some node's output. onnx's
-    checker reports a tensor defined nowhere as "Nodes in a graph must be topologically sorted", which sends the
-    user looking for an ordering problem; the usual cause is a file without its weights (an array's
-    ``sources/`` graphs, a model saved without its initializers)."""
+def check_every_input_defined(proto: onnx.ModelProto, label: str) -> None:
+    """Every tensor a node of the main graph reads (its inputs and its subgraphs' outer-scope reads) is a graph
+    input, an initializer or some node's output; else one InputFileError naming ``label``, the node and the
+    tensor. onnx's checker reports a tensor defined nowhere as "Nodes in a graph must be topologically sorted",
+    which sends the user looking for an ordering problem; the usual cause is a file without its weights (an
+    array's ``sources/`` graphs, a model saved without its initializers)."""
     g = proto.graph
     defined = {i.name for i in g.input} | {t.name for t in g.initializer} | \
         {t.values.name for t in g.sparse_initializer} | {o for n in g.node for o in n.output} | {""}
     for node in g.node:
-        missing = [x for x in node.input if x not in defined]
+        missing = [x for x in reads(node) if x not in defined]
         if missing:
             lacks = "a tensor" if g.initializer else "its weights"
             raise InputFileError(
@@ -216,13 +217,8 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     """Load, check, resolve (:func:`resolve_static_pass`, which also makes window padding explicit:
     :func:`~onnxfuse.core.windows.explicit_windows_pass`) and shape-infer one model. ``label`` names it in error
     messages (default: file name)."""
-    if isinstance(model, onnx.ModelProto):
-        proto, label = model, label or "model"
-        check_no_external_data(proto, label)
-    else:
-        path = os.fspath(model)
-        proto, label = read_onnx(path), label or os.path.basename(path)
-    _check_every_input_defined(proto, label)
+    proto, label = read_model(model, label)
+    check_every_input_defined(proto, label)
     try:
         onnx.checker.check_model(proto)
     except Exception as e:

@@ -31,12 +31,13 @@ from onnx import helper
 from onnxfuse.core._facts import GraphFacts
 from onnxfuse.core._graph import name_nodes
 from onnxfuse.core._graph import reads as graph_reads
-from onnxfuse.core._io import read_onnx
+from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
-from onnxfuse.core.errors import ConfigError, InputFileError
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.source import check_every_input_defined
 from onnxfuse.placement.orders import CycleError, Dag, check_acyclic
 
-__all__ = ["TensorInfo", "PlacementGraph", "build_graph", "load_model", "bind_dims", "example_feeds",
+__all__ = ["TensorInfo", "PlacementGraph", "build_graph", "bind_dims", "example_feeds",
            "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS", "optimizer_state_slots"]
 
 # Training memory counts the optimizer's state buffers per weight. The training layer's optimizer registry says
@@ -140,12 +141,6 @@ class PlacementGraph:
                 "weight_bytes": self.weight_bytes, "flops": sum(self.flops),
                 "measured_s": None if self.measured_s is None else sum(self.measured_s),
                 "training": self.training}
-
-
-def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """A ModelProto from a path (read by :func:`~onnxfuse.core._io.read_onnx`: one error line for a missing or
-    unreadable file, external data only from the model's folder) or as given."""
-    return model if isinstance(model, onnx.ModelProto) else read_onnx(model)
 
 
 def bind_dims(model: onnx.ModelProto, batch_size: int | None = None,
@@ -328,11 +323,11 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
     shape inference cannot give are measured by one onnxruntime run with ``feeds`` (random ones by default)
     unless ``run_for_shapes`` is False (they then count 0 bytes, with a warning).
     """
-    if label is None:
-        label = os.path.basename(os.fspath(model)) if not isinstance(model, onnx.ModelProto) else "model"
+    source, label = read_model(model, label)  # the loader and the labels of fusing (core/source.py)
+    check_every_input_defined(source, label)
     slots = optimizer_state_slots(optimizer)
     proto = onnx.ModelProto()
-    proto.CopyFrom(load_model(model))
+    proto.CopyFrom(source)
     name_nodes(proto)
     bind_dims(proto, batch_size, dims)
     g = proto.graph
@@ -379,9 +374,6 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
         elem, shape = types.get(t, (onnx.TensorProto.FLOAT, None))
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem)) if elem else np.dtype("float32")
         kind = "weight" if t in init_names else "activation" if t in producer else "input"
-        if kind == "input" and t not in graph_inputs:  # read but written by no one: an outer-scope or missing name
-            raise InputFileError(f"{label}: tensor '{t}' is read by node '{names[consumers[t][0]]}' but is neither "
-                                 "a graph input, an initializer nor a node output; the model is broken")
         nbytes = int(_numel(shape) * dtype.itemsize) if shape is not None else 0
         tensors[t] = TensorInfo(t, nbytes, shape, dtype.name, kind, producer.get(t), tuple(consumers.get(t, ())))
     flops, traffic = [], []

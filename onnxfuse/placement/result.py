@@ -202,17 +202,18 @@ def _say(progress: bool, msg: str) -> None:
 
 def _place(path, devices, placers, orders, costs, calibrate, batch_size, dims, feeds, training, optimizer,
            granularity, run, repeats, warmup, progress) -> PlacementReport:
-    from onnxfuse.placement.graph import build_graph, example_feeds, load_model
+    from onnxfuse.core._io import read_model
+    from onnxfuse.placement.graph import build_graph, example_feeds
     from onnxfuse.placement.plan import measure_plan, plan_placements, recommend, rescale_to_measured, results_table
     from onnxfuse.placement.shard import find_array, shard_plan
 
     if os.path.isdir(path):
         path = ArrayDir(path).graph_path()
-    model = load_model(path)
+    model, label = read_model(path)
     if feeds is not None:
         dims.update(_dims_from_feeds(model, feeds))
     array = ArrayDir.of_fused(path)
-    label = array.label if array is not None else os.path.basename(path)
+    label = array.label if array is not None else label
 
     _say(progress, f"building the graph of {label} ...")
     graph = build_graph(model, label=label, batch_size=batch_size, dims=dims, feeds=feeds, training=training,

@@ -31,7 +31,7 @@ from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError, InputFileError, PlacementError
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.placement.devices import Device
-from onnxfuse.placement.graph import PlacementGraph, load_model, union_graph
+from onnxfuse.placement.graph import PlacementGraph, union_graph
 from onnxfuse.placement.partition import Partition, Stage
 from onnxfuse.placement.placers import Placement
 
@@ -82,7 +82,7 @@ def find_array(path: str | os.PathLike, model: onnx.ModelProto | None = None) ->
         array = ArrayDir.of_fused(path)
         if array is None:
             return None
-    return ArrayInfo(array.path, array.load_spec(), model if model is not None else load_model(array.fused_path))
+    return ArrayInfo(array.path, array.load_spec(), model if model is not None else array.load_fused())
 
 
 def shard_groups(B: int, devices: Sequence[Device]) -> list[tuple[int, int, int]]:
