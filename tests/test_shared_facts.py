@@ -143,3 +143,25 @@ def test_fusing_and_placing_read_a_model_alike(tmp_path):
     for call in (lambda: load_source(missing), lambda: build_graph(missing)):
         with pytest.raises(InputFileError, match="model file '.*none.onnx' does not exist; re-export it"):
             call()
+
+
+@pytest.mark.parametrize("case", ["npy", "text", "folder"])
+def test_place_reads_its_inputs_with_the_data_files_reader(tmp_path, capsys, case):
+    """`place --inputs` read .npz files with its own np.load (a text file: "not a readable .npz file
+    (UnpicklingError)"); now recipe.data.load_npz says what the file is, naming the flag."""
+    from conftest import cli, one_error_line
+    from test_ownership import _small_model
+
+    model = _small_model(str(tmp_path / "small.onnx"))
+    feeds = tmp_path / "feeds.npz"
+    if case == "npy":
+        np.save(open(feeds, "wb"), np.zeros((4, 8), np.float32))
+    elif case == "text":
+        feeds.write_text("x\n1\n")
+    else:
+        feeds.mkdir()
+    says = {"npy": "is a single .npy array", "text": "is not an .npz archive", "folder": "is a folder"}[case]
+    code, _, err = cli(capsys, "place", model, "--inputs", feeds, "--costs", "estimate", "-q", "-o", tmp_path / "out")
+    line = one_error_line(err)
+    assert code == 2 and f"--inputs '{feeds}' {says}" in line, line
+    assert not (tmp_path / "out").exists()

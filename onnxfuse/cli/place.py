@@ -10,12 +10,11 @@ one stage), results.md (the table and the recommendation) and gantt.png.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
 
-from onnxfuse.core.errors import ConfigError, InputFileError
+from onnxfuse.core.errors import ConfigError
 from onnxfuse.placement.orders import ORDER_NAMES
 from onnxfuse.placement.placers import PLACER_NAMES, PLACERS
 
@@ -139,15 +138,11 @@ def _dims(text: str | None) -> dict[str, int]:
 
 
 def _feeds(path: str | None) -> dict[str, np.ndarray] | None:
+    from onnxfuse.recipe.data import load_npz
+
     if path is None:
         return None
-    if not os.path.isfile(path):
-        raise InputFileError(f"--inputs '{path}' does not exist")
-    try:
-        with np.load(path) as data:
-            return {k: data[k] for k in data.files}
-    except Exception as e:
-        raise InputFileError(f"--inputs '{path}' is not a readable .npz file ({type(e).__name__})") from e
+    return load_npz(path, "--inputs", "write one with numpy.savez(path, NAME=array, ...), one array per graph input")
 
 
 def cmd_place(args) -> int:

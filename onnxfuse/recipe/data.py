@@ -36,33 +36,36 @@ class Dataset:
 _ZIP, _NPY = b"PK", b"\x93NUMPY"  # what an .npz (a zip archive of .npy files) and a single .npy start with
 
 
-def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """The arrays of an .npz file by name; a file that is not one is an InputFileError saying what it is."""
+def load_npz(path: str | os.PathLike, what: str = "data file",
+             fix: str = "write one with numpy.savez(path, input=..., labels=...)") -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name: the one reader of .npz files (training data, ``place --inputs``). A
+    file that is not one is an InputFileError naming ``what`` it is (a flag, "data file"), saying what the file
+    is instead and ending with ``fix``."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise InputFileError(f"data file '{path}' does not exist")
+        raise InputFileError(f"{what} '{path}' does not exist")
     if os.path.isdir(path):
-        raise InputFileError(f"data file '{path}' is a folder; give an .npz file (numpy.savez)")
-    fix = "write one with numpy.savez(path, input=..., labels=...)"
+        raise InputFileError(f"{what} '{path}' is a folder; give an .npz file (numpy.savez)")
     try:
         with open(path, "rb") as f:
             head = f.read(len(_NPY))
         if head.startswith(_NPY):
-            raise InputFileError(f"'{path}' is a single .npy array, not an .npz archive of named arrays; {fix}")
+            raise InputFileError(f"{what} '{path}' is a single .npy array, not an .npz archive of named arrays; "
+                                 f"{fix}")
         if not head.startswith(_ZIP):  # np.load would try it as a pickle and blame "pickled data"
-            what = "empty" if not head else "not an .npz archive (a zip of named arrays)"
-            raise InputFileError(f"'{path}' is {what}; {fix}")
+            is_what = "empty" if not head else "not an .npz archive (a zip of named arrays)"
+            raise InputFileError(f"{what} '{path}' is {is_what}; {fix}")
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
     except InputFileError:
         raise
     except ValueError as e:
         if "pickle" in str(e).lower():  # an object array: numpy would have to unpickle it
-            raise InputFileError(f"'{path}' holds an object array (pickled Python objects), which onnxfuse does "
-                                 f"not load; save numeric arrays only: {fix}") from e
-        raise InputFileError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e}); {fix}") from e
+            raise InputFileError(f"{what} '{path}' holds an object array (pickled Python objects), which onnxfuse "
+                                 f"does not load; save numeric arrays only: {fix}") from e
+        raise InputFileError(f"{what} '{path}' is not a readable .npz file ({type(e).__name__}: {e}); {fix}") from e
     except Exception as e:
-        raise InputFileError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e}); {fix}") from e
+        raise InputFileError(f"{what} '{path}' is not a readable .npz file ({type(e).__name__}: {e}); {fix}") from e
 
 
 def _expected(want: list, per_model: bool, B: int | None) -> str:
