@@ -165,3 +165,25 @@ def test_place_reads_its_inputs_with_the_data_files_reader(tmp_path, capsys, cas
     line = one_error_line(err)
     assert code == 2 and f"--inputs '{feeds}' {says}" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_one_atomic_file_write(tmp_path):
+    """core._io.atomic_file (under atomic_write_bytes, the forms cache and a sweep's exported trials): the old file
+    or the whole new one, and no temporary left by a writer that failed."""
+    from onnxfuse.core._io import atomic_file, atomic_write_bytes, remove_temporaries
+
+    path = tmp_path / "f.json"
+    atomic_write_bytes(path, b"old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(path) as tmp:
+            open(tmp, "wb").write(b"half")
+            raise RuntimeError("the writer failed")
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["f.json"]
+    with atomic_file(tmp_path / "m.onnx") as tmp:
+        onnx.save(_model([("", 17)]), tmp)
+    assert onnx_opset(onnx.load(tmp_path / "m.onnx")) == 17 and sorted(os.listdir(tmp_path)) == ["f.json", "m.onnx"]
+    with atomic_file(path) as tmp:  # a killed writer's temporary is one remove_temporaries knows
+        open(tmp, "wb").write(b"left")
+        assert remove_temporaries(str(tmp_path)) == [tmp]
+        open(tmp, "wb").write(b"new")
+    assert path.read_bytes() == b"new"

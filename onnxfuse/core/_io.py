@@ -20,9 +20,10 @@ from onnxfuse.core._lock import LOCK_FILE, folder_lock, holds, locked_folders_ar
 from onnxfuse.core.errors import InputFileError, as_user_error
 
 __all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "remove_temporaries",
-           "atomic_write_bytes", "load_safetensors", "check_tensors", "read_onnx", "check_no_external_data"]
+           "atomic_file", "atomic_write_bytes", "load_safetensors", "check_tensors", "read_onnx", "read_model",
+           "check_no_external_data"]
 
-_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_write_bytes create
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_file create
 
 
 def _only_marks(path: str) -> bool:
@@ -118,7 +119,7 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
 
 
 def remove_temporaries(folder: str, of: str | None = None) -> list[str]:
-    """Remove the temporary files and folders in ``folder`` that ``atomic_dir`` and ``atomic_write_bytes`` leave
+    """Remove the temporary files and folders in ``folder`` that ``atomic_dir`` and ``atomic_file`` leave
     when killed (only those of the output named ``of``, when given); call it holding what they belong to. Returns
     the paths removed."""
     removed = []
@@ -178,20 +179,33 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str
             shutil.rmtree(old, ignore_errors=True)
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write a file through a temporary name and rename it into place."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary path next to ``path`` (``.<name>.tmp-<pid>``) to write the file at, by any writer (bytes,
+    ``onnx.save``, a copy); when the block ends the file is synced to disk and renamed over ``path`` in one step,
+    so that a reader finds the old file or the whole new one, never a part. If the block fails the temporary file
+    is removed and the error goes on (an OSError as the one-line error ``as_user_error`` makes of it, naming
+    ``path``); what a killed writer leaves, ``remove_temporaries`` removes."""
+    path = os.fspath(path)
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise (as_user_error(e, path) or e) from e
+        if isinstance(e, OSError):
+            raise (as_user_error(e, path) or e) from e
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to the file ``path`` whole or not at all (:func:`atomic_file`)."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 def load_safetensors(path: str, fix: str, expected: Mapping[str, tuple[Sequence[int], str]] | None = None) -> dict:

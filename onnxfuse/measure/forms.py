@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -180,10 +181,7 @@ def _save(path: str, key: str, entries: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     data = _load(path)
     data.setdefault(key, {}).update(entries)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".forms-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def measured_strategy(runtime: str = "auto", device: str = "cpu", batch: int = 32, threads: int = 0,

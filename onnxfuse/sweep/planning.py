@@ -21,6 +21,7 @@ import os
 import shutil
 from typing import Callable
 
+from onnxfuse.core._io import atomic_file
 from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.sweep.folder import SweepDir
 from onnxfuse.sweep.spec import SweepSpec
@@ -64,22 +65,21 @@ def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress
         if os.path.exists(path):
             done.setdefault(key, path)
             continue
-        tmp = path + ".tmp"
-        if key in done:
-            shutil.copyfile(done[key], tmp)
-        else:
-            factory = factory or _factory(spec)
-            torch.manual_seed(t["seed"])
-            try:
-                module = factory(**args)
-            except TypeError as e:
-                raise ConfigError(f"{spec.source}: trial {t['id']}: {spec.model.factory}(**{args}) failed: {e}; "
-                                  "model.* keys and model.args must be the factory's arguments") from None
-            if not isinstance(module, torch.nn.Module):
-                raise ConfigError(f"{spec.source}: {spec.model.factory} returned {type(module).__name__}, not a "
-                                  "torch.nn.Module")
-            export_module(module, tmp, input_shape=spec.model.input_shape)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            if key in done:
+                shutil.copyfile(done[key], tmp)
+            else:
+                factory = factory or _factory(spec)
+                torch.manual_seed(t["seed"])
+                try:
+                    module = factory(**args)
+                except TypeError as e:
+                    raise ConfigError(f"{spec.source}: trial {t['id']}: {spec.model.factory}(**{args}) failed: {e}; "
+                                      "model.* keys and model.args must be the factory's arguments") from None
+                if not isinstance(module, torch.nn.Module):
+                    raise ConfigError(f"{spec.source}: {spec.model.factory} returned {type(module).__name__}, "
+                                      "not a torch.nn.Module")
+                export_module(module, tmp, input_shape=spec.model.input_shape)
         done[key] = path
 
 
