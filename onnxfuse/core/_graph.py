@@ -3,8 +3,10 @@ each tensor, topological order, dead-node cleanup, unique names, and emitting no
 
 One implementation of each, on ``onnx`` protos as they are (no conversion to another IR and back):
 
+    node_label(node)             how messages and reports name a node: its name, else its first output
     reads(node)                  the names a node reads, its subgraphs' outer-scope reads included
     producers / dependencies     tensor -> (node, output); node -> the nodes it reads from
+    last_readers(steps, keep)    liveness: after which step each value is last needed (freed after it)
     topological_order(preds)     Kahn's algorithm, the ready node with the smallest key first (default: its index);
                                  a cycle raises CycleError naming the nodes on it. Identity's canonical order, the
                                  fused graph's order and placement's traversal orders are all this one function
@@ -25,18 +27,25 @@ from __future__ import annotations
 
 import heapq
 import re
-from typing import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Callable, Collection, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["CycleError", "subgraphs", "all_nodes", "reads", "outer_reads", "producers", "dependencies", "topological_order", "live_nodes",
-           "cleanup_pass", "toposort_pass", "name_nodes", "Names", "Emitter"]
+__all__ = ["CycleError", "node_label", "subgraphs", "all_nodes", "reads", "outer_reads", "producers", "dependencies",
+           "last_readers", "topological_order", "live_nodes", "cleanup_pass", "toposort_pass", "name_nodes", "Names",
+           "Emitter"]
 
 
 class CycleError(ValueError):
     """The graph has a cycle: no topological order exists."""
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """How messages and reports name ``node``: its name, else its first output's name (unique in a graph, as every
+    output is), else ``<unnamed OpType>`` (a node with no named output)."""
+    return node.name or next((o for o in node.output if o), f"<unnamed {node.op_type}>")
 
 
 # ---------------------------------------------------------------------------------------------------- subgraphs
@@ -81,6 +90,34 @@ def dependencies(nodes: Sequence[onnx.NodeProto]) -> list[set[int]]:
     """For every node, the indices of the nodes whose outputs it reads."""
     made = producers(nodes)
     return [{made[t][0] for t in reads(n) if t in made} for n in nodes]
+
+
+V = TypeVar("V", bound=Hashable)
+
+
+def _node_io(node: onnx.NodeProto) -> tuple[Iterable[str], Iterable[str]]:
+    return reads(node), node.output
+
+
+def last_readers(steps: Iterable, keep: Collection = (),
+                 io: Callable[[object], tuple[Iterable[V], Iterable[V]]] = _node_io) -> dict[V, int]:
+    """Liveness of a program run in order: for every value a step writes, the index of the last step that needs it
+    (its last reader, or its writer when no later step reads it), after which it can be freed. Values in ``keep``
+    (graph outputs) and values no step writes (inputs, weights) are left out; ``""`` (an absent input or output)
+    too. ``steps`` are ONNX nodes in execution order by default; ``io(step)`` gives a step's (reads, writes).
+
+    One owner of "free after the last reader": the torch runtime's program (over its slots) and the memory
+    estimate's walk (over a graph's nodes) both ask it."""
+    last: dict = {}
+    for k, step in enumerate(steps):
+        ins, outs = io(step)
+        for v in ins:
+            if v in last:
+                last[v] = k
+        for v in outs:
+            if v != "" and v not in keep:
+                last[v] = k
+    return last
 
 
 # --------------------------------------------------------------------------------------------------------- ordering
@@ -136,7 +173,7 @@ def toposort_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     """Order the nodes topologically, in place; ties keep the original node order. A cycle raises CycleError."""
     g = model.graph
     nodes = list(g.node)
-    order = topological_order(dependencies(nodes), names=[n.name or f"{n.op_type} #{i}" for i, n in enumerate(nodes)])
+    order = topological_order(dependencies(nodes), names=[node_label(n) for n in nodes])
     del g.node[:]
     g.node.extend(nodes[i] for i in order)
     return model

@@ -14,17 +14,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxfuse.core._graph import Names
+from onnxfuse.core._graph import Names, node_label
 from onnxfuse.core.errors import ConfigError, NotFusibleError, UnsupportedOpError
 from onnxfuse.core.identity import AlignedModels
 from onnxfuse.core.layout import SHARED, Layout, stacked
+from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core.source import SourceModel
 from onnxfuse.core.weights import FusedWeight, WeightSlot, pack_weights, relayout
 
 if TYPE_CHECKING:
     from onnxfuse.core.rules import Rule
 
-__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "Strategy", "fuse_aligned", "check_layouts", "op_names"]
+__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "Strategy", "fuse_aligned", "check_layouts"]
 
 # A fusion strategy: given the B aligned nodes and the forms their rule offers (default first), the form to emit.
 Strategy = Callable[["NodeGroup", tuple], str]
@@ -248,7 +249,7 @@ class NodeGroup:
 
     @property
     def name(self) -> str:
-        return self.node.name or f"<unnamed {self.node.op_type}>"
+        return node_label(self.node)
 
     def attr(self, name: str, default=None):
         for a in self.node.attribute:
@@ -428,11 +429,6 @@ class NodeGroup:
         return [j for j, o in enumerate(self.node.output) if o and j not in self._outputs_set]
 
 
-def op_names(rules: Mapping[tuple[str, str], object]) -> list[str]:
-    """The op types of a rule table, sorted (``domain::op`` outside the default domain)."""
-    return sorted(op if not d else f"{d}::{op}" for d, op in rules)
-
-
 def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"], strict: bool = False,
                  per_model_inputs: set[str] = frozenset(), strategy: Strategy | None = None) -> FusionResult:
     """Run every node group through its rule in ``rules`` ((domain, op type) -> rule: the catalogue
@@ -453,7 +449,7 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
     for nodes in aligned.aligned:
         g = NodeGroup(st, nodes)
         node = g.node
-        rule = rules.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        rule = rules.get(op_key(node))
         all_shared = all(g.is_shared(i) for i in range(len(node.input)))
         if all_shared and (rule is None or rule.shared_passthrough):
             g.passthrough()
@@ -466,7 +462,7 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
                 if g.form not in rule.forms:
                     raise ConfigError(f"the fusion strategy chose form '{g.form}' for node '{g.name}' "
                                       f"({node.op_type}), whose rule offers: {', '.join(rule.forms)}")
-                forms[node.name or node.output[0]] = g.form
+                forms[g.name] = g.form
             mark = st.checkpoint()
             try:
                 rule.fuse(g)
@@ -475,7 +471,7 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
             except RuleFailed as e:
                 st.rollback(mark)  # forget whatever the rule emitted or packed before it gave up
                 g = NodeGroup(st, nodes)
-                forms.pop(node.name or node.output[0], None)
+                forms.pop(g.name, None)
                 reason = str(e)
         if reason is not None:
             if strict:
@@ -530,7 +526,7 @@ def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:
         if len(want) != len(got) or any(isinstance(w, int) and isinstance(g, int) and w != g
                                          for w, g in zip(want, got)):
             node = producer.get(orig)
-            where = f"node '{node.name}' ({node.op_type})" if node is not None else f"tensor '{orig}'"
+            where = f"node '{node_label(node)}' ({node.op_type})" if node is not None else f"tensor '{orig}'"
             raise NotFusibleError(f"internal error: {where}: fused tensor '{name}' should be {layout} {want} but "
                                   f"has shape {got}; report it with the model (fuse --strict names the rule)")
 

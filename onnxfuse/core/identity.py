@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from onnxfuse.core._graph import CycleError, topological_order
+from onnxfuse.core._graph import CycleError, node_label, topological_order
 from onnxfuse.core.errors import NotFusibleError
 from onnxfuse.core.source import SourceModel
 
@@ -104,7 +104,7 @@ class _Structure:
     def _topo(self, key) -> list[int]:
         try:
             return topological_order([self.deps[i] for i in range(len(self.nodes))], key,
-                                     [n.name or f"{n.op_type} #{i}" for i, n in enumerate(self.nodes)])
+                                     [node_label(n) for n in self.nodes])
         except CycleError as e:
             raise CycleError(f"{self.src.label}: {e}") from None
 
@@ -145,7 +145,7 @@ class AlignedModels:
 
 
 def _describe(node: onnx.NodeProto) -> str:
-    return f"node '{node.name or '<unnamed>'}' ({node.op_type})"
+    return f"node '{node_label(node)}' ({node.op_type})"
 
 
 def check_identical(models: list[SourceModel]) -> AlignedModels:

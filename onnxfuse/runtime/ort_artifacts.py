@@ -34,10 +34,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxfuse.core._graph import all_nodes
+from onnxfuse.core._graph import all_nodes, node_label
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
 from onnxfuse.core.legalize import legalize
+from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
@@ -229,7 +230,7 @@ def _failing_node(text: str, graphs: Sequence[onnx.ModelProto]) -> tuple[str | N
     ops = {}
     for m in graphs:
         for n in all_nodes(m.graph):
-            ops.setdefault(n.op_type, []).append(n.name or n.output[0])
+            ops.setdefault(n.op_type, []).append(node_label(n))
     count = lambda op: max(0, len(set(ops.get(op, []))) - 1)  # noqa: E731
     for pattern in _NODE_IN_MESSAGE:
         m = pattern.search(text)
@@ -254,8 +255,7 @@ def _torch_cannot(fused: onnx.ModelProto, device: str) -> str | None:
     from onnxfuse.recipe.runtimes import RUNTIMES
     from onnxfuse.runtime.torch_kernels import OPS
 
-    missing = sorted({n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
-                      for n in all_nodes(fused.graph) if n.domain not in ("", "ai.onnx") or n.op_type not in OPS})
+    missing = op_names({op_key(n) for n in all_nodes(fused.graph) if OPS.lookup(n) is None})
     if missing:
         return (f"op type{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing[:4])} "
                 f"ha{'ve' if len(missing) > 1 else 's'} no torch kernel")

@@ -8,13 +8,14 @@
   running statistics, frozen weights) persistent buffers in ``module.stats``; ONNX names contain dots, so the keys
   are sanitized and ``param_keys`` / ``buffer_keys`` map the ONNX name to its key. Every other initializer, Constant
   node and node computable from them alone is a constant, evaluated once at build time (constant folding).
-- Execution is a precomputed list of steps (kernel, input slots, output slots, slots to free) in the graph's
-  topological order; a tensor is released as soon as its last reader has run. Kernels come from
-  :mod:`torch_ops` (one builder per ONNX op); the forward pass parses no attribute.
+- Execution is a precomputed list of :class:`Step`s (kernel, input slots, output slots, slots to free, node label)
+  in the graph's topological order; a tensor is released as soon as its last reader has run
+  (``_graph.last_readers``). Kernels come from :mod:`torch_kernels` (one builder per ONNX op); the forward pass
+  parses no attribute.
 - Shape arithmetic (Shape, and int ops over it and constants) runs on the host (CPU tensors), so reading a shape
   into a Reshape never synchronises a device; a host value read as data is copied to the module's device once.
 - ``module.train()`` / ``module.eval()`` switch between two programs: training-mode BatchNorm uses batch statistics
-  and updates the running ones (torch's rule: :func:`torch_ops.batch_norm`), Dropout drops; in eval mode
+  and updates the running ones (torch's rule: :func:`torch_kernels.batch_norm`), Dropout drops; in eval mode
   BatchNorm uses the running statistics and Dropout is the identity (as torch modules do).
 - Works on any device (``.to(device)``) and with channels-last tensors (kernels never assume contiguity).
 """
@@ -22,19 +23,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 import onnx
 import torch
 from onnx import numpy_helper
 
+from onnxfuse.core._graph import last_readers, node_label
+from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
 from onnxfuse.runtime.torch_kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
-                                            UnsupportedTorchOpError, supported_ops)
+                                            UnsupportedTorchOpError, node_outputs, supported_ops)
 
-__all__ = ["OnnxModule", "TorchOptions", "UnsupportedTorchOpError"]
+__all__ = ["OnnxModule", "Step", "TorchOptions", "UnsupportedTorchOpError"]
 
 _NONE, _TRASH = 0, 1  # slot 0 always holds None (absent inputs); unread outputs may be written to slot 1
 
@@ -47,14 +50,29 @@ class _DeviceRef:
     device = torch.device("cpu")
 
 
+class Step(NamedTuple):
+    """One call of a program: ``kernel(*[env[i] for i in inputs])`` into ``outputs`` (a slot, or a tuple of slots
+    with one per node output), then the slots in ``free`` released; ``label`` names the node it runs (or the copy)."""
+
+    kernel: Callable[..., Any]
+    inputs: tuple[int, ...]
+    outputs: int | tuple[int, ...]
+    free: tuple[int, ...] = ()
+    label: str = ""
+
+
 @dataclass
 class _Program:
-    steps: list[tuple]  # (fn, input slots, output slot | tuple of slots, slots to free)
-    n_slots: int
-    template: list  # slot values that never change (None, host constants)
+    steps: list[Step]
+    template: list  # slot values that never change (None, host constants); one entry per slot
     fills: list[tuple[int, dict, str]]  # slot <- container[key] at each call (parameters, buffers, device consts)
     input_slots: list[int]
     output_slots: list[int]
+
+    def __post_init__(self):
+        # What the forward pass iterates: the steps as plain tuples (kernel, inputs, outputs, free). CPython unpacks
+        # an exact tuple without an iterator; a NamedTuple (a subclass) takes the slow path, ~3x the time per step.
+        self.calls = [(s.kernel, s.inputs, s.outputs, s.free) for s in self.steps]
 
 
 def _sanitize(name: str, taken: set[str], owner: torch.nn.Module) -> str:
@@ -171,7 +189,7 @@ class OnnxModule(torch.nn.Module):
                 env[slot] = inputs[name]
         except KeyError as e:
             raise TypeError(f"missing graph input {e}; the graph takes {self.input_names}") from None
-        for fn, ins, out, free in p.steps:
+        for fn, ins, out, free in p.calls:
             r = fn(*[env[i] for i in ins])
             if out.__class__ is int:
                 env[out] = r
@@ -192,144 +210,178 @@ class OnnxModule(torch.nn.Module):
         return self._const_keys[name]
 
     def _compile(self, g: onnx.GraphProto, constants: dict[str, torch.Tensor], training: bool) -> _Program:
-        consts = dict(constants)  # grows with folded values
-        readers: dict[str, int] = {}
-        for n in g.node:
-            for i in n.input:
-                if i:
-                    readers[i] = readers.get(i, 0) + 1
-        wanted = set(self.output_names)
-        n_slots = 2
-        slot_of: dict[str, int] = {}  # runtime values
-        host: set[str] = set()
-        host_const: dict[str, int] = {}
-        dev_const: dict[str, int] = {}
-        xfer: dict[str, int] = {}
-        template: list[Any] = [None, None]
-        fills: list[tuple[int, dict, str]] = []
-        steps: list[list] = []
-
-        def new_slot(value=None) -> int:
-            nonlocal n_slots
-            n_slots += 1
-            template.append(value)
-            return n_slots - 1
-
-        for name, key in self.param_keys.items():
-            slot_of[name] = new_slot()
-            fills.append((slot_of[name], self.weights._parameters, key))
-        for name, key in self.buffer_keys.items():
-            slot_of[name] = new_slot()
-            fills.append((slot_of[name], self.stats._buffers, key))
-        input_slots = []
-        for name in self.input_names:
-            slot_of[name] = new_slot()
-            input_slots.append(slot_of[name])
-
-        def const_slot(name: str, on_host: bool) -> int:
-            table = host_const if on_host else dev_const
-            if name not in table:
-                if on_host:
-                    table[name] = new_slot(consts[name])
-                else:
-                    table[name] = new_slot()
-                    fills.append((table[name], self.consts._buffers, self._const_slot_key(name, consts[name])))
-            return table[name]
-
-        device = self._device
+        """The program of ``g`` in one mode: resolve each node's kernel, fold what constants alone compute, assign
+        slots to the rest, then free each slot after its last reader."""
+        build = _ProgramBuilder(self, constants, training, _reader_counts(g.node))
         for node in g.node:
-            if node.domain not in ("", "ai.onnx") or node.op_type not in OPS:
-                where = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
-                raise UnsupportedTorchOpError(
-                    f"node '{node.name or node.output[0]}' ({where}, opset {self.opset}): op type '{where}' has no "
-                    f"torch kernel. To fix this, convert the fused graph before the ORT legalization, export the model "
-                    f"without it, train this array with --runtime ort, or add a builder to "
-                    f"onnxfuse/training/torch_ops.py (supported: {', '.join(supported_ops())})")
-            outs = list(node.output)
-            while len(outs) > 1 and not outs[-1]:
-                outs.pop()
-            used = tuple(bool(o) and (readers.get(o, 0) > 0 or o in wanted) for o in outs)
-            writable = tuple(bool(i) and i in self.buffer_keys and readers.get(i, 0) == 1 and i not in wanted
-                             for i in node.input)
-            spec = NodeSpec.of(node, self.opset, [consts.get(i) if i else None for i in node.input],
-                               training=training, options=self.options, writable=writable, used_outputs=used,
-                               device=lambda: device.device)
-            try:
-                kernel = OPS[node.op_type](spec)
-            except UnsupportedTorchOpError:
-                raise
-            except Exception as e:
-                raise UnsupportedTorchOpError(f"node '{node.name}' ({node.op_type}, opset {self.opset}): building "
-                                              f"its torch kernel failed: {e}") from e
-            if not isinstance(kernel, Kernel):
-                kernel = Kernel(kernel, tuple(range(len(node.input))))
-            present = [node.input[i] if i < len(node.input) and node.input[i] else None for i in kernel.inputs]
-            for name in present:
-                if name is not None and name not in consts and name not in slot_of:
-                    raise ValueError(f"node '{node.name}' ({node.op_type}) reads '{name}', which no earlier node "
-                                     "produces: the graph is not topologically sorted (run onnxfuse's toposort_pass)")
-            if node.op_type not in RANDOM_OPS and all(n is None or n in consts for n in present):
-                try:
-                    with torch.no_grad():
-                        r = kernel.fn(*[consts[n] if n is not None else None for n in present])
-                except Exception as e:
-                    raise UnsupportedTorchOpError(f"node '{node.name}' ({node.op_type}, opset {self.opset}): "
-                                                  f"evaluating it on its constant inputs failed: {e}") from e
-                for o, v in zip(outs, (r,) if len(outs) == 1 else r):
-                    if o and v is not None:
-                        consts[o] = v
-                continue
-            on_host = node.op_type in HOST_OPS and all(n is None or n in consts or n in host for n in present)
-            ins = []
-            for i, name in zip(kernel.inputs, present):
-                if name is None:
-                    ins.append(_NONE)
-                elif name in consts:
-                    ins.append(const_slot(name, on_host or i in kernel.host_inputs))
-                elif name in host and not on_host and i not in kernel.host_inputs:
-                    if name not in xfer:  # a host value read as data: copied to the device once
-                        xfer[name] = new_slot()
-                        steps.append([lambda t: t.to(device.device), (slot_of[name],), xfer[name], ()])
-                    ins.append(xfer[name])
-                else:
-                    ins.append(slot_of[name])
-            out_slots = []
-            for o in outs:
-                if o:
-                    slot_of[o] = new_slot()
-                    if on_host:
-                        host.add(o)
-                    out_slots.append(slot_of[o])
-                else:
-                    out_slots.append(_TRASH)
-            steps.append([kernel.fn, tuple(ins), out_slots[0] if len(outs) == 1 else tuple(out_slots), ()])
+            build.add(node)
+        slots = build.slots
+        output_slots = [build.result_slot(name) for name in self.output_names]
+        steps = _with_frees(build.steps, keep=set(output_slots))
+        return _Program(steps, slots.template, slots.fills, slots.input_slots, output_slots)
 
-        output_slots = []
-        for name in self.output_names:
-            if name in slot_of:
-                output_slots.append(slot_of[name])
-            elif name in consts:
-                output_slots.append(const_slot(name, False))
+
+class _Slots:
+    """The layout of a program's environment while it is built: slot 0 holds None (absent inputs), slot 1 takes
+    unread outputs, then one slot per parameter, buffer, graph input, runtime value, constant and device copy."""
+
+    def __init__(self, module: OnnxModule):
+        self.template: list[Any] = [None, None]  # slot values that never change (None, host constants)
+        self.fills: list[tuple[int, dict, str]] = []  # slot <- container[key] at each call
+        self.of: dict[str, int] = {}  # runtime values (parameters, buffers, inputs, node outputs)
+        self.host: set[str] = set()  # the runtime values computed on the host (shape arithmetic)
+        self.constants: dict[tuple[str, bool], int] = {}  # (constant, on the host) -> slot
+        self.copies: dict[str, int] = {}  # host value -> the slot of its copy on the module's device
+        for name, key in module.param_keys.items():
+            self.of[name] = self.fill(module.weights._parameters, key)
+        for name, key in module.buffer_keys.items():
+            self.of[name] = self.fill(module.stats._buffers, key)
+        self.input_slots = [self.new() for _ in module.input_names]
+        self.of.update(zip(module.input_names, self.input_slots))
+
+    def new(self, value: Any = None) -> int:
+        self.template.append(value)
+        return len(self.template) - 1
+
+    def fill(self, store: dict, key: str) -> int:
+        slot = self.new()
+        self.fills.append((slot, store, key))
+        return slot
+
+
+class _ProgramBuilder:
+    """Turns nodes, in topological order, into the steps of one program (``training``: the mode it is for)."""
+
+    def __init__(self, module: OnnxModule, constants: dict[str, torch.Tensor], training: bool,
+                 readers: dict[str, int]):
+        self.module, self.training, self.readers = module, training, readers
+        self.consts = dict(constants)  # grows with folded values
+        self.wanted = set(module.output_names)
+        self.slots = _Slots(module)
+        self.steps: list[Step] = []
+
+    def add(self, node: onnx.NodeProto) -> None:
+        """The node's step, or its outputs as constants when constants alone compute it."""
+        outs = node_outputs(node)
+        kernel = self.kernel(node, outs)
+        present = [node.input[i] if i < len(node.input) and node.input[i] else None for i in kernel.inputs]
+        for name in present:
+            if name is not None and name not in self.consts and name not in self.slots.of:
+                raise ValueError(f"node '{node_label(node)}' ({node.op_type}) reads '{name}', which no earlier node "
+                                 "produces: the graph is not topologically sorted (run onnxfuse's toposort_pass)")
+        if node.op_type not in RANDOM_OPS and all(n is None or n in self.consts for n in present):
+            self.fold(node, kernel, present, outs)
+            return
+        on_host = node.op_type in HOST_OPS and all(n is None or n in self.consts or n in self.slots.host
+                                                   for n in present)
+        ins = tuple(self.input_slot(i, name, kernel, on_host) for i, name in zip(kernel.inputs, present))
+        out_slots = tuple(self.new_output_slot(o, on_host) for o in outs)
+        self.steps.append(Step(kernel.fn, ins, out_slots[0] if len(outs) == 1 else out_slots, (), node_label(node)))
+
+    def kernel(self, node: onnx.NodeProto, outs: list[str]) -> Kernel:
+        """The node's kernel from its builder in ``OPS`` (a builder may return a bare callable of every input)."""
+        m = self.module
+        builder = OPS.lookup(node)
+        if builder is None:
+            where = op_names([op_key(node)])[0]
+            raise UnsupportedTorchOpError(
+                f"node '{node_label(node)}' ({where}, opset {m.opset}): op type '{where}' has no torch kernel. To "
+                f"fix this, convert the fused graph before the ORT legalization, export the model without it, train "
+                f"this array with --runtime ort, or add a builder to onnxfuse/runtime/torch_kernels.py (supported: "
+                f"{', '.join(supported_ops())})")
+        used = tuple(bool(o) and (self.readers.get(o, 0) > 0 or o in self.wanted) for o in outs)
+        writable = tuple(bool(i) and i in m.buffer_keys and self.readers.get(i, 0) == 1 and i not in self.wanted
+                         for i in node.input)
+        device = m._device
+        spec = NodeSpec.of(node, m.opset, [self.consts.get(i) if i else None for i in node.input],
+                           training=self.training, options=m.options, writable=writable, used_outputs=used,
+                           device=lambda: device.device)
+        try:
+            kernel = builder(spec)
+        except UnsupportedTorchOpError:
+            raise
+        except Exception as e:
+            raise UnsupportedTorchOpError(f"node '{node_label(node)}' ({node.op_type}, opset {m.opset}): building "
+                                          f"its torch kernel failed: {e}") from e
+        return kernel if isinstance(kernel, Kernel) else Kernel(kernel, tuple(range(len(node.input))))
+
+    def fold(self, node: onnx.NodeProto, kernel: Kernel, present: list[str | None], outs: list[str]) -> None:
+        """Evaluate the node once, now, on its constant inputs: its outputs become constants."""
+        try:
+            with torch.no_grad():
+                r = kernel.fn(*[self.consts[n] if n is not None else None for n in present])
+        except Exception as e:
+            raise UnsupportedTorchOpError(f"node '{node_label(node)}' ({node.op_type}, opset {self.module.opset}): "
+                                          f"evaluating it on its constant inputs failed: {e}") from e
+        for o, v in zip(outs, (r,) if len(outs) == 1 else r):
+            if o and v is not None:
+                self.consts[o] = v
+
+    def input_slot(self, i: int, name: str | None, kernel: Kernel, on_host: bool) -> int:
+        """The slot the kernel reads node input ``i`` (``name``) from."""
+        if name is None:
+            return _NONE
+        if name in self.consts:
+            return self.const_slot(name, on_host or i in kernel.host_inputs)
+        slots = self.slots
+        if name in slots.host and not on_host and i not in kernel.host_inputs:
+            if name not in slots.copies:  # a host value read as data: copied to the device once
+                slots.copies[name] = slots.new()
+                device = self.module._device
+                self.steps.append(Step(lambda t: t.to(device.device), (slots.of[name],), slots.copies[name], (),
+                                       f"{name} to the device"))
+            return slots.copies[name]
+        return slots.of[name]
+
+    def new_output_slot(self, name: str, on_host: bool) -> int:
+        """A new slot for node output ``name`` (the trash slot for an absent one)."""
+        if not name:
+            return _TRASH
+        self.slots.of[name] = self.slots.new()
+        if on_host:
+            self.slots.host.add(name)
+        return self.slots.of[name]
+
+    def const_slot(self, name: str, on_host: bool) -> int:
+        """The slot of constant ``name``: in the template on the host, else a module buffer on its device."""
+        slots = self.slots
+        if (name, on_host) not in slots.constants:
+            if on_host:
+                slots.constants[name, on_host] = slots.new(self.consts[name])
             else:
-                raise ValueError(f"output '{name}' is not a tensor of the graph")
-        # free each intermediate slot after its last reader (or right after its producer when nobody reads it)
-        produced = {}
-        for k, st in enumerate(steps):
-            for s in ((st[2],) if isinstance(st[2], int) else st[2]):
-                if s != _TRASH:
-                    produced[s] = k
-        last = dict(produced)
-        for k, st in enumerate(steps):
-            for s in st[1]:
-                if s in last:
-                    last[s] = max(last[s], k)
-        keep = set(output_slots)
-        frees: dict[int, list[int]] = {}
-        for s, k in last.items():
-            if s not in keep:
-                frees.setdefault(k, []).append(s)
-        final = [(fn, ins, out, tuple(frees.get(k, ()))) for k, (fn, ins, out, _) in enumerate(steps)]
-        return _Program(final, n_slots, template, fills, input_slots, output_slots)
+                key = self.module._const_slot_key(name, self.consts[name])
+                slots.constants[name, on_host] = slots.fill(self.module.consts._buffers, key)
+        return slots.constants[name, on_host]
+
+    def result_slot(self, name: str) -> int:
+        """The slot ``forward`` returns graph output (or any named tensor) ``name`` from."""
+        if name in self.slots.of:
+            return self.slots.of[name]
+        if name in self.consts:
+            return self.const_slot(name, False)
+        raise ValueError(f"output '{name}' is not a tensor of the graph")
+
+
+def _reader_counts(nodes: Sequence[onnx.NodeProto]) -> dict[str, int]:
+    """value -> how many node inputs read it."""
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for i in n.input:
+            if i:
+                readers[i] = readers.get(i, 0) + 1
+    return readers
+
+
+def _step_io(step: Step) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return step.inputs, (step.outputs,) if step.outputs.__class__ is int else step.outputs
+
+
+def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
+    """The steps, each freeing the slots it is the last to need (or produced unread); ``keep``: slots returned."""
+    frees: dict[int, list[int]] = {}
+    for slot, k in last_readers(steps, keep | {_TRASH}, io=_step_io).items():
+        frees.setdefault(k, []).append(slot)
+    return [s._replace(free=tuple(frees[k])) if k in frees else s for k, s in enumerate(steps)]
 
 
 def _tensor(t: onnx.TensorProto) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""ONNX ops as torch callables: one small builder per op type, registered in ``OPS`` (op type -> builder).
+"""ONNX ops as torch callables: one small builder per op type, registered in ``OPS`` (op type -> builder, a
+:class:`~onnxfuse.core.registry.Registry`).
 
 A builder runs once, when a graph is converted (``torch_graph.OnnxModule``). It reads the node's attributes and the
 inputs that are constants (a Reshape target, Slice starts, Clip bounds...) from a :class:`NodeSpec` and returns a
@@ -27,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
+from onnxfuse.core._graph import node_label
 from onnxfuse.core._opset import is_training_batchnorm
 from onnxfuse.core._resize import nearest_index, source_coords
 from onnxfuse.core.errors import OnnxFuseError
+from onnxfuse.core.registry import Registry
 from onnxfuse.core.windows import floor_mode_end_pad, output_length, same_pads
 
-__all__ = ["OPS", "op", "Kernel", "NodeSpec", "TorchOptions", "UnsupportedTorchOpError", "supported_ops",
+__all__ = ["OPS", "op", "Kernel", "NodeSpec", "node_outputs", "TorchOptions", "UnsupportedTorchOpError", "supported_ops",
            "torch_dtype", "HOST_OPS", "RANDOM_OPS"]
 
 
@@ -79,10 +82,7 @@ class NodeSpec:
     def of(cls, node: onnx.NodeProto, opset: int, consts: Sequence[torch.Tensor | None] = (), **kw) -> "NodeSpec":
         attrs = {a.name: _attr_value(a) for a in node.attribute}
         consts = list(consts) + [None] * (len(node.input) - len(consts))
-        outs = list(node.output)
-        while len(outs) > 1 and not outs[-1]:
-            outs.pop()
-        kw.setdefault("used_outputs", tuple(bool(o) for o in outs))
+        kw.setdefault("used_outputs", tuple(bool(o) for o in node_outputs(node)))
         return cls(node, opset, attrs, consts, **kw)
 
     @property
@@ -117,7 +117,7 @@ class NodeSpec:
 
     def fail(self, problem: str, fix: str) -> None:
         raise UnsupportedTorchOpError(
-            f"node '{self.node.name or self.node.output[0]}' ({self.op_type}, opset {self.opset}): {problem}. "
+            f"node '{node_label(self.node)}' ({self.op_type}, opset {self.opset}): {problem}. "
             f"To fix this, {fix}")
 
     def need_const(self, i: int, what: str) -> None:
@@ -126,8 +126,16 @@ class NodeSpec:
                       "make it a constant in the model, or train this array with --runtime ort")
 
 
+def node_outputs(node: onnx.NodeProto) -> list[str]:
+    """The outputs a kernel of ``node`` returns: the node's, without trailing absent ones (at least one)."""
+    outs = list(node.output)
+    while len(outs) > 1 and not outs[-1]:
+        outs.pop()
+    return outs
+
+
 Builder = Callable[[NodeSpec], "Kernel | Callable"]
-OPS: dict[str, Builder] = {}
+OPS: Registry[Builder] = Registry("torch kernel")
 
 # Ops whose outputs are small shape-like values when their inputs are (torch_graph keeps those on the host).
 HOST_OPS = frozenset({
@@ -142,20 +150,12 @@ RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNorma
 
 
 def op(*op_types: str):
-    """Register the decorated builder for ``op_types``."""
-
-    def register(fn: Builder) -> Builder:
-        for t in op_types:
-            if t in OPS:
-                raise ValueError(f"two torch builders for op type {t!r}")
-            OPS[t] = fn
-        return fn
-
-    return register
+    """Register the decorated builder for ``op_types`` (default domain)."""
+    return OPS.register(*op_types)
 
 
 def supported_ops() -> list[str]:
-    return sorted(OPS)
+    return OPS.names()
 
 
 def _attr_value(a: onnx.AttributeProto) -> Any:

@@ -45,4 +45,4 @@ def legalize(model: onnx.ModelProto, parameters: set[str] | None = None) -> tupl
 
 def legalized_ops() -> list[str]:
     """The op types that have a legalization rewrite."""
-    return sorted(op if not domain else f"{domain}::{op}" for domain, op in REWRITES)
+    return REWRITES.names()

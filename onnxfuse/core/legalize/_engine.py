@@ -19,8 +19,9 @@ from onnx import helper
 from onnxfuse.core.errors import OnnxFuseError, UntrainableOpError
 from onnxfuse.core._facts import Dim, GraphFacts, Shape, SymDim
 from onnxfuse.core._graph import Emitter as GraphEmitter
-from onnxfuse.core._graph import Names
+from onnxfuse.core._graph import Names, node_label
 from onnxfuse.core._opset import onnx_opset
+from onnxfuse.core.registry import Registry
 
 __all__ = ["FINAL", "REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
 
@@ -29,25 +30,12 @@ __all__ = ["FINAL", "REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims",
 FINAL = "onnxfuse: legalized"
 
 Rewrite = Callable[[onnx.NodeProto, "Context"], "list[onnx.NodeProto] | None"]
-REWRITES: dict[tuple[str, str], Rewrite] = {}
+REWRITES: Registry[Rewrite] = Registry("legalization rewrite")
 
 
 def rewrite(*op_types: str, domain: str = ""):
     """Register the decorated function as the legalization rewrite of ``op_types``."""
-
-    def register(fn: Rewrite) -> Rewrite:
-        for op in op_types:
-            key = (domain, op)
-            if key in REWRITES:
-                raise ValueError(f"two rewrites for op type {op!r}: {REWRITES[key].__module__} and {fn.__module__}")
-            REWRITES[key] = fn
-        return fn
-
-    return register
-
-
-def node_label(node: onnx.NodeProto) -> str:
-    return node.name or (node.output[0] if node.output else "?")
+    return REWRITES.register(*op_types, domain=domain)
 
 
 class Context:
@@ -229,7 +217,7 @@ def apply_rewrites(model: onnx.ModelProto, parameters: set[str] | None = None) -
     new_nodes: list[onnx.NodeProto] = []
     applied: list[str] = []
     for node in g.node:
-        fn = REWRITES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        fn = REWRITES.lookup(node)
         if fn is None or node.doc_string == FINAL:
             new_nodes.append(node)
             continue

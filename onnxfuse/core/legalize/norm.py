@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import onnx
 
+from onnxfuse.core._graph import node_label
 from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
 
 __all__ = ["layernorm_outputs", "instancenorm"]
@@ -32,7 +33,7 @@ def layernorm_outputs(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto
     new = onnx.NodeProto()
     new.CopyFrom(node)
     del new.output[:]
-    label = node.name or outputs[0]
+    label = node_label(node)
     new.output.extend([outputs[0],
                        outputs[1] or ctx.fresh(f"{label}/Mean"),
                        outputs[2] or ctx.fresh(f"{label}/InvStdDev")])

@@ -1,11 +1,12 @@
-"""The rule catalog: op type -> rule. Rules register themselves with :func:`rule`; ``passes.fuse_models`` hands the
-table to the engine, which only looks rules up in it (the engine imports no rule)."""
+"""The rule catalog: op type -> rule, a :class:`~onnxfuse.core.registry.Registry`. Rules register themselves with
+:func:`rule`; ``passes.fuse_models`` hands the table to the engine, which only looks rules up in it (the engine
+imports no rule)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from onnxfuse.core.engine import op_names
+from onnxfuse.core.registry import Registry
 
 if TYPE_CHECKING:
     from onnxfuse.core.engine import NodeGroup
@@ -27,22 +28,14 @@ class Rule:
     forms: tuple[str, ...] = ()
 
 
-RULES: dict[tuple[str, str], Rule] = {}
+RULES: Registry[Rule] = Registry("fusion rule")
 
 
 def rule(*op_types: str, domain: str = "", shared_passthrough: bool = True, forms: tuple[str, ...] = ()):
     """Register the decorated function as the fusion rule of ``op_types`` (``forms``: see :class:`Rule`)."""
-
-    def register(fn):
-        for op in op_types:
-            key = (domain, op)
-            if key in RULES:
-                raise ValueError(f"two rules for op type {op!r}: {RULES[key].fuse.__module__} and {fn.__module__}")
-            RULES[key] = Rule(op, fn, domain, shared_passthrough, tuple(forms))
-        return fn
-
-    return register
+    return RULES.register(*op_types, domain=domain,
+                          entry=lambda fn, op: Rule(op, fn, domain, shared_passthrough, tuple(forms)))
 
 
 def supported_ops() -> list[str]:
-    return op_names(RULES)
+    return RULES.names()
