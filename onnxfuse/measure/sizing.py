@@ -50,6 +50,7 @@ from typing import Sequence
 import numpy as np
 import onnx
 
+from onnxfuse.core._graph import last_readers
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core._units import parse_size
@@ -272,19 +273,14 @@ def _inferred_sizes(model: onnx.ModelProto) -> dict[str, int]:
 def _peak_live(model: onnx.ModelProto, sizes: dict[str, int]) -> int:
     """The most bytes of node outputs alive at once when the nodes run in order and each is freed after its last
     reader (graph outputs stay; graph inputs are counted by the caller)."""
-    produced = {o for n in model.graph.node for o in n.output if o}
-    keep = {o.name for o in model.graph.output}
-    last = {}
-    for k, node in enumerate(model.graph.node):
-        for i in node.input:
-            last[i] = k
+    freed: dict[int, list[str]] = {}  # step -> the node outputs that step is the last to need
+    for t, k in last_readers(model.graph.node, keep={o.name for o in model.graph.output}).items():
+        freed.setdefault(k, []).append(t)
     live = peak = 0
     for k, node in enumerate(model.graph.node):
         live += sum(sizes.get(o, 0) for o in node.output if o)
         peak = max(peak, live)
-        done = {t for t in list(node.input) + list(node.output)
-                if t in produced and t not in keep and last.get(t, k) <= k}
-        live -= sum(sizes.get(t, 0) for t in done)
+        live -= sum(sizes.get(t, 0) for t in freed.get(k, ()))
     return peak
 
 

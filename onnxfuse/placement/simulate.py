@@ -290,7 +290,11 @@ def simulate(graph: PlacementGraph, costs: CostTable, placement: Placement | Seq
 
 def _peak_memory(graph: PlacementGraph, device_of: Sequence[int], D: int, start: Sequence[float],
                  end: Sequence[float], transfers: Sequence[Transfer], step: float) -> list[float]:
-    """Highest bytes held at once per device (module docstring)."""
+    """Highest bytes held at once per device (module docstring).
+
+    Not ``_graph.last_readers`` (the torch program's and the memory estimate's "freed after the step that last
+    reads it"): here a tensor is freed at a *time*, per device, when its last reader on that device has ended and
+    its last outgoing transfer is done, and a received copy has a lifetime of its own on the receiving device."""
     resident = [0.0] * D
     for d in range(D):
         seen: set[str] = set()
