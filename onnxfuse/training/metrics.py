@@ -1,10 +1,10 @@
 """metrics.csv of a run (``Metrics``; the columns are ``METRICS_HEADER``) and the evaluation rows written to it."""
 from __future__ import annotations
 
-import contextlib
 import csv
 import os
 
+from onnxfuse.core._io import atomic_file
 from onnxfuse.core.array import complete_lines
 from onnxfuse.core.errors import as_user_error
 from onnxfuse.recipe.data import Dataset
@@ -26,21 +26,15 @@ class Metrics:
                     if r.get("run") == run_id and int(r["step"]) <= resume_step]
         # the kept rows go to a temporary file renamed into place: a kill while they are written leaves the old
         # file whole (and the temporary file, which the next command removes)
-        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        with atomic_file(path) as tmp, open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, METRICS_HEADER)
+            w.writeheader()
+            w.writerows(rows)
         try:
-            with open(tmp, "w", newline="") as f:
-                w = csv.DictWriter(f, METRICS_HEADER)
-                w.writeheader()
-                w.writerows(rows)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
             self.f = open(path, "a", newline="")
-            self.w = csv.DictWriter(self.f, METRICS_HEADER)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
             raise (as_user_error(e, path) or e) from e
+        self.w = csv.DictWriter(self.f, METRICS_HEADER)
 
     def write(self, rows: list[dict]) -> None:
         try:
