@@ -1,10 +1,13 @@
-"""One place for each idea: the array folder's file names live in ``onnxfuse/core/array.py`` only, the lock file's (every
-folder onnxfuse writes has one) in ``onnxfuse/core/_lock.py``, placement.json's in ``onnxfuse/placement/result.py``; the placer table is what ``onnxfuse place`` offers; ``place_model`` from Python
+"""One place for each idea: the array folder's file names live in ``onnxfuse/core/array.py`` only (the per-model
+``model_{b}.onnx`` / ``model_{b}.safetensors`` of sources/, trained/dropped/, a split and an export too), the lock
+file's (every folder onnxfuse writes has one) in ``onnxfuse/core/_lock.py``, placement.json's in
+``onnxfuse/placement/result.py``; the placer table is what ``onnxfuse place`` offers; ``place_model`` from Python
 writes what the command writes.
 
 File names are found as string constants in the source (``ast``), docstrings excluded: a constant that *is* a
-file name of the folder (``"fused.onnx"``), or a folder name of it (``"trained"``) given to a path join or a glob.
-A name inside a message (``"... without fused.onnx; ..."``) is not a path and is not counted."""
+file name of the folder (``"fused.onnx"``), an f-string that is a per-model one (``f"model_{b}.onnx"``, whatever
+the index), or a folder name of it (``"trained"``) given to a path join or a glob. A name inside a message
+(``"... without fused.onnx; ..."``) is not a path and is not counted."""
 from __future__ import annotations
 
 import ast
@@ -18,8 +21,9 @@ PACKAGES = ("onnxfuse",)
 FILE_NAMES = {"fused.onnx", "array.json", "train_state.json", "run.json", "metrics.csv", "report.png", "report.json",
               "weights.safetensors", "optimizer_state.safetensors", "state.json", "ort_checkpoint"}
 FOLDER_NAMES = {"sources", "trained", "dropped", "checkpoints", "runs", "artifacts"}
+PER_MODEL_NAMES = {"model_{b}.onnx", "model_{b}.safetensors"}  # f"model_{b}.onnx", as found, with any index
 LOCK_FILE = ".onnxfuse.lock"
-OWNER = {name: "onnxfuse/core/array.py" for name in FILE_NAMES | FOLDER_NAMES} | {
+OWNER = {name: "onnxfuse/core/array.py" for name in FILE_NAMES | FOLDER_NAMES | PER_MODEL_NAMES} | {
     "placement.json": "onnxfuse/placement/result.py", LOCK_FILE: "onnxfuse/core/_lock.py"}
 
 
@@ -50,6 +54,17 @@ def _path_call(node: ast.Call) -> bool:
     return name in ("join", "glob", "iglob")
 
 
+def _per_model_name(node: ast.JoinedStr) -> str | None:
+    """``"model_{b}.onnx"`` for an f-string that is exactly a per-model file name (``f"model_{i + 1}.onnx"``), else
+    None (a message that names one among other words is not a path)."""
+    parts = node.values
+    if (len(parts) == 3 and isinstance(parts[0], ast.Constant) and parts[0].value == "model_" and
+            isinstance(parts[1], ast.FormattedValue) and isinstance(parts[2], ast.Constant)):
+        name = "model_{b}" + str(parts[2].value)
+        return name if name in PER_MODEL_NAMES else None
+    return None
+
+
 def file_names_in(source: str) -> list[tuple[int, str]]:
     """(line, name) of every file name of the array folder (or placement.json) the source spells out."""
     tree = ast.parse(source)
@@ -59,6 +74,8 @@ def file_names_in(source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             if node.value in FILE_NAMES or node.value in ("placement.json", LOCK_FILE):
                 found.append((node.lineno, node.value))
+        if isinstance(node, ast.JoinedStr) and _per_model_name(node) is not None:
+            found.append((node.lineno, _per_model_name(node)))
         if isinstance(node, ast.Call) and _path_call(node):
             for arg in node.args:
                 for part in ast.walk(arg):
@@ -73,10 +90,13 @@ SOURCES = _sources()
 def test_the_search_finds_file_names():
     assert "onnxfuse/core/array.py" in SOURCES and "onnxfuse/training/run.py" in SOURCES and "onnxfuse/exporters/zoo.py" in SOURCES
     assert file_names_in('import os\nos.path.join(d, "trained", f"model_{b}.onnx")\nx = "fused.onnx"\n') == [
-        (2, "trained"), (3, "fused.onnx")]
+        (2, "model_{b}.onnx"), (2, "trained"), (3, "fused.onnx")]
     assert file_names_in('"""fused.onnx"""\nprint(f"{d} has no fused.onnx")\nk = {"sources": 1}\n') == []
+    assert file_names_in('a = f"model_{k + 1}.safetensors"\nb = f"model_{b}"\nc = f"saved model_{b}.onnx"\n') == [
+        (1, "model_{b}.safetensors")]
     tree = ast.parse(open(SOURCES["onnxfuse/core/array.py"], encoding="utf-8").read())
     assert FILE_NAMES | FOLDER_NAMES <= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+    assert PER_MODEL_NAMES == {_per_model_name(n) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)} - {None}
     tree = ast.parse(open(SOURCES["onnxfuse/core/_lock.py"], encoding="utf-8").read())
     assert LOCK_FILE in {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
 

@@ -41,6 +41,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     import torch
     from safetensors.torch import load_file
 
+    from onnxfuse.core.array import model_weights_file
     from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.core.split import split_array
     from onnxfuse.exporters import export_array, zoo
@@ -77,7 +78,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     rows = []
     for b in range(models):
         module = zoo.DigitsCNN()
-        module.load_state_dict(load_file(os.path.join(out_dir, "models", f"model_{b}.safetensors")))
+        module.load_state_dict(load_file(os.path.join(out_dir, "models", model_weights_file(b))))
         with torch.no_grad():
             logits = module.eval()(torch.from_numpy(np.ascontiguousarray(xte))).numpy()
         rows.append({"model": b, "lr": lrs[b], "train_loss": res.final_loss[b],

@@ -48,7 +48,7 @@ from onnxfuse.core._lock import folder_lock
 from onnxfuse.core.errors import InputFileError, shell
 from onnxfuse.core.weights import ArraySpec
 
-__all__ = ["ArrayDir", "TrainedState", "check_output_location", "complete_lines"]
+__all__ = ["ArrayDir", "TrainedState", "check_output_location", "complete_lines", "model_file", "model_weights_file"]
 
 # the array
 FUSED, SPEC, SOURCES = "fused.onnx", "array.json", "sources"
@@ -66,11 +66,13 @@ _STEP = "step_"
 _DROPPED_FILE = re.compile(r"^model_(\d+)\.safetensors$")
 
 
-def _source_name(b: int) -> str:
+def model_file(b: int) -> str:
+    """Model b's ONNX file: in an array's ``sources/``, an exported array of models, a split's output."""
     return f"model_{b}.onnx"
 
 
-def _dropped_name(b: int) -> str:
+def model_weights_file(b: int) -> str:
+    """Model b's state_dict (safetensors): in ``trained/dropped/`` and a split's output, next to its ONNX file."""
     return f"model_{b}.safetensors"
 
 
@@ -115,7 +117,7 @@ class ArrayDir:
         return self._join(SPEC)
 
     def source_path(self, b: int) -> str:
-        return self._join(SOURCES, _source_name(b))
+        return self._join(SOURCES, model_file(b))
 
     @property
     def metrics_path(self) -> str:
@@ -207,7 +209,7 @@ class ArrayDir:
             spec.save(os.path.join(tmp, SPEC))
             os.makedirs(os.path.join(tmp, SOURCES))
             for b, src in enumerate(sources):
-                onnx.save(src, os.path.join(tmp, SOURCES, _source_name(b)))
+                onnx.save(src, os.path.join(tmp, SOURCES, model_file(b)))
         return array
 
     def check_exists(self) -> None:
@@ -294,7 +296,7 @@ class ArrayDir:
 
     def dropped_state(self, b: int, fix: str) -> dict[str, np.ndarray]:
         """The state_dict model b had when the current run dropped it (``fix``: what to do when it is lost)."""
-        return load_safetensors(os.path.join(self.trained_path, DROPPED, _dropped_name(b)), fix,
+        return load_safetensors(os.path.join(self.trained_path, DROPPED, model_weights_file(b)), fix,
                                 self.load_spec().model_tensors(b))
 
     # a state folder: trained/ or a checkpoint, written into the temporary folder the caller renames into place
@@ -314,7 +316,7 @@ class ArrayDir:
             for b, sd in dropped.items():
                 # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
                 save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in sd.items()},
-                          os.path.join(folder, DROPPED, _dropped_name(b)))
+                          os.path.join(folder, DROPPED, model_weights_file(b)))
 
     @staticmethod
     def read_state(folder: str, fix: str, original: ArraySpec, optimizer: Sequence[str] | None = None

@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
-from onnxfuse.core.array import ArrayDir, check_output_location
+from onnxfuse.core.array import ArrayDir, check_output_location, model_file, model_weights_file
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.weights import ArraySpec, unpack_weight
 
@@ -131,9 +131,9 @@ def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool)
         for b, (src, state) in enumerate(zip(sources, per_model)):
             graph_names = {i for n in src.graph.node for i in n.input}
             src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
-            onnx.save(to_inference(src), os.path.join(tmp, f"model_{b}.onnx"))
+            onnx.save(to_inference(src), os.path.join(tmp, model_file(b)))
             # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
             save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()},
-                      os.path.join(tmp, f"model_{b}.safetensors"))
-            paths.append(os.path.join(out_dir, f"model_{b}.onnx"))
+                      os.path.join(tmp, model_weights_file(b)))
+            paths.append(os.path.join(out_dir, model_file(b)))
     return paths

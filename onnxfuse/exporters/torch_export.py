@@ -17,6 +17,7 @@ import torch
 from onnx import numpy_helper
 
 from onnxfuse.core._io import atomic_dir
+from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.source import METADATA_KEY
 
@@ -204,7 +205,7 @@ def export_array(
             module = factory()
             if not isinstance(module, torch.nn.Module):
                 raise ConfigError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
-            export_module(module, os.path.join(tmp, f"model_{b}.onnx"), input_shape=input_shape, **export_kwargs)
+            export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape, **export_kwargs)
         with open(os.path.join(tmp, "jobs.json"), "w") as f:
             json.dump({"count": count, "seeds": seeds, "input_shape": list(input_shape)}, f, indent=1)
-    return [os.path.join(out_dir, f"model_{b}.onnx") for b in range(count)]
+    return [os.path.join(out_dir, model_file(b)) for b in range(count)]

@@ -123,6 +123,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
     from onnxfuse.core._io import read_onnx
+    from onnxfuse.core.array import model_file
     from onnxfuse.core.passes import fuse_models
     from onnxfuse.core.source import METADATA_KEY
 
@@ -132,7 +133,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
     onnxruntime.set_default_logger_severity(3)
     threads = int(os.environ.get("ONNXFUSE_BENCH_THREADS", "0"))  # 0: ORT's default (all cores)
     data = _Batches(batch_size)
-    paths = [os.path.join(jobs_dir, f"model_{b}.onnx") for b in range(B)]
+    paths = [os.path.join(jobs_dir, model_file(b)) for b in range(B)]
     lrs = learning_rates(B)
     work = tempfile.mkdtemp(prefix=f"onnxfuse-bench-{mode}-")
     gc.collect()

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.array import ArrayDir, model_file, model_weights_file
 from onnxfuse.training.run import METRICS_HEADER
 from onnxfuse.sweep.folder import TRIAL_ONNX, TRIAL_WEIGHTS
 
@@ -176,7 +176,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
             status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
                 ("stopped" if stopped else "finished")
             files = {}
-            for name, src in ((TRIAL_ONNX, f"model_{b}.onnx"), (TRIAL_WEIGHTS, f"model_{b}.safetensors")):
+            for name, src in ((TRIAL_ONNX, model_file(b)), (TRIAL_WEIGHTS, model_weights_file(b))):
                 with open(os.path.join(split_dir, src), "rb") as f:
                     files[name] = f.read()
             out["trials"][tid] = {
