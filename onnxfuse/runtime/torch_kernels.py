@@ -35,8 +35,8 @@ from onnxfuse.core.errors import OnnxFuseError
 from onnxfuse.core.registry import Registry
 from onnxfuse.core.windows import floor_mode_end_pad, output_length, same_pads
 
-__all__ = ["OPS", "op", "Kernel", "NodeSpec", "node_outputs", "TorchOptions", "UnsupportedTorchOpError", "supported_ops",
-           "torch_dtype", "HOST_OPS", "RANDOM_OPS"]
+__all__ = ["OPS", "op", "Kernel", "NodeSpec", "node_outputs", "TorchOptions", "UnsupportedTorchOpError",
+           "supported_ops", "torch_dtype", "HOST_OPS", "RANDOM_OPS"]
 
 
 class UnsupportedTorchOpError(OnnxFuseError):
