@@ -187,3 +187,26 @@ def test_one_atomic_file_write(tmp_path):
         assert remove_temporaries(str(tmp_path)) == [tmp]
         open(tmp, "wb").write(b"new")
     assert path.read_bytes() == b"new"
+
+
+def test_one_timing_loop_for_the_benchmarks_and_the_planner():
+    """interleaved_rounds (with core._clock.Stopwatch) times bench's and forms' blocks of steps and the planner's
+    single steps (each_step; it had its own loop): the order alternates every round, sync brackets every timing."""
+    import time
+
+    from onnxfuse.core._clock import Stopwatch
+    from onnxfuse.measure.workloads import interleaved_rounds
+
+    calls = []
+    steppers = {k: (lambda k=k: calls.append(k)) for k in ("a", "b")}
+    times = interleaved_rounds(steppers, 2, 3, sync=lambda: calls.append("|"), each_step=True)
+    assert [len(v) for v in times.values()] == [6, 6] and all(t >= 0 for v in times.values() for t in v)
+    assert "".join(calls) == "|a|" * 3 + "|b|" * 3 + "|b|" * 3 + "|a|" * 3
+    calls.clear()
+    times = interleaved_rounds(steppers, 2, 3, sync=lambda: calls.append("|"))
+    assert [len(v) for v in times.values()] == [2, 2] and "".join(calls) == "|aaa||bbb||bbb||aaa|"
+    with Stopwatch() as watch:
+        time.sleep(0.01)
+    done = watch.seconds
+    assert 0.01 <= done < 1 and watch.seconds == done  # stopped at the block's end
+    assert Stopwatch().seconds < done

@@ -7,7 +7,6 @@ exported from) and evaluated alone on held-out digits: no onnxfuse code and no O
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
@@ -41,6 +40,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     import torch
     from safetensors.torch import load_file
 
+    from onnxfuse.core._clock import Stopwatch
     from onnxfuse.core.array import model_weights_file
     from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.core.split import split_array
@@ -56,7 +56,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
         raise ConfigError(f"'{out_dir}' holds {repr(other[0]) if other else 'a file'}, which `onnxfuse demo` did not "
                           f"write; the demo replaces {', '.join(DEMO_FILES)} there: give -o a new folder")
     runtime = resolve_runtime(runtime, "cpu")
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     (xtr, ytr), (xte, yte) = digits_data()
     os.makedirs(out_dir, exist_ok=True)
     data = os.path.join(out_dir, "digits_train.npz")
@@ -88,6 +88,6 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
         print(f"{r['model']:>5}  {r['lr']:>7g}  {r['train_loss']:>16.4f}  {100 * r['test_accuracy']:>12.1f}%")
     best = max(rows, key=lambda r: r["test_accuracy"])
     print(f"\nbest: model {best['model']} (lr {best['lr']:g}) {100 * best['test_accuracy']:.1f}% on {len(yte)} held-out "
-          f"digits (chance 10%); training {res.samples_per_s:,.0f} samples/s; total {time.perf_counter() - t0:.0f}s")
+          f"digits (chance 10%); training {res.samples_per_s:,.0f} samples/s; total {clock.seconds:.0f}s")
     print(f"per-model checkpoints: {out_dir}/models/model_b.onnx and model_b.safetensors")
     return rows

@@ -44,12 +44,12 @@ import resource
 import statistics
 import tempfile
 import textwrap
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import claim_output
 from onnxfuse.core.errors import ConfigError, shell
 
@@ -96,9 +96,9 @@ def _zoo_workload(name: str, B: int, n: int, device, folder: str) -> _Workload:
     from onnxfuse.exporters.zoo import ZOO
 
     mods = zoo_modules(name, B)
-    t0 = time.perf_counter()
-    protos = zoo_protos(name, mods, n, folder)
-    export_s = time.perf_counter() - t0
+    with Stopwatch() as export:
+        protos = zoo_protos(name, mods, n, folder)
+    export_s = export.seconds
     x, y = zoo_batch(name, n, device)
     seq = [m.to(device).train() for m in mods]
     return _Workload(name, "zoo", protos, seq, lambda: copy.deepcopy(seq[0]), x, y, "input",
@@ -293,9 +293,9 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
             "dense": lambda: _dense_step(work.fresh(), last, x, y, B, lrs[0])}
     steppers, setup_s = {}, {}
     for mode in modes:
-        t0 = time.perf_counter()
-        steppers[mode] = make[mode]()
-        setup_s[mode] = time.perf_counter() - t0  # fusing, sessions, optimizers: not timed
+        with Stopwatch() as setup:
+            steppers[mode] = make[mode]()
+        setup_s[mode] = setup.seconds  # fusing, sessions, optimizers: not timed
         for _ in range(warmup):
             steppers[mode]()
 
@@ -492,11 +492,11 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         for note in notes:
             say(note)
         rows: list[dict] = []
-        t_start = time.perf_counter()
+        clock = Stopwatch()
         with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as folder:
             for name in models:
                 for b in Bs:
-                    if budget_s and time.perf_counter() - t_start > budget_s:
+                    if budget_s and clock.seconds > budget_s:
                         say(f"skipped {name} B={b}: over the {budget_s:g} s budget")
                         notes.append(f"skipped {name} B={b}: over the {budget_s:g} s budget")
                         continue

@@ -32,12 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import ConfigError
 
 __all__ = ["run_benchmark", "MODES", "digits_28", "learning_rates"]
@@ -106,11 +106,11 @@ def _train(step: Callable[[int], np.ndarray], warmup: int, steps: int) -> tuple[
     seconds, the last step's loss)."""
     for i in range(warmup):
         step(i)
-    t0 = time.perf_counter()
     loss = None
-    for i in range(warmup, warmup + steps):
-        loss = step(i)
-    return time.perf_counter() - t0, np.asarray(loss, dtype=np.float64).reshape(-1)
+    with Stopwatch() as timed:
+        for i in range(warmup, warmup + steps):
+            loss = step(i)
+    return timed.seconds, np.asarray(loss, dtype=np.float64).reshape(-1)
 
 
 def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_size: int) -> dict:
@@ -149,20 +149,21 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
 
     try:
         if mode == "fused":
-            t0 = time.perf_counter()
-            fa = fuse_models(paths)
-            trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", B, lr=lrs),
-                                   workdir=os.path.join(work, "array"), threads=threads or None)
-            setup_s = time.perf_counter() - t0
+            with Stopwatch() as setup:
+                fa = fuse_models(paths)
+                trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", B, lr=lrs),
+                                       workdir=os.path.join(work, "array"), threads=threads or None)
+            setup_s = setup.seconds
             timed_s, loss = _train(fused_step(trainer), warmup, steps)
             losses = loss.tolist()
         elif mode == "seq-onnxfuse":
             for b in range(B):
-                t0 = time.perf_counter()
-                fa = fuse_models([paths[b]])
-                trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 1, lr=[lrs[b]]),
-                                       workdir=os.path.join(work, f"model_{b}"), threads=threads or None)
-                setup_s += time.perf_counter() - t0
+                with Stopwatch() as setup:
+                    fa = fuse_models([paths[b]])
+                    trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy",
+                                           make_optimizer("adamw", 1, lr=[lrs[b]]),
+                                           workdir=os.path.join(work, f"model_{b}"), threads=threads or None)
+                setup_s += setup.seconds
                 dt, loss = _train(fused_step(trainer), warmup, steps)
                 timed_s += dt
                 losses.append(float(loss[0]))
@@ -171,7 +172,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
                 gc.collect()
         elif mode == "seq-ort":
             for b in range(B):
-                t0 = time.perf_counter()
+                setup = Stopwatch()
                 model = read_onnx(paths[b], "run the benchmark again")
                 meta = json.loads(next(p.value for p in model.metadata_props if p.key == METADATA_KEY))
                 params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
@@ -199,7 +200,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
                 optimizer = Optimizer(os.path.join(art, "optimizer_model.onnx"), module)
                 optimizer.set_learning_rate(lrs[b])
                 module.train()
-                setup_s += time.perf_counter() - t0
+                setup_s += setup.seconds
 
                 def step(i: int, module=module, optimizer=optimizer) -> np.ndarray:
                     x, y = data(i)
@@ -237,9 +238,9 @@ def _spawn(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_size
     """One worker subprocess; its stderr (ORT's native build logs, warnings) is shown only if it fails."""
     cmd = [sys.executable, "-m", "onnxfuse.measure.bench_ort", "--worker", mode, "--models", str(B),
            "--jobs", jobs_dir, "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    with Stopwatch() as worker:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = worker.seconds
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARK)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
@@ -367,14 +368,14 @@ def run_benchmark(B_values: Sequence[int] | None = None, steps: int = 50, warmup
           f"fused / seq onnxfuse / seq ORT, medians reported")
     print(f"onnxruntime {env['onnxruntime']}, torch {env['torch']}, python {env['python']}, "
           f"os.cpu_count() = {env['cpu_count']}, ORT threads: default\n", flush=True)
-    t_start = time.perf_counter()
+    clock = Stopwatch()
     runs: list[_Run] = []
     with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as tmp:
         # Export once, seeds 0..max(B)-1; the array of size B uses the first B (seeds 0..B-1).
-        t0 = time.perf_counter()
-        jobs = os.path.join(tmp, "jobs")
-        export_array(zoo.LeNet, jobs, max(Bs), [batch_size, 1, IMAGE, IMAGE])
-        export_s = time.perf_counter() - t0
+        with Stopwatch() as export:
+            jobs = os.path.join(tmp, "jobs")
+            export_array(zoo.LeNet, jobs, max(Bs), [batch_size, 1, IMAGE, IMAGE])
+        export_s = export.seconds
         print(f"exported {max(Bs)} LeNets in {export_s:.1f}s", flush=True)
         for B in Bs:
             for r in range(repeats):
@@ -386,7 +387,7 @@ def run_benchmark(B_values: Sequence[int] | None = None, steps: int = 50, warmup
                           f"{res['samples_per_s']:>8,.0f} samples/s  (set-up {res['setup_s']:.1f}s, "
                           f"peak RSS {res['peak_rss_mib']:,.0f} MiB, worker {run.wall_s:.1f}s)", flush=True)
     summaries = [_summarise(runs, B) for B in Bs]
-    total_s = time.perf_counter() - t_start
+    total_s = clock.seconds
     print()
     _print_table(summaries)
     print(f"\nratios are medians of the per-round ratios fused / sequential samples/s (> 1: the fused array is "

@@ -23,13 +23,13 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core.errors import ConfigError
 
@@ -207,13 +207,13 @@ def measured_strategy(runtime: str = "auto", device: str = "cpu", batch: int = 3
             if cut is None:
                 say(f"{g.name} ({g.op_type}): not measurable alone (unknown shapes), form {forms[0]}")
                 return forms[0]
-            t0 = time.perf_counter()
+            watch = Stopwatch()
             cost = measure_forms(*cut, forms, runtime, device, threads)
             known[sig] = cost
             if cache:
                 _save(path, key, {sig: cost})
             say(f"{g.name} ({g.op_type}): measured " + ", ".join(f"{f} {c * 1e3:.2f} ms" for f, c in cost.items())
-                + f" in {time.perf_counter() - t0:.1f} s")
+                + f" in {watch.seconds:.1f} s")
         best = min(forms, key=lambda f: cost[f])
         choice = best if cost[best] < (1 - margin) * cost[forms[0]] else forms[0]
         strategy.costs[g.name] = cost

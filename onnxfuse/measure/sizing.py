@@ -42,7 +42,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -51,6 +50,7 @@ import numpy as np
 import onnx
 
 from onnxfuse.core._graph import last_readers
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core._units import parse_size
@@ -375,6 +375,7 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
     import torch
 
     from onnxfuse.core.passes import fuse_models
+    from onnxfuse.measure.workloads import interleaved_rounds
 
     from onnxfuse.recipe.optim import make_optimizer
     from onnxfuse.recipe.runtimes import make_trainer, resolve_runtime
@@ -393,7 +394,7 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
                 torch.cuda.synchronize(dev)
 
         for B in Bs:
-            t0 = time.perf_counter()
+            setup = Stopwatch()
             if cuda:
                 sync()
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -404,7 +405,7 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
             opt = make_optimizer(optimizer, B)
             trainer = make_trainer(runtime, fa.model, fa.spec, work.loss, opt, device=device,
                                    workdir=os.path.join(folder, f"B{B}"), threads=threads or None)
-            setup_s = time.perf_counter() - t0
+            setup_s = setup.seconds
             for _ in range(warmup):
                 trainer.step(feeds)
             sync()
@@ -417,15 +418,9 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
                     _cpu_step_peak(trainer, feeds)
             estimate = estimate_step_memory(fa.model, fa.spec, work.loss, opt, work.feeds).total
             built.append((B, trainer, setup_s, memory, estimate))
-        times: dict[int, list[float]] = {B: [] for B in Bs}
-        for r in range(rounds):
-            for B, trainer, *_ in (built if r % 2 == 0 else built[::-1]):
-                for _ in range(steps):
-                    sync()
-                    t = time.perf_counter()
-                    trainer.step(feeds)
-                    sync()
-                    times[B].append(time.perf_counter() - t)
+        # every step timed alone, between syncs: the median is of steps
+        times = interleaved_rounds({B: (lambda t=trainer: t.step(feeds)) for B, trainer, *_ in built}, rounds, steps,
+                                   sync, each_step=True)
         probes = [Probe(B, statistics.median(times[B]), times[B], memory, estimate, setup_s)
                   for B, _, setup_s, memory, estimate in built]
         built.clear()  # the trainers go before their work folders

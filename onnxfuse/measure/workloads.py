@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping
 
 import numpy as np
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import ConfigError
 
 __all__ = ["zoo_modules", "zoo_batch", "zoo_protos", "OnnxFile", "is_onnx_file", "load_onnx_file", "file_protos",
@@ -20,23 +20,27 @@ __all__ = ["zoo_modules", "zoo_batch", "zoo_protos", "OnnxFile", "is_onnx_file",
 
 def interleaved_rounds(steppers: Mapping[Hashable, Callable[[], object]], rounds: int, steps: int,
                        sync: Callable[[], None] = lambda: None, before: Callable[[Hashable], None] | None = None,
-                       after: Callable[[Hashable], None] | None = None) -> dict[Hashable, list[float]]:
-    """Seconds that ``steps`` calls of each stepper take, one entry per round. Every other round runs the steppers
-    in reverse order, so that none always runs first on a machine whose speed drifts; ``sync`` waits for queued
-    device work before and after each timing; ``before``/``after`` run around it (e.g. a memory peak's reset and
-    reading), untimed."""
+                       after: Callable[[Hashable], None] | None = None, each_step: bool = False
+                       ) -> dict[Hashable, list[float]]:
+    """Seconds that ``steps`` calls of each stepper take, one entry per round (``each_step``: every call timed
+    alone, ``steps`` entries per round). Every other round runs the steppers in reverse order, so that none always
+    runs first on a machine whose speed drifts; ``sync`` waits for queued device work before and after each timing
+    (the one after inside it); ``before``/``after`` run around a stepper's turn (e.g. a memory peak's reset and
+    reading), untimed. The benchmarks', the planner's and the measured forms' one timing loop."""
     keys = list(steppers)
     times: dict[Hashable, list[float]] = {k: [] for k in keys}
+    timings, calls = (steps, 1) if each_step else (1, steps)
     for r in range(rounds):
         for k in (keys if r % 2 == 0 else keys[::-1]):
             if before is not None:
                 before(k)
-            sync()
-            t = time.perf_counter()
-            for _ in range(steps):
-                steppers[k]()
-            sync()
-            times[k].append(time.perf_counter() - t)
+            for _ in range(timings):
+                sync()
+                with Stopwatch() as watch:
+                    for _ in range(calls):
+                        steppers[k]()
+                    sync()
+                times[k].append(watch.seconds)
             if after is not None:
                 after(k)
     return times

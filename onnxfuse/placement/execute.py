@@ -14,13 +14,13 @@ from __future__ import annotations
 import queue
 import statistics
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import PlacementError
 from onnxfuse.placement.devices import Device
 from onnxfuse.placement.partition import Partition
@@ -134,16 +134,16 @@ class PipelineRunner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _device_loop(self, d: int, values: _Values, t0: float, spans: list) -> None:
+    def _device_loop(self, d: int, values: _Values, clock: Stopwatch, spans: list) -> None:
         """Run device d's stages in order; a failure is recorded in ``values`` (waking the other devices)."""
         try:
             for st in self.by_device[d]:
                 feeds = {name: values.get(key) for name, key in st.inputs.items()}
                 for name in self.inplace[id(st)] & feeds.keys():
                     feeds[name] = np.array(feeds[name], copy=True)
-                t_start = time.perf_counter() - t0
+                t_start = clock.seconds
                 outs = self.sessions[id(st)].run(list(st.outputs), feeds)
-                spans.append((d, st.index, t_start, time.perf_counter() - t0))
+                spans.append((d, st.index, t_start, clock.seconds))
                 values.put(dict(zip(st.outputs.values(), outs)))
         except BaseException as e:  # noqa: BLE001 - reported by step()
             if values.error is None:
@@ -161,12 +161,12 @@ class PipelineRunner:
         values = _Values(initial)
         spans: list = []
         done = threading.Semaphore(0)
-        t0 = time.perf_counter()
+        clock = Stopwatch()  # the stages' spans are seconds on it
         for d, worker in self.workers.items():
-            worker.submit(lambda d=d: self._device_loop(d, values, t0, spans), done)
+            worker.submit(lambda d=d: self._device_loop(d, values, clock, spans), done)
         for _ in self.workers:
             done.acquire()
-        wall = time.perf_counter() - t0
+        wall = clock.seconds
         if values.error is not None:
             raise values.error if isinstance(values.error, PlacementError) else PlacementError(
                 f"a stage failed: {' '.join(str(values.error).split())[:300]}") from values.error
@@ -209,10 +209,10 @@ def time_whole(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], device: 
     names = [o.name for o in sess.get_outputs()]
     times = []
     for k in range(warmup + repeats):
-        t = time.perf_counter()
-        sess.run(names, feeds)
+        with Stopwatch() as call:
+            sess.run(names, feeds)
         if k >= warmup:
-            times.append(time.perf_counter() - t)
+            times.append(call.seconds)
     return times
 
 
