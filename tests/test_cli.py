@@ -100,7 +100,7 @@ def test_train_bad_input_leaves_array_untouched(case, array_dir, tmp_path, capsy
     data = d / "data.npz"
     lr = "0.1,0.05,0.01"
     if case == "lr_length":
-        lr, expect = "0.1,0.05", "--lr has 2 values but the array has B=3 models"
+        lr, expect = "0.1,0.05", "--lr: optimizer.lr has 2 values but the array has B=3 models"
     elif case == "missing_input":
         np.savez(tmp_path / "d.npz", image=np.zeros((8, 1, 28, 28), np.float32), labels=np.zeros(8, np.int64))
         data, expect = tmp_path / "d.npz", "has no array 'input'"
@@ -116,7 +116,7 @@ def test_train_bad_input_leaves_array_untouched(case, array_dir, tmp_path, capsy
             pytest.skip("the GPU build is installed")
         expect = "--device cuda: this onnxruntime-training build has no CUDA support"
     else:
-        lr, expect = "0.1,-0.05,0.01", "--lr must be finite and >= 0"
+        lr, expect = "0.1,-0.05,0.01", "--lr: optimizer.lr[1] = -0.05 must be finite and >= 0"
     before = snapshot(d / "array")
     device = ["--device", "cuda"] if case == "no_cuda" else []
     code, _, err = run_cli(["train", d / "array", "--data", data, "--lr", lr, "--steps", "2", "--batch-size", "4",

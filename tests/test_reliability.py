@@ -472,7 +472,7 @@ def test_out_of_memory_says_so_and_leaves_the_previous_run_as_it_was(tmp_path, c
 # ---------------------------------------------------------------------------------------------------- 9. small
 def test_small_messages(work, capsys):
     code, _, err = cli(capsys, "train", work / "array", "--data", work / "data.npz", "--batch-size", 16, "--steps", 0)
-    assert code == 2 and "--steps must be an integer >= 1, got 0" in one_error_line(err)
+    assert code == 2 and "--steps: steps = 0 must be a positive integer" in one_error_line(err)
     code, _, err = cli(capsys, "export", "onnxfuse.exporters.zoo:MLP", "--count", 1, "--input-shape", "4,48",
                        "--opset", 99, "-o", work / "j")
     line = one_error_line(err)

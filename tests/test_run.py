@@ -239,13 +239,14 @@ halving: [20]
 
 @pytest.mark.parametrize("flags,message", [
     (["--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
-    (["--lr", "0.1,0.2"], "--lr has 2 values but the array has B=3 models"),
-    (["--lr", "-1"], "--lr must be finite and >= 0"),
+    # a flag's message is the config file's, begun by the flag (tests/test_settings_once.py compares the two)
+    (["--lr", "0.1,0.2"], "--lr: optimizer.lr has 2 values but the array has B=3 models"),
+    (["--lr", "-1"], "--lr: optimizer.lr = -1.0 must be finite and >= 0"),
     (["--schedule", "step"], "'step' needs 'step_size'"),
-    (["--halving", "50"], "--halving ranks models by eval loss"),
+    (["--halving", "50"], "--halving: halving needs eval data to rank the models"),
     (["--data-order", "per-model"], "fuse with --per-model-inputs input"),
-    (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
-    (["--epochs", "2"], "give exactly one of --steps and --epochs"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm: clip_grad_norm = 0.0 must be > 0"),
+    (["--epochs", "2"], "--steps, --epochs: give exactly one of steps and epochs (both are set)"),
 ])
 def test_bad_training_settings_fail_before_training(flags, message, tmp_path, capsys):
     from onnxfuse.cli.main import main

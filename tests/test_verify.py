@@ -350,5 +350,5 @@ def test_verify_steps_setting_in_config_and_flags(arrays, capsys):
     array, _, data = made["lenet"]
     assert main(["train", array, "--data", data, "--steps", "2", "--batch-size", str(N), "--verify-steps", "-1",
                  "-q"]) == 2
-    assert "--verify-steps must be an integer >= 0" in capsys.readouterr().err
+    assert "--verify-steps: verify_steps = -1 must be an integer >= 0" in capsys.readouterr().err
     assert not os.path.exists(os.path.join(array, "trained"))

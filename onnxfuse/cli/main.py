@@ -108,29 +108,17 @@ def _fuse(args) -> int:
 
 
 def _run_config(args, resume: bool = False):
-    """(TrainConfig or None, overrides or None, data, eval data) from --config and the flags; with ``resume`` and
-    no config file: no TrainConfig, and the flags override the checkpoint's own settings."""
-    from onnxfuse.training import TrainConfig
-    from onnxfuse.recipe.settings import flags_to_settings
+    """(TrainConfig or None, overrides or None, data, eval data) from --config and the flags: the flags, as a
+    config mapping, over the file's, validated as one (the file's rules hold for flags too); with ``resume`` and no
+    config file: no TrainConfig, and the flags override the checkpoint's own settings (validated over them)."""
+    from onnxfuse.recipe.settings import flags_to_raw, raw_to_flat
+    from onnxfuse.recipe.train_config import run_config
 
-    settings, data, eval_data = {}, args.data, args.eval_data
-    if args.config:
-        from onnxfuse.recipe.config import config_to_train_settings, load_config
-
-        cfg_file = load_config(args.config)
-        settings, file_data, file_eval = config_to_train_settings(cfg_file, args.array)
-        data, eval_data = data or file_data, eval_data or file_eval
-    flags = flags_to_settings(args)
+    flags, named = flags_to_raw(args)
     if resume and not args.config:
-        return None, flags, data, eval_data
-    settings.update(flags)
-    if "batch_size" not in settings:
-        raise ConfigError("--batch-size is required (or batch_size in --config)")
-    if "steps" not in settings and "epochs" not in settings:
-        raise ConfigError("--steps or --epochs is required (or steps/epochs in --config)")
-    if data is None:
-        raise ConfigError("--data is required (a .npz file or sklearn:<name>), or data.train in --config")
-    return TrainConfig.from_dict(settings), None, data, eval_data
+        return None, raw_to_flat(flags), args.data, args.eval_data
+    config, data, eval_data = run_config(args.array, flags, named, args.config)
+    return config, None, data, eval_data
 
 
 def cmd_train(args) -> int:

@@ -52,6 +52,7 @@ import numpy as np
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import claim_output
 from onnxfuse.core.errors import ConfigError, shell
+from onnxfuse.recipe.device import Device
 
 from onnxfuse.measure.workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file,
                                         load_onnx_file, zoo_batch, zoo_modules, zoo_protos)
@@ -453,7 +454,8 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
 
 # ------------------------------------------------------------------------------------------------------ driver
 def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B: Sequence[int] = (1, 8, 16),
-              device: str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10, rounds: int = 3,
+              device: Device | str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10,
+              rounds: int = 3,
               warmup: int = 3, out: str | os.PathLike = "onnxfuse-bench", budget_s: float = 0, threads: int = 0,
               strategy: str = "default", progress: bool = True) -> list[dict]:
     """Measure every mode for every model and B (see the module docstring); write bench.json, bench.csv, bench.md
@@ -466,13 +468,15 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
     models, Bs = list(models), list(B)
     modes = list(dict.fromkeys(modes))
     _check(models, Bs, modes, batch, steps, rounds, warmup)
+    where = Device.of(device, "--device")
     out = os.fspath(out)
     with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
-        cmd = command(models, Bs, device, modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
+        cmd = command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
         say = print if progress else (lambda *a, **k: None)
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: torch sees no CUDA device; use --device cpu")
+        why = where.available()
+        if why is not None:
+            raise ConfigError(why)
+        dev = where.torch()
         if threads:
             torch.set_num_threads(threads)
         if dev.type == "cuda":

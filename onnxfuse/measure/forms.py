@@ -32,6 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core.errors import ConfigError
+from onnxfuse.recipe.device import Device
 
 if TYPE_CHECKING:
     from onnxfuse.core.engine import NodeGroup, Strategy
@@ -55,12 +56,12 @@ def cache_path() -> str:
     return os.path.join(root, "forms.json")
 
 
-def _device_key(runtime: str, device: str, threads: int) -> str:
+def _device_key(runtime: str, device: Device, threads: int) -> str:
     """What a measurement depends on besides the node: the runtime and its version, the device's name, threads."""
     import torch
 
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(torch.device(device))
+    if device.is_cuda:
+        name = torch.cuda.get_device_name(device.torch())
     else:
         name = platform.processor() or platform.machine()
         try:
@@ -135,7 +136,7 @@ def _signature(g: "NodeGroup", batch: int) -> str:
 
 
 def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: dict, out_shape: list[int],
-                  forms: tuple[str, ...], runtime: str, device: str, threads: int = 0, steps: int = 5,
+                  forms: tuple[str, ...], runtime: str, device: Device | str, threads: int = 0, steps: int = 5,
                   rounds: int = 5, warmup: int = 2) -> dict[str, float]:
     """Median seconds of one training step of the one-node ``models`` fused in each form, forms interleaved."""
     import torch
@@ -151,8 +152,9 @@ def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: d
     feeds = {x: gen.standard_normal(([B] if x in per_model else []) + shapes[x]).astype(np.float32)
              for x in shapes}
     feeds["labels"] = np.zeros(out_shape, np.float32)
+    device = Device.of(device)
     if runtime == "torch":
-        feeds = {k: torch.from_numpy(v).to(device) for k, v in feeds.items()}
+        feeds = {k: torch.from_numpy(v).to(device.torch()) for k, v in feeds.items()}
     steppers = {}
     with tempfile.TemporaryDirectory(prefix="onnxfuse-forms-") as work:
         for form in forms:
@@ -184,7 +186,7 @@ def _save(path: str, key: str, entries: dict) -> None:
     atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
-def measured_strategy(runtime: str = "auto", device: str = "cpu", batch: int = 32, threads: int = 0,
+def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch: int = 32, threads: int = 0,
                       margin: float = 0.05, cache: bool = True,
                       progress: Callable[[str], None] | None = None) -> "Strategy":
     """The ``auto`` strategy: per node, the form whose measured step on ``runtime``/``device`` at ``batch`` samples
@@ -193,6 +195,7 @@ def measured_strategy(runtime: str = "auto", device: str = "cpu", batch: int = 3
 
     if batch < 1:
         raise ConfigError(f"--batch must be at least 1 for the auto strategy, got {batch}")
+    device = Device.of(device, "--device")
     runtime = resolve_runtime(runtime, device)
     key = _device_key(runtime, device, threads)
     path = cache_path()
@@ -223,7 +226,7 @@ def measured_strategy(runtime: str = "auto", device: str = "cpu", batch: int = 3
     return strategy
 
 
-def make_strategy(name: str, runtime: str = "auto", device: str = "cpu", batch: int = 32, threads: int = 0,
+def make_strategy(name: str, runtime: str = "auto", device: Device | str = "cpu", batch: int = 32, threads: int = 0,
                   progress: Callable[[str], None] | None = None) -> "str | Strategy":
     """What ``--strategy NAME`` means: ``auto`` measures (:func:`measured_strategy`); ``default`` or a form name is
     passed to ``fuse_models`` as it is."""

@@ -29,11 +29,11 @@ from typing import Any
 
 from onnxfuse.core.errors import ConfigError
 
-from onnxfuse.recipe.settings import OPTIMIZERS, RUN_SETTINGS, check_halving, is_per_model_list, normalize_config, \
-    per_model_keys
+from onnxfuse.recipe.settings import (OPTIMIZERS, Origins, check_halving, flat_settings, is_per_model_list,
+                                      normalize_config, per_model_keys)
 
 __all__ = ["load_config", "normalize_config", "expand_per_model", "total_steps", "config_to_train_settings",
-           "settings_from_config", "read_config_file"]
+           "settings_from_config", "read_config_file", "array_size"]
 
 
 def _fail(where: str, msg: str) -> ConfigError:
@@ -119,51 +119,56 @@ def _set(cfg: dict, dotted: str, value: Any) -> None:
         cfg[section] = value
 
 
-def _broadcast(key: str, value: Any, B: int) -> list:
+def _broadcast(key: str, value: Any, B: int, where: Origins) -> list:
     if is_per_model_list(key, value):
+        if len(value) == 1:
+            return list(value) * B
         if len(value) != B:
-            raise ConfigError(f"{key} has {len(value)} values but the array has B={B} models; give one value, "
-                              f"or a list of {B}")
+            raise ConfigError(f"{where(key)}{key} has {len(value)} values but the array has B={B} models; give one "
+                              f"value, or a list of {B}")
         return list(value)
     return [value] * B
 
 
-def _grid_points(grid: dict, B: int) -> list[dict]:
+def _grid_points(grid: dict, B: int, where: Origins) -> list[dict]:
     """The cartesian product of the grid axes in key order (the first key varies slowest), one point per model."""
     keys = list(grid)
     points = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
     if len(points) != B:
         sizes = " x ".join(str(len(grid[k])) for k in keys)
-        raise ConfigError(f"the grid has {len(points)} combinations ({sizes}) but the array has B={B} models; "
-                          "the grid must give exactly one combination per model")
+        raise ConfigError(f"{where('grid')}the grid has {len(points)} combinations ({sizes}) but the array has B={B} "
+                          "models; the grid must give exactly one combination per model")
     return points
 
 
-def expand_per_model(cfg: dict, B: int) -> dict:
+def expand_per_model(cfg: dict, B: int, where: Origins | None = None) -> dict:
     """A copy of normalized ``cfg`` where every per-model setting is a list of B values: ``optimizer.*``
     (``betas`` a list of B pairs), ``clip_grad_norm`` (None = off for that model) and ``schedule`` (a list of B
     dicts; onecycle's ``max_lr``, when not given, becomes the model's lr). The grid is applied (and emptied),
-    and ``models`` lists each model's grid point (``{}`` without a grid)."""
+    and ``models`` lists each model's grid point (``{}`` without a grid). ``where`` says where the settings came
+    from, for the start of a message (see ``settings.Origins``)."""
+    where = where or Origins()
     if isinstance(B, bool) or not isinstance(B, int) or B < 1:
         raise ConfigError(f"the number of models B must be a positive integer, got {B}")
     if cfg.get("model") and cfg["model"]["count"] != B:
-        raise ConfigError(f"model.count = {cfg['model']['count']} but the array has B={B} models; make them agree")
+        raise ConfigError(f"{where('model.count')}model.count = {cfg['model']['count']} but the array has B={B} "
+                          "models; make them agree")
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
     out["optimizer"] = dict(cfg["optimizer"])
     schedules = cfg["schedule"]
     if isinstance(schedules, list):
         if len(schedules) != B:
-            raise ConfigError(f"schedule has {len(schedules)} entries but the array has B={B} models; give one "
-                              f"schedule, or a list of {B}")
+            raise ConfigError(f"{where('schedule')}schedule has {len(schedules)} entries but the array has B={B} "
+                              f"models; give one schedule, or a list of {B}")
         schedules = [dict(s) for s in schedules]
     else:
         schedules = [dict(schedules) for _ in range(B)]
-    points = _grid_points(cfg["grid"], B) if cfg.get("grid") else [{} for _ in range(B)]
+    points = _grid_points(cfg["grid"], B, where) if cfg.get("grid") else [{} for _ in range(B)]
     for key in per_model_keys(cfg["optimizer"]["name"], None):
         if key in (cfg.get("grid") or {}):
             _set(out, key, [p[key] for p in points])
         else:
-            _set(out, key, _broadcast(key, _get(cfg, key), B))
+            _set(out, key, _broadcast(key, _get(cfg, key), B, where))
     for b, point in enumerate(points):
         for key, value in point.items():
             if key.startswith("schedule."):
@@ -176,18 +181,19 @@ def expand_per_model(cfg: dict, B: int) -> dict:
     out["grid"] = {}
     # a config expanded before keeps its grid points
     out["models"] = points if cfg.get("grid") or not cfg.get("models") else list(cfg["models"])
-    _check_per_model(out, B)
+    _check_per_model(out, B, where)
     return out
 
 
-def _check_per_model(cfg: dict, B: int) -> None:
+def _check_per_model(cfg: dict, B: int, where: Origins) -> None:
     """The optimizer's rule tying two per-model settings together (SGD: nesterov needs momentum, as torch.optim)."""
     opt = cfg["optimizer"]
     rule = OPTIMIZERS[opt["name"]].check
     for b in range(B) if rule is not None else ():
         problem = rule({k: v[b] for k, v in opt.items() if k != "name"})
         if problem:
-            raise ConfigError(f"model {b}: optimizer.{problem}")
+            keys = [f"optimizer.{k}" for k in opt if k != "name" and problem.startswith(k)] or ["optimizer"]
+            raise ConfigError(f"{where(*keys)}model {b}: optimizer.{problem}")
 
 
 def total_steps(cfg: dict, n_samples: int) -> int:
@@ -206,39 +212,38 @@ def total_steps(cfg: dict, n_samples: int) -> int:
     return total
 
 
-def config_to_train_settings(cfg: dict, array_dir: str | os.PathLike) -> tuple[dict, str | None, str | None]:
-    """The ``TrainConfig`` settings, training data and eval data of a normalized config, for the array in
-    ``array_dir``. When that folder has no fused array yet and the config has a ``model`` section, the models are
-    exported (one per seed) and fused there first."""
+def array_size(cfg: dict, array_dir: str | os.PathLike) -> int:
+    """The number of models B of the array in ``array_dir``. When that folder has no fused array yet and the
+    normalized config ``cfg`` has a ``model`` section, the models are exported (one per seed) and fused there
+    first."""
     import logging
 
     from onnxfuse.core.array import ArrayDir
 
     array = ArrayDir(array_dir)
-    array_dir = array.path
     if not os.path.exists(array.fused_path) and cfg.get("model"):
-        _build_array(cfg["model"], array_dir)
-        logging.getLogger("onnxfuse.train").info("built the array in %s from model.factory %s", array_dir,
+        _build_array(cfg["model"], array.path)
+        logging.getLogger("onnxfuse.train").info("built the array in %s from model.factory %s", array.path,
                                                  cfg["model"]["factory"])
-    return settings_from_config(cfg, array.load_spec().B)
+    array.check_exists()
+    return array.load_spec().B
+
+
+def config_to_train_settings(cfg: dict, array_dir: str | os.PathLike) -> tuple[dict, str | None, str | None]:
+    """The ``TrainConfig`` settings, training data and eval data of a normalized config, for the array in
+    ``array_dir`` (built first from the ``model`` section where it is not there yet: :func:`array_size`)."""
+    return settings_from_config(cfg, array_size(cfg, array_dir))
 
 
 def settings_from_config(cfg: dict, B: int) -> tuple[dict, str | None, str | None]:
     """The ``TrainConfig`` settings, training data and eval data of a normalized config for an array of B models
     (its per-model settings expanded to B values)."""
     c = expand_per_model(cfg, B)
-    opt, loss, data = c["optimizer"], c["loss"], c["data"]
-    # every TrainConfig setting from its key in the file (settings.RUN_SETTINGS), the optimizer's hyper-parameters
-    # from its section
-    settings = {s.name: _get(c, s.path) for s in RUN_SETTINGS}
-    settings.update({k: v for k, v in opt.items() if k != "name"})
-    settings.update(loss_options={k: v for k, v in loss.items() if k != "name"}, schedule=c["schedule"],
-                    halving=c["halving"] or None)
-    if all(v is None for v in settings["clip_grad_norm"] or [None]):
+    settings = flat_settings(c)
+    if all(v is None for v in settings["clip_grad_norm"]):
         settings["clip_grad_norm"] = None
-    else:
-        settings["clip_grad_norm"] = [float("inf") if v is None else v for v in settings["clip_grad_norm"]]
-    return {k: v for k, v in settings.items() if v is not None or k in ("steps", "epochs")}, data["train"], data["eval"]
+    return {k: v for k, v in settings.items() if v is not None or k in ("steps", "epochs")}, c["data"]["train"], \
+        c["data"]["eval"]
 
 
 def _build_array(model: dict, array_dir: str) -> None:

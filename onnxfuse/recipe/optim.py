@@ -32,18 +32,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
 from onnxfuse.core.errors import ConfigError
 
 from onnxfuse.core._builder import GraphBuilder
-from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, RUN_SETTINGS, OptimizerSpec, Param,
-                                      check_optimizer, check_value, pair, real, register_optimizer)
+from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, OptimizerSpec, Param, hyper_params, pair, real,
+                                      register_optimizer)
 
-__all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "OPTIMIZERS", "HYPER_INPUT", "STATE_PREFIX",
-           "StepValues", "register_optimizer"]
+__all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "optimizer_config", "OPTIMIZERS", "HYPER_INPUT",
+           "STATE_PREFIX", "StepValues", "register_optimizer"]
 
 HYPER_INPUT = "optim.hyper"
 STATE_PREFIX = "optim."
@@ -248,7 +248,9 @@ class OptimizerConfig:
 
     kind: str
     hyper: dict[str, list]
-    max_norm: list[float] = field(default_factory=list)  # gradient clipping; inf = off
+    # each model's gradient-clipping coefficient: its clip_grad_norm, inf for a model not clipped (the settings'
+    # None: min(inf / (norm + 1e-6), 1) = 1 leaves the gradient as it is)
+    max_norm: list[float] = field(default_factory=list)
     momentum_varies: bool = False  # a schedule moves the optimizer's cycled value (one-cycle): keep its state
 
     @property
@@ -384,24 +386,30 @@ class OptimizerConfig:
         return writes, ok
 
 
+def optimizer_config(kind: str, hyper: Mapping[str, Sequence], clip: Sequence[float | None]) -> OptimizerConfig:
+    """The optimizer of an array from validated per-model values (a run's plan): ``hyper`` each hyper-parameter of
+    ``kind`` with one value per model, ``clip`` each model's clip_grad_norm (None: not clipped). Nothing is checked
+    again here."""
+    # a pair (betas) is a tuple whichever way it was given, so two equal configurations compare equal
+    lists = {k: [tuple(x) if isinstance(x, list) else x for x in vals] for k, vals in hyper.items()}
+    return OptimizerConfig(kind, lists, max_norm=[math.inf if c is None else float(c) for c in clip])
+
+
 def make_optimizer(kind: str, B: int, max_norm=None, **hyper) -> OptimizerConfig:
-    """The optimizer ``kind`` for B models: each hyper-parameter a scalar for all models or one per model (None
-    or absent: torch.optim's default, see the registrations above), checked against the registry.
-    ``max_norm``: clip_grad_norm_ per model (None: off)."""
-    known = {p.name for spec in _REGISTRY.values() for p in spec.params}
-    unknown = sorted(set(hyper) - known)
+    """The optimizer ``kind`` for B models (the Python API's): each hyper-parameter a scalar for all models or one
+    per model (None or absent: torch.optim's default, see the registrations above), checked as a config file's
+    ``optimizer`` section is (``normalize_config``: one hyper-parameter ``kind`` does not take is an error).
+    ``max_norm``: clip_grad_norm_ per model (None or inf: off)."""
+    from onnxfuse.recipe.config import expand_per_model
+    from onnxfuse.recipe.settings import Origins, normalize_config
+
+    unknown = sorted(set(hyper) - set(hyper_params()))
     if unknown:
         raise TypeError(f"make_optimizer() got an unexpected keyword argument '{unknown[0]}'")
-    v = check_optimizer(kind, B, hyper)
-    clip_setting = next(s.param for s in RUN_SETTINGS if s.name == "clip_grad_norm")
-    clip = check_value(clip_setting, max_norm, optional=True)
-    clip = clip if isinstance(clip, list) else [clip]
-    if len(clip) == 1:
-        clip = clip * B
-    if len(clip) != B:
-        raise ConfigError(f"--clip-grad-norm has {len(clip)} values but the array has B={B} models; give one "
-                          f"value, or a list of {B}")
-    clip = [np.inf if c is None else float(c) for c in clip]
-    # a pair (betas) is a tuple whichever way it was given, so two equal configurations compare equal
-    hyper_lists = {k: [tuple(x) if isinstance(x, list) else x for x in vals] for k, vals in v.items()}
-    return OptimizerConfig(kind, hyper_lists, max_norm=clip)
+    given = {k: v for k, v in hyper.items() if v is not None}
+    named = {f"optimizer.{k}": f"make_optimizer({k}=...)" for k in given}
+    named.update({"optimizer.name": "make_optimizer(kind)", "clip_grad_norm": "make_optimizer(max_norm=...)"})
+    raw = {"steps": 1, "optimizer": {"name": kind, **given}, "clip_grad_norm": max_norm}
+    cfg = expand_per_model(normalize_config(raw, source="", named=named, with_data=False), B, Origins("", named))
+    opt = cfg["optimizer"]
+    return optimizer_config(kind, {k: v for k, v in opt.items() if k != "name"}, cfg["clip_grad_norm"])

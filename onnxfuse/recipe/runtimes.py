@@ -26,6 +26,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.recipe.data import Dataset
+from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, LossSpec
 
 if TYPE_CHECKING:  # optim reads the settings, which read this module's table
@@ -39,7 +40,7 @@ class Runtime(Protocol):
     spec: ArraySpec
     opt: OptimizerConfig
     loss: LossSpec
-    device: str
+    device: Device
     steps: int
     last_ok: np.ndarray
     trainable: list[str]
@@ -62,7 +63,8 @@ class Runtime(Protocol):
 class RuntimeInfo:
     """One runtime: its class, named ``module:Class`` so that listing the runtimes imports
     neither torch nor onnxruntime. The class takes ``(fused, spec, loss, optimizer, device=, workdir=,
-    threads=)`` and has a static ``unavailable(device) -> str | None``: why it cannot train there (with the fix)."""
+    threads=)`` (``device``: a ``Device``, or its text) and has a static ``unavailable(device) -> str | None``: why it
+    cannot train there (with the fix)."""
 
     name: str
     target: str
@@ -94,9 +96,10 @@ def parameter_names(spec: ArraySpec) -> tuple[list[str], list[str]]:
     return trainable, buffers
 
 
-def resolve_runtime(runtime: str, device: str) -> str:
+def resolve_runtime(runtime: str, device: Device | str) -> str:
     """The registered runtime for ``runtime`` (a name or ``auto``) on ``device``; an unavailable one is a
     ConfigError saying why and what to do."""
+    device = Device.of(device)
     if runtime == "auto":
         reasons = {}
         for name, info in RUNTIMES.items():
@@ -113,9 +116,10 @@ def resolve_runtime(runtime: str, device: str) -> str:
 
 
 def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
-                 optimizer: OptimizerConfig, device: str = "cpu", workdir: str | None = None,
+                 optimizer: OptimizerConfig, device: Device | str = "cpu", workdir: str | None = None,
                  threads: int | None = None) -> Runtime:
     """A trainer of ``fused`` on ``runtime`` (a name or ``auto``)."""
+    device = Device.of(device)
     cls = RUNTIMES[resolve_runtime(runtime, device)].load()
     return cls(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads)
 

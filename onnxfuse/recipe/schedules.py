@@ -158,7 +158,7 @@ class PerModelSchedules:
                 value = opt.hyper[name][b]
                 defaults[name] = tuple(value) if isinstance(value, (list, tuple)) else value
             o = torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], defaults)
-            spec = _full(check_schedule_entry(s, "schedule", fill=True), opt.lr[b])
+            spec = _full(s, opt.lr[b])  # checked already (a run's plan, check_schedules)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no real steps here

@@ -2,13 +2,15 @@
 
 Everything else is derived from these declarations:
 
-- ``TrainConfig`` (``run.py``): the flat settings of a run, a pydantic model built from :data:`RUN_SETTINGS` and the
-  hyper-parameters of every registered optimizer (:func:`train_config_model`);
-- the flags of ``onnxfuse train`` / ``check`` (:func:`add_flags`, :func:`flags_to_settings`), which are also the
-  overrides of a resumed run;
-- the config-file reader's validation and normalized form (:func:`normalize_config`, used by ``config.py``);
-- the error messages: one :class:`ConfigError` line naming the key (``optimizer.lr[1] = nan must be ...`` in a
-  file, ``--lr must be ..., got nan`` for flags and the Python API), made in one place (:func:`_message`).
+- the one validation of a run's settings, :func:`normalize_config`: a config file's mapping, the same mapping
+  with flags merged over it (:func:`flags_to_raw`, :func:`merge_raw`), and ``TrainConfig``'s arguments
+  (:func:`raw_from_flat`) all go through it, so every rule holds whichever way a value is given;
+- ``TrainConfig`` (``train_config.py``): the flat settings of a run (its fields are checked against
+  :data:`RUN_SETTINGS` and the registered optimizers' hyper-parameters by a test), and the run's plan;
+- the flags of ``onnxfuse train`` / ``check`` (:func:`add_flags`), which are also the overrides of a resumed run;
+- the error messages: one :class:`ConfigError` line naming the key (``optimizer.lr[1] = nan must be ...``),
+  begun by where the value came from (``run.yaml: ``, ``--lr: ``: :class:`Origins`), made in one place
+  (:func:`_message`).
 
 Optimizers and schedules are registered once each, next to their maths: ``optim.py`` calls
 :func:`register_optimizer` with an :class:`OptimizerSpec` (its hyper-parameters as :class:`Param` s),
@@ -23,26 +25,29 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Annotated, Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, TypeAdapter,
-                      ValidationError, ValidationInfo, WrapValidator, create_model, model_validator)
+from pydantic import (AfterValidator, BeforeValidator, Discriminator, Field, Strict, Tag, TypeAdapter, ValidationError,
+                      ValidationInfo, WrapValidator)
 from pydantic_core import PydanticCustomError
 
 from onnxfuse.core.errors import ConfigError
 
 from onnxfuse.recipe.datasets import NAMED_DATASETS, is_named
+from onnxfuse.recipe.device import DEVICE_TAKES, Device
 from onnxfuse.recipe.losses import LOSSES
 from onnxfuse.recipe.runtimes import RUNTIME_CHOICES, RUNTIMES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
            "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
-           "pair", "step_list", "text", "check_value", "check_model_value", "check_optimizer",
-           "check_schedule_entry", "check_halving", "train_config_model", "TrainSettings", "normalize_config",
-           "per_model_keys", "is_per_model_list", "add_flags", "flags_to_settings", "REQUIRED"]
+           "pair", "step_list", "text", "DEVICE", "CLIP", "check_value", "check_model_value", "check_schedule_entry",
+           "check_halving", "check_held_out", "Origins", "normalize_config", "per_model_keys", "is_per_model_list",
+           "add_flags", "flags_to_raw", "flag_of", "merge_raw", "raw_from_flat", "raw_to_flat", "flat_settings",
+           "raw_key", "hyper_params", "flat_default", "set_dotted", "get_dotted", "REQUIRED"]
 
 REQUIRED: Any = object()  # a parameter without a default (a schedule's step_size)
 
@@ -161,7 +166,7 @@ def step_list(non_empty: bool) -> Kind:
     ann = Annotated[list[step], Field(min_length=1 if non_empty else 0), BeforeValidator(
         lambda v: list(v) if isinstance(v, tuple) else v), WrapValidator(lambda v, h: _increasing(h(v))),
         _phrase(f"must be {said}")]
-    return Kind(ann, lambda s: [int(x) for x in s.split(",") if x.strip()], metavar="T1,T2,...")
+    return Kind(ann, lambda s: [int(x) for x in s.split(",")], metavar="T1,T2,...")
 
 
 @dataclass(frozen=True)
@@ -338,10 +343,26 @@ LOSS_PARAMS = (  # TrainConfig.loss_options
 ORDERS = ("shared", "per-model", "shards")
 
 
-def _is_device(v: str) -> bool:
-    import re
+def _device(v: Any) -> Device:
+    # the one parse of a device's text (a Device given is one already)
+    if isinstance(v, Device):
+        return v
+    try:
+        return Device.parse(v)
+    except ConfigError:
+        raise PydanticCustomError("setting", f"must be {DEVICE_TAKES}") from None
 
-    return re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None
+
+DEVICE = Kind(Annotated[Any, BeforeValidator(_device)], str)
+
+
+def _no_limit(v: Any) -> Any:
+    # "no clipping" has one form from here on: None (a file's .inf / null, a flag's inf)
+    return None if v == float("inf") else v
+
+
+# clip_grad_norm: > 0, or inf / null for no clipping
+CLIP = Kind(Annotated[real(gt=0.0, finite=False).annotation, AfterValidator(_no_limit)], float)
 
 
 # the run's settings besides the optimizer's hyper-parameters and the schedule, in the order a config file lists
@@ -357,7 +378,7 @@ RUN_SETTINGS: tuple[Setting, ...] = (
                   "per model"), "data.per_model_labels"),
     Setting(Param("optimizer", choice(lambda: tuple(OPTIMIZERS)), "sgd", "optimizer (torch.optim semantics)"),
             "optimizer.name"),
-    Setting(Param("clip_grad_norm", real(gt=0.0, finite=False), None, "clip each model's gradient norm to this "
+    Setting(Param("clip_grad_norm", CLIP, None, "clip each model's gradient norm to this "
                   "(inf or null: no clipping)", per_model=True), "clip_grad_norm"),
     Setting(Param("shuffle", BOOL, True, "reshuffle every epoch (--no-shuffle: batches in file order)"),
             "data.shuffle"),
@@ -377,7 +398,7 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("halving", step_list(non_empty=False), None, "steps at which successive halving keeps the best "
                   "--halving-keep of the models by eval loss"), "halving"),
     Setting(Param("halving_keep", real(gt=0.0, lt=1.0), 0.5, "fraction kept at each halving"), "halving_keep"),
-    Setting(Param("device", text(_is_device, "cpu, cuda or cuda:N"), "cpu", "cpu or cuda[:id]"), "device",
+    Setting(Param("device", DEVICE, "cpu", "cpu or cuda[:id]"), "device",
             resumable=True),
     Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: " + ", ".join(
         f"{r.name} ({r.help})" for r in RUNTIMES.values()) + ", auto (the first of these that can run on the device)"),
@@ -399,12 +420,44 @@ _RUN = {s.name: s for s in RUN_SETTINGS}
 RESUMABLE = tuple(s.name for s in RUN_SETTINGS if s.resumable)
 
 
-def _key(name: str, style: str) -> str:
-    """How a message names the setting ``name`` (a run setting or a hyper-parameter)."""
-    if style == "file":
-        s = _RUN.get(name)
-        return s.path if s is not None else f"optimizer.{name}"
-    return "--" + name.replace("_", "-")
+@dataclass(frozen=True)
+class Origins:
+    """Where the values of a config mapping came from, for the start of a message: a file (``source``, "" for
+    none) and, by dotted key, the values given some other way (``named``: ``{"optimizer.lr": "--lr"}`` for flags,
+    ``TrainConfig(lr=...)`` for the Python API). ``base_dir``: the folder a file's relative paths are relative to
+    (a flag's path is relative to where the command runs)."""
+
+    source: str = ""
+    named: Mapping[str, str] = field(default_factory=dict)
+    base_dir: str | None = None
+
+    def __call__(self, *keys: str) -> str:
+        """The start of a message about ``keys``: the flags (or arguments) that gave them, and the file for the
+        rest, e.g. ``"--momentum: "``, ``"--eval-data, run.yaml: "`` or ``""``."""
+        names, from_file = [], not keys
+        for key in keys:
+            name = self._name(re.sub(r"\[\d+\]", "", key))
+            if name is None:
+                from_file = True
+            elif name not in names:
+                names.append(name)
+        parts = names + ([self.source] if from_file and self.source else [])
+        return ", ".join(parts) + ": " if parts else ""
+
+    def _name(self, key: str) -> str | None:
+        """How ``key`` or the section holding it was given (``schedule``: all of a schedule), None: the file."""
+        while key:
+            if key in self.named:
+                return self.named[key]
+            key = key.rpartition(".")[0]
+        return None
+
+    def base(self, key: str) -> str | None:
+        return None if self._name(key) is not None else self.base_dir
+
+
+def _at(where: str | Origins, *keys: str) -> str:
+    return where(*keys) if callable(where) else where
 
 
 def check_halving(halving: Sequence[int] | None, total: int, style: str = "flag", where: str = "") -> None:
@@ -415,147 +468,158 @@ def check_halving(halving: Sequence[int] | None, total: int, style: str = "flag"
                     f"steps must be < {total}")
 
 
-def check_optimizer(kind: str, B: int, hyper: dict, style: str = "flag", keys: dict | None = None) -> dict:
-    """Every hyper-parameter of optimizer ``kind`` as a list of B values (the optimizer's default where ``hyper``
-    has None or nothing), checked; plus the optimizer's rule per model. ``keys`` names a value in messages."""
-    spec = OPTIMIZERS.get(kind)
-    if spec is None:
-        raise _fail(f"unknown optimizer '{kind}'; choose one of: {', '.join(OPTIMIZERS)}")
-    keys = keys or {}
-    out = {}
-    for p in spec.params:
-        key = keys.get(p.name) or _key(p.name, style)
-        v = hyper.get(p.name)
-        v = check_value(p, p.default if v is None else v, key, style)
-        if is_per_model_list(p.name, v):
-            if len(v) == 1:
-                v = list(v) * B
-            if len(v) != B:
-                raise _fail(f"{key} has {len(v)} values but the array has B={B} models; give one value, or a "
-                            f"list of {B}")
-            out[p.name] = list(v)
-        else:
-            out[p.name] = [v] * B
-    if spec.check is not None:
-        for b in range(B):
-            problem = spec.check({k: v[b] for k, v in out.items()})
-            if problem:
-                name = keys.get("__rule__") or ("optimizer." if style == "file" else "--")
-                raise _fail(f"model {b}: {name}{problem}")
-    return out
-
-
-def check_schedule_entry(raw: Any, key: str, style: str = "flag", where: str = "", fill: bool = False) -> Any:
+def check_schedule_entry(raw: Any, key: str, style: str = "flag", where: str | Origins = "",
+                         fill: bool = False) -> Any:
     """One model's schedule (None, a name or a mapping with a name), checked against the registry: the same
     shape back with its values validated (``fill``: a mapping with every parameter, a None default left out)."""
     if raw is None:
         return {"name": "constant"} if fill else None
     entry = {"name": raw} if isinstance(raw, str) else raw
     if not isinstance(entry, dict):
-        raise _fail(f"{where}{key} must be a mapping with a name (or a list of them, one per model), got "
+        raise _fail(f"{_at(where, key)}{key} must be a mapping with a name (or a list of them, one per model), got "
                     f"{_show(raw)}")
     name = entry.get("name", "constant")
     if name not in SCHEDULES:
         said = f"{key}.name = {_show(name)}" if style == "file" else f"{key}: unknown schedule {_show(name)};"
-        raise _fail(f"{where}{said} must be one of: {', '.join(SCHEDULES)}")
+        raise _fail(f"{_at(where, key + '.name')}{said} must be one of: {', '.join(SCHEDULES)}")
     spec = SCHEDULES[name]
     for k in entry:
         if k != "name" and spec.param(k) is None:
             takes = ", ".join(p.name for p in spec.params) or "no parameters"
-            raise _fail(f"{where}{key}.{k} does not apply to the {name} schedule; {name} takes: {takes}")
+            raise _fail(f"{_at(where, f'{key}.{k}', key + '.name')}{key}.{k} does not apply to the {name} schedule; "
+                        f"{name} takes: {takes}")
     out = {"name": name}
     for p in spec.params:
         if p.name in entry:
-            out[p.name] = check_value(p, entry[p.name], f"{key}.{p.name}", style, where, optional=p.default is None)
+            at = f"{key}.{p.name}"
+            out[p.name] = check_value(p, entry[p.name], at, style, _at(where, at), optional=p.default is None)
         elif p.default is REQUIRED:
-            raise _fail(f"{where}{key}.{p.name} is missing: '{name}' needs '{p.name}' ({p.flag})")
+            raise _fail(f"{_at(where, key + '.name')}{key}.{p.name} is missing: '{name}' needs '{p.name}' ({p.flag})")
         elif fill and p.default is not None:
             out[p.name] = p.default
     return out if fill or not isinstance(raw, str) else raw
 
 
-def _check_schedule(raw: Any, style: str, where: str = "", fill: bool = False) -> Any:
+def _check_schedule(raw: Any, style: str, where: str | Origins = "", fill: bool = False) -> Any:
     """None / one schedule / a non-empty list of them (one per model)."""
     if isinstance(raw, (list, tuple)):
         if not raw:
-            raise _fail(f"{where}schedule is an empty list; give one schedule, or one per model")
+            raise _fail(f"{_at(where, 'schedule')}schedule is an empty list; give one schedule, or one per model")
         return [check_schedule_entry(s, f"schedule[{i}]", style, where, fill) for i, s in enumerate(raw)]
     return check_schedule_entry(raw, "schedule", style, where, fill)
 
 
-# ------------------------------------------------------------------------------------------------ TrainConfig
-class TrainSettings(BaseModel):
-    """The base of ``TrainConfig``: its fields come from :func:`train_config_model`; every value is checked when
-    the object is made (one ConfigError line, flag style), cross-setting rules by :meth:`_rules`."""
-
-    # extra keys: hyper-parameters of an optimizer registered after the model was made (checked in _rules)
-    model_config = ConfigDict(extra="allow", arbitrary_types_allowed=True, protected_namespaces=())
-
-    def __init__(self, **settings: Any) -> None:
-        unknown = sorted(set(settings) - set(type(self).model_fields) - set(_all_params(OPTIMIZERS.values())))
-        if unknown:
-            raise ConfigError(f"unknown training setting '{unknown[0]}'")
-        try:
-            super().__init__(**settings)
-        except ValidationError as e:
-            err = e.errors()[0]
-            name = str(err["loc"][0]) if err["loc"] else ""
-            if err["type"] == "missing":
-                raise ConfigError(f"{_key(name, 'flag')} is required") from None
-            if err["type"] == "value_error" and not name:  # from _rules: its own sentence
-                raise ConfigError(str(err.get("ctx", {}).get("error", err["msg"]))) from None
-            raise _message(e, _key(name, "flag"), "flag") from None
-
-    @model_validator(mode="after")
-    def _rules(self) -> "TrainSettings":
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError("give exactly one of --steps and --epochs")
-        try:
-            _check_schedule(self.schedule, "flag")
-            unknown = sorted(set(self.loss_options) - {p.name for p in LOSS_PARAMS})
-            if unknown:
-                raise ConfigError(f"unknown loss option '{unknown[0]}'; the options are "
-                                  f"{', '.join(p.name for p in LOSS_PARAMS)}")
-            for p in LOSS_PARAMS:
-                if p.name in self.loss_options:
-                    check_value(p, self.loss_options[p.name])
-            hyper = _all_params(OPTIMIZERS.values())
-            for name, v in (self.__pydantic_extra__ or {}).items():
-                self.__pydantic_extra__[name] = None if v is None else check_value(hyper[name], v)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return self
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainSettings":
-        return cls(**d)
-
-    def as_dict(self) -> dict:
-        """Every setting by name, as given (what a checkpoint records and the settings hash reads)."""
-        return {**{name: getattr(self, name) for name in type(self).model_fields}, **(self.__pydantic_extra__ or {})}
-
-
-def _flat_default(name: str) -> Any:
-    """A hyper-parameter's TrainConfig default: the one every optimizer taking it shares, else None (the
-    optimizer's own, e.g. weight_decay: AdamW 0.01, otherwise 0)."""
+# ------------------------------------------------------------------------------------------------ TrainConfig's names
+def flat_default(name: str) -> Any:
+    """A hyper-parameter's default as a ``TrainConfig`` field: the one every optimizer taking it shares, else None
+    (each optimizer's own, e.g. weight_decay: AdamW 0.01, otherwise 0)."""
     defaults = {repr(s.param(name).default) for s in OPTIMIZERS.values() if s.param(name) is not None}
     return OPTIMIZERS[next(s for s in OPTIMIZERS if OPTIMIZERS[s].param(name))].param(name).default \
         if len(defaults) == 1 else None
 
 
-def train_config_model(base: type[TrainSettings] = TrainSettings) -> type[TrainSettings]:
-    """The flat settings model: every run setting and every hyper-parameter of the registered optimizers (one
-    value, or one per model), the schedule (None, a name, a mapping, or one per model) and the loss options."""
-    fields: dict[str, Any] = {}
+def hyper_params() -> dict[str, Param]:
+    """Every registered optimizer's hyper-parameters, each name once (a ``TrainConfig`` setting each)."""
+    return _all_params(OPTIMIZERS.values())
+
+
+def raw_key(name: str) -> str:
+    """The dotted config key of the ``TrainConfig`` setting ``name``: a run setting's path, ``optimizer.<name>``
+    for a hyper-parameter, ``loss.<option>`` for ``loss_options.<option>``, ``schedule[.<parameter>]``."""
+    s = _RUN.get(name)
+    if s is not None:
+        return s.path
+    if name == "schedule" or name.startswith("schedule."):
+        return name
+    if name.startswith("loss_options."):
+        return "loss." + name[len("loss_options."):]
+    return "optimizer." + name
+
+
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    """``raw[a][b] = value`` for ``key`` "a.b" in a config mapping: the section made when missing, a section given
+    as a name alone (``loss: mse``) made a mapping with that name, the section a new mapping (not the one it was,
+    which another mapping may share)."""
+    section, _, leaf = key.partition(".")
+    if leaf:
+        sub = raw.get(section)
+        if isinstance(sub, str):
+            sub = {"name": sub}
+        raw[section] = {**(sub or {}), leaf: value}
+    else:
+        raw[section] = value
+
+
+def get_dotted(cfg: Mapping, key: str, default: Any = None) -> Any:
+    section, _, leaf = key.partition(".")
+    if not leaf:
+        return cfg.get(section, default)
+    inner = cfg.get(section)
+    return inner.get(leaf, default) if isinstance(inner, Mapping) else default
+
+
+def raw_from_flat(flat: Mapping[str, Any], recorded: bool = False) -> dict:
+    """``TrainConfig`` settings (by their flat names; None: the default) as a config mapping, for the one
+    validation (:func:`normalize_config`). ``recorded``: a run's recorded settings, whose hyper-parameters that
+    its optimizer does not take are left out (a run before onnxfuse refused them recorded them; they did
+    nothing)."""
+    raw: dict[str, Any] = {}
+    kind = flat.get("optimizer") or _RUN["optimizer"].param.default
+    takes = {p.name for p in OPTIMIZERS[kind].params} if kind in OPTIMIZERS else None
+    hyper = hyper_params()
+    for name, v in flat.items():
+        if v is None:
+            continue
+        if name == "loss_options":
+            if not isinstance(v, Mapping):
+                raise _fail(f"loss_options must be a mapping of {', '.join(p.name for p in LOSS_PARAMS)}, got "
+                            f"{_show(v)}")
+            for option, x in v.items():
+                if x is not None:
+                    set_dotted(raw, f"loss.{option}", x)
+        elif name == "schedule" or name in _RUN:
+            set_dotted(raw, raw_key(name), v)
+        elif name in hyper:
+            if not (recorded and takes is not None and name not in takes):
+                set_dotted(raw, raw_key(name), v)
+        else:
+            raise _fail(f"unknown training setting '{name}'; the settings are those of `onnxfuse train --help` "
+                        "(TrainConfig's fields)")
+    return raw
+
+
+def raw_to_flat(raw: Mapping) -> dict:
+    """The settings a config mapping has (only those) by their ``TrainConfig`` names: ``raw_from_flat``'s inverse
+    (a resumed run's flags as overrides of its recorded settings)."""
+    out: dict[str, Any] = {}
     for s in RUN_SETTINGS:
-        p = s.param
-        fields[p.name] = (_annotation(p, optional=p.default is None), Field(p.default, description=p.help))
-    for p in _all_params(OPTIMIZERS.values()).values():
-        fields[p.name] = (_annotation(p, optional=True), Field(_flat_default(p.name), description=p.help))
-    fields["schedule"] = (Any, Field(None, description="None, a name, a mapping, or a list of B of those"))
-    fields["loss_options"] = (dict, Field(default_factory=dict, description="label_smoothing, ignore_index, "
-                                                                            "class_axis"))
-    return create_model("TrainConfig", __base__=base, **fields)
+        v = get_dotted(raw, s.path)
+        if v is not None:
+            out[s.name] = v
+    for section, prefix in (("optimizer", ""), ("loss", "loss_options.")):
+        for k, v in (raw.get(section) or {}).items() if isinstance(raw.get(section), Mapping) else ():
+            if k != "name":
+                if prefix:
+                    out.setdefault("loss_options", {})[k] = v
+                else:
+                    out[k] = v
+    if raw.get("schedule") is not None:
+        out["schedule"] = raw["schedule"]
+    return out
+
+
+def flat_settings(cfg: Mapping) -> dict:
+    """A normalized config's settings by their ``TrainConfig`` names (what a run records and hashes): every run
+    setting, the optimizer's hyper-parameters, the schedule and the loss options; the device as its text."""
+    if cfg.get("grid"):
+        raise ValueError("a config with a grid has per-model values only once B is known: expand_per_model first")
+    out = {s.name: get_dotted(cfg, s.path) for s in RUN_SETTINGS}
+    out.update({k: v for k, v in cfg["optimizer"].items() if k != "name"})
+    out["device"] = str(out["device"])
+    out["halving"] = out["halving"] or None
+    out["schedule"] = cfg["schedule"]
+    out["loss_options"] = {k: v for k, v in cfg["loss"].items() if k != "name"}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ config files
@@ -576,16 +640,16 @@ def _file_keys(section: str) -> tuple[str, ...]:
     return _MODEL_KEYS
 
 
-def _section(where: str, key: str, v: Any) -> dict:
+def _section(where: Origins, key: str, v: Any) -> dict:
     """A mapping whose keys are all known under ``key``."""
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise _fail(f"{where}{key} must be a mapping of settings (key: value), got {_show(v)}")
+        raise _fail(f"{where(key)}{key} must be a mapping of settings (key: value), got {_show(v)}")
     allowed = _file_keys(key)
     for k in v:
         if k not in allowed:
-            raise _fail(f"{where}unknown key '{key}.{k}'; valid keys under {key}: {', '.join(allowed)}")
+            raise _fail(f"{where(f'{key}.{k}')}unknown key '{key}.{k}'; valid keys under {key}: {', '.join(allowed)}")
     return v
 
 
@@ -602,10 +666,11 @@ def resolve_factory(factory: str, base_dir: str | None) -> str:
     return f"{_resolve(module, base_dir)}:{attr}" if module.endswith(".py") else factory
 
 
-def _model(where: str, raw: Any, base_dir: str | None) -> dict | None:
+def _model(at: Origins, raw: Any) -> dict | None:
     if raw is None:
         return None
-    m = _section(where, "model", raw)
+    m = _section(at, "model", raw)
+    where, base_dir = at("model"), at.base("model")
     for key in ("factory", "count", "input_shape"):
         if key not in m:
             raise _fail(f"{where}model.{key} is missing; the model section needs factory, count and input_shape "
@@ -631,9 +696,10 @@ def _model(where: str, raw: Any, base_dir: str | None) -> dict | None:
     return {"factory": factory, "count": count, "seeds": seeds, "input_shape": shape, "per_model_inputs": pmi}
 
 
-def _data_source(where: str, key: str, v: Any, base_dir: str | None) -> str | None:
+def _data_source(at: Origins, key: str, v: Any) -> str | None:
     if v is None:
         return None
+    where = at(key)
     if isinstance(v, str) and is_named(v):
         if v not in NAMED_DATASETS:
             raise _fail(f"{where}{key} = {_show(v)} is not a bundled data set; choose one of: "
@@ -641,16 +707,14 @@ def _data_source(where: str, key: str, v: Any, base_dir: str | None) -> str | No
         return v
     if not isinstance(v, str) or not v.endswith(".npz"):
         raise _fail(f"{where}{key} = {_show(v)} must be a .npz file or one of: {', '.join(NAMED_DATASETS)}")
-    return _resolve(v, base_dir)
+    return _resolve(v, at.base(key))
 
 
-def _setting(where: str, raw: dict, s: Setting) -> Any:
+def _setting(where: Origins, raw: dict, s: Setting) -> Any:
     """The value of run setting ``s`` in a config mapping (null or absent: the default)."""
-    section, _, leaf = s.path.rpartition(".")
-    v = (raw.get(section) or {}).get(leaf) if section else raw.get(leaf)
-    if v is None:
-        return s.param.default
-    return check_value(s.param, v, s.path, "file", where)
+    v = get_dotted(raw, s.path)
+    v = s.param.default if v is None else v
+    return None if v is None else check_value(s.param, v, s.path, "file", where(s.path))
 
 
 def per_model_keys(optimizer: str, schedule: Any) -> list[str]:
@@ -680,10 +744,11 @@ def _setting_param(key: str, optimizer: str, schedule: Any) -> Param | None:
     return s.param if s is not None else None
 
 
-def _grid(where: str, raw: Any, cfg: dict, explicit: dict) -> dict:
+def _grid(at: Origins, raw: Any, cfg: dict, explicit: dict) -> dict:
     """Grid axes ``{dotted key: [values]}``; each value is checked like the setting itself."""
     if raw is None:
         return {}
+    where = at("grid")
     if not isinstance(raw, dict):
         raise _fail(f"{where}grid must be a mapping of setting: [values], e.g. optimizer.lr: [0.1, 0.01]; got "
                     f"{_show(raw)}")
@@ -696,84 +761,102 @@ def _grid(where: str, raw: Any, cfg: dict, explicit: dict) -> dict:
         section, _, leaf = key.partition(".")
         given = explicit.get(section) if leaf else explicit
         if isinstance(given, dict) and given.get(leaf or key) is not None:
-            raise _fail(f"{where}{key} is set both in grid and as {key}; give its values in one place")
+            raise _fail(f"{at('grid', key)}{key} is set both in grid and as {key}; give its values in one place")
         if not isinstance(values, list) or not values:
             raise _fail(f"{where}grid.{key} = {_show(values)} must be a non-empty list of values")
         out[key] = [check_model_value(key, v, f"grid.{key}[{i}]", cfg, where) for i, v in enumerate(values)]
     return out
 
 
-def normalize_config(raw: dict, source: str = "config", base_dir: str | None = None) -> dict:
-    """Validate a config mapping (as read from a file) and return its normalized form with defaults filled in
-    (see ``config.py``). ``source`` prefixes every error message; ``base_dir``, when given, is the folder relative
-    file paths in ``data`` and ``model.factory`` are relative to."""
-    where = f"{source}: " if source else ""
+def normalize_config(raw: dict, source: str = "config", base_dir: str | None = None,
+                     named: Mapping[str, str] | None = None, with_data: bool = True) -> dict:
+    """Validate a config mapping (as read from a file, flags merged over it: :func:`merge_raw`) and return its
+    normalized form with defaults filled in (see ``config.py``): the one validation of every setting, whichever
+    way it was given. ``source`` starts every message about a value from the file, ``named`` names the values
+    given otherwise (``{"optimizer.lr": "--lr"}``: see :class:`Origins`); ``base_dir``, when given, is the folder
+    the file's relative paths in ``data`` and ``model.factory`` are relative to. ``with_data=False``: the mapping
+    says nothing about the data (``TrainConfig``: the data comes with the run), and the rules about held-out
+    data wait for it (:func:`check_held_out`)."""
+    at = Origins(source, dict(named or {}), base_dir)
     if not isinstance(raw, dict):
-        raise _fail(f"{where}the config must be a mapping of settings (key: value), got {type(raw).__name__}")
+        raise _fail(f"{at()}the config must be a mapping of settings (key: value), got {type(raw).__name__}")
     top = _file_keys("")
     for k in raw:
         if k not in top:
-            raise _fail(f"{where}unknown key '{k}'; valid keys: {', '.join(top)}")
+            raise _fail(f"{at(k)}unknown key '{k}'; valid keys: {', '.join(top)}")
     raw = dict(raw)
     for section in ("loss", "optimizer"):  # a name alone
         if isinstance(raw.get(section), str):
             raw[section] = {"name": raw[section]}
     for section in ("data", "loss", "optimizer"):
-        raw[section] = _section(where, section, raw.get(section))
-    value = {s.name: _setting(where, raw, s) for s in RUN_SETTINGS}
+        raw[section] = _section(at, section, raw.get(section))
+    value = {s.name: _setting(at, raw, s) for s in RUN_SETTINGS}
     data = raw["data"]
     cfg: dict[str, Any] = {
-        "model": _model(where, raw.get("model"), base_dir),
-        "data": {"train": _data_source(where, "data.train", data.get("train"), base_dir),
-                 "eval": _data_source(where, "data.eval", data.get("eval"), base_dir),
+        "model": _model(at, raw.get("model")),
+        "data": {"train": _data_source(at, "data.train", data.get("train")),
+                 "eval": _data_source(at, "data.eval", data.get("eval")),
                  **{s.path[5:]: value[s.name] for s in RUN_SETTINGS if s.path.startswith("data.")}},
         "loss": {"name": value["loss"], **{p.name: check_value(p, raw["loss"].get(p.name, p.default),
-                                                                f"loss.{p.name}", "file", where)
+                                                                f"loss.{p.name}", "file", at(f"loss.{p.name}"))
                                            for p in LOSS_PARAMS}},
     }
     cfg["data"] = {k: cfg["data"][k] for k in _file_keys("data")}  # the documented key order
-    if cfg["data"]["eval"] is not None and cfg["data"]["eval_fraction"] > 0:
-        raise _fail(f"{where}data.eval and data.eval_fraction are both set; give held-out data one way")
     loss = cfg["loss"]
     if loss["label_smoothing"] and loss["name"] != "cross-entropy":
-        raise _fail(f"{where}loss.label_smoothing applies to cross-entropy only, not to {loss['name']} (as in torch)")
+        raise _fail(f"{at('loss.label_smoothing', 'loss.name')}loss.label_smoothing applies to cross-entropy only, "
+                    f"not to {loss['name']} (as in torch)")
     if loss["class_axis"] == 0:
-        raise _fail(f"{where}loss.class_axis = 0 is the batch axis; use 1 ([N, C, ...]) or -1 ([N, ..., C])")
+        raise _fail(f"{at('loss.class_axis')}loss.class_axis = 0 is the batch axis; use 1 ([N, C, ...]) or -1 "
+                    "([N, ..., C])")
     from onnxfuse.recipe.losses import get_loss
 
     try:  # the loss's own rules, as a backstop
         get_loss(loss["name"], **{p.name: loss[p.name] for p in LOSS_PARAMS})
     except ConfigError as e:
-        raise _fail(f"{where}loss: {e}") from None
-    cfg["optimizer"] = _optimizer(where, raw["optimizer"], value["optimizer"])
-    cfg["schedule"] = _check_schedule(raw.get("schedule"), "file", where, fill=True)
-    cfg["grid"] = _grid(where, raw.get("grid"), cfg, raw)
+        raise _fail(f"{at(*(f'loss.{k}' for k in loss))}loss: {e}") from None
+    cfg["optimizer"] = _optimizer(at, raw["optimizer"], value["optimizer"])
+    cfg["schedule"] = _check_schedule(raw.get("schedule"), "file", at, fill=True)
+    cfg["grid"] = _grid(at, raw.get("grid"), cfg, raw)
     for s in RUN_SETTINGS:
         if "." not in s.path:
             cfg[s.path] = value[s.name]
     cfg["halving"] = cfg["halving"] or []
     if (cfg["steps"] is None) == (cfg["epochs"] is None):
         both = "both are set" if cfg["steps"] is not None else "neither is set"
-        raise _fail(f"{where}give exactly one of steps and epochs ({both})")
-    if cfg["halving"]:
-        if cfg["data"]["eval"] is None and cfg["data"]["eval_fraction"] == 0:
-            raise _fail(f"{where}halving needs eval data to rank the models; set data.eval or data.eval_fraction")
-        if cfg["steps"] is not None:
-            check_halving(cfg["halving"], cfg["steps"], "file", where)
+        raise _fail(f"{at('steps', 'epochs')}give exactly one of steps and epochs ({both})")
+    if with_data:
+        check_held_out(cfg, cfg["data"]["eval"] is not None, at)
+    if cfg["halving"] and cfg["steps"] is not None:
+        check_halving(cfg["halving"], cfg["steps"], "file", at("halving", "steps"))
     return cfg
 
 
-def _optimizer(where: str, given: dict, name: str) -> dict:
+def check_held_out(cfg: Mapping, has_eval: bool, where: Origins | str = "") -> None:
+    """The rules about held-out data of a normalized config, for a run that has eval data (``has_eval``) or not:
+    eval data is given one way, and successive halving has some to rank the models by."""
+    eval_fraction = cfg["data"]["eval_fraction"]
+    if has_eval and eval_fraction > 0:
+        raise _fail(f"{_at(where, 'data.eval', 'data.eval_fraction')}data.eval and data.eval_fraction are both "
+                    "set; give held-out data one way")
+    if cfg["halving"] and not has_eval and eval_fraction == 0:
+        raise _fail(f"{_at(where, 'halving')}halving needs eval data to rank the models; set data.eval or "
+                    "data.eval_fraction")
+
+
+def _optimizer(where: Origins, given: dict, name: str) -> dict:
     """The optimizer section: its name and each of its hyper-parameters (default filled in)."""
     spec = OPTIMIZERS[name]
     takes = [p.name for p in spec.params]
     for k in given:
         if k != "name" and k not in takes:
-            raise _fail(f"{where}optimizer.{k} does not apply to {name}; {name} takes: {', '.join(takes)}")
+            raise _fail(f"{where(f'optimizer.{k}', 'optimizer.name')}optimizer.{k} does not apply to {name}; "
+                        f"{name} takes: {', '.join(takes)}")
     out = {"name": name}
     for p in spec.params:
         v = given.get(p.name)
-        out[p.name] = check_value(p, p.default if v is None else v, f"optimizer.{p.name}", "file", where)
+        key = f"optimizer.{p.name}"
+        out[p.name] = check_value(p, p.default if v is None else v, key, "file", where(key))
     return out
 
 
@@ -835,36 +918,76 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                             f"{s.name}{' (' + s.help + ')' if s.help else ''}" for s in SCHEDULES.values()))
 
 
-def _parse(p: Param, flag: str, text: str) -> Any:
-    """A flag's text as a value: per-model numbers are comma-separated (one, or one per model)."""
+def _flag_value(p: Param, text: str) -> Any:
+    """A flag's text as a config file would give the value: per-model numbers comma-separated (one value, or one
+    per model), a pair or a list of steps ``a,b``. What is not a number stays the text it is (an empty value
+    ``''`` too), for the validation to name it as it names a file's."""
+    def one(piece: str) -> Any:
+        try:
+            return p.kind.parse(piece)
+        except ValueError:
+            return piece
+    if p.per_model and p.kind.metavar is None:  # a pair (betas) is one value, written a,b
+        values = [one(v.strip()) for v in str(text).split(",")]
+        return values[0] if len(values) == 1 else values
     try:
-        if p.per_model and p.kind.metavar is None:  # a pair (betas) is one value, written a,b
-            values = [p.kind.parse(v) for v in str(text).split(",") if v.strip() != ""]
-            return values[0] if len(values) == 1 else values
         return p.kind.parse(text)
     except ValueError:
-        raise ConfigError(f"{flag}: '{text}' is not a number or a comma-separated list of numbers") from None
+        return [v.strip() for v in str(text).split(",")]
 
 
-def flags_to_settings(args: argparse.Namespace) -> dict:
-    """The settings given as flags, as TrainConfig keys (only those given: they override a config file, or a
-    resumed run's own settings)."""
-    out: dict[str, Any] = {}
-    schedule: dict[str, Any] = {}
+def flags_to_raw(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
+    """The settings given as flags (only those: they override a config file, or a resumed run's own settings) as
+    a config mapping, the shape of a config file (``{"optimizer": {"name": "adam", "lr": [0.1, 0.01]},
+    "schedule": {...}, "data": {"train": ...}, "batch_size": 16, ...}``), and the flag that gave each dotted key
+    (for messages). ``--data`` and ``--eval-data`` are the command's own flags (``cli/main.py``)."""
+    raw: dict[str, Any] = {}
+    named: dict[str, str] = {}
     for p, flag, what in _flag_params():
         v = getattr(args, _dest(what), None)
         if v is None:
             continue
         if isinstance(v, str) and p.kind.choices is None and p.kind.parse is not None and \
                 (p.per_model or p.kind.metavar):
-            v = _parse(p, flag, v)
-        if what.startswith("schedule."):
-            schedule[what[9:]] = v
-        elif what.startswith("loss_options."):
-            out.setdefault("loss_options", {})[what[13:]] = v
-        else:
-            out[what] = v
+            v = _flag_value(p, v)
+        key = raw_key(what)
+        set_dotted(raw, key, v)
+        named[key] = flag_of(what)
     name = getattr(args, _dest("schedule"), None)
     if name:
-        out["schedule"] = {"name": name, **schedule}
+        raw["schedule"] = {"name": name, **raw.get("schedule", {})}
+        named["schedule.name"] = "--schedule"
+    for key, flag, path in (("train", "--data", getattr(args, "data", None)),  # the data flags of the CLI's own
+                            ("eval", "--eval-data", getattr(args, "eval_data", None))):
+        if path is not None:
+            set_dotted(raw, f"data.{key}", os.fspath(path))
+            named[f"data.{key}"] = flag
+    return raw, named
+
+
+def flag_of(name: str) -> str:
+    """The flag of the ``TrainConfig`` setting ``name`` (``loss_options.<option>`` for a loss option)."""
+    if name == "schedule":
+        return "--schedule"
+    for p, flag, what in _flag_params():
+        if what == name:
+            return "--no-" + flag[2:] if p.kind.parse is None and p.default is True else flag
+    return "--" + name.rpartition(".")[2].replace("_", "-")
+
+
+def merge_raw(base: Mapping, over: Mapping) -> dict:
+    """The config mapping ``over`` over ``base`` (flags over a config file, or over a run's own settings): a
+    section key by key; a schedule with a name replaces ``base``'s, its parameters alone go into it (into each
+    model's, for a list of them)."""
+    out = dict(base)
+    for k, v in over.items():
+        b = out.get(k)
+        if k in ("optimizer", "loss", "schedule") and isinstance(b, str):
+            b = {"name": b}
+        if k == "schedule" and isinstance(v, dict) and "name" not in v and isinstance(b, list):
+            out[k] = [{**({"name": e} if isinstance(e, str) else e or {}), **v} for e in b]
+        elif isinstance(v, dict) and isinstance(b, dict) and not (k == "schedule" and "name" in v):
+            out[k] = {**b, **v}
+        else:
+            out[k] = v
     return out

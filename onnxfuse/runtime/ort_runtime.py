@@ -2,6 +2,7 @@
 around it, with schedules, evaluation, checkpoints, is in ``run.py``)."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.runtime.ort_artifacts import build_artifacts, ort_failure
 from onnxfuse.recipe.data import Dataset
+from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, StepValues
 from onnxfuse.recipe.runtimes import check_feeds, evaluate
@@ -24,18 +26,26 @@ from onnxfuse.recipe.runtimes import check_feeds, evaluate
 __all__ = ["FusedTrainer", "load_array", "check_device"]
 
 
-def check_device(device: str) -> str:
-    """'cpu' or 'cuda[:id]'; CUDA needs the onnxruntime-training GPU build (the `gpu` extra)."""
-    kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise ConfigError(f"unknown device '{device}'; use cpu or cuda")
-    if kind == "cuda":
-        import onnxruntime
-
-        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            raise ConfigError("--device cuda: this onnxruntime-training build has no CUDA support; install the GPU "
-                              "build with `pip install onnxfuse[gpu]` (see README, GPU) or use --device cpu")
+def check_device(device: Device | str) -> Device:
+    """``device`` (a Device, or its text: cpu, cuda, cuda:N) as ONNX Runtime can train on it: CUDA needs the
+    onnxruntime-training GPU build (the `gpu` extra); else one ConfigError line saying so."""
+    device = Device.of(device)
+    why = _ort_unavailable(device)
+    if why is not None:
+        raise ConfigError(why)
     return device
+
+
+@functools.lru_cache(maxsize=None)  # the providers of the installed build do not change while a process runs
+def _ort_unavailable(device: Device) -> str | None:
+    if not device.is_cuda:
+        return None
+    import onnxruntime
+
+    if device.ort_provider()[0] not in onnxruntime.get_available_providers():
+        return (f"--device {device}: this onnxruntime-training build has no CUDA support; install the GPU build "
+                "with `pip install onnxfuse[gpu]` (see README, GPU) or use --device cpu")
+    return None
 
 
 def load_array(array_dir: str | os.PathLike) -> tuple[onnx.ModelProto, ArraySpec]:
@@ -59,7 +69,7 @@ class FusedTrainer:
     ``labels`` (unless the loss is ``model``); per-model inputs and per-model labels are ``[B, N, ...]``."""
 
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
-                 device: str = "cpu", workdir: str | None = None, threads: int | None = None):
+                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None):
         import onnxruntime
         from onnxruntime.training.api import CheckpointState, Module
 
@@ -85,7 +95,7 @@ class FusedTrainer:
         if threads:
             so.intra_op_num_threads = threads
         try:
-            self.module = Module(self.art.training_model, self.state, self.art.eval_model, device=self.device,
+            self.module = Module(self.art.training_model, self.state, self.art.eval_model, device=str(self.device),
                                  session_options=so)
         except Exception as e:  # a kernel ORT has not for a node, out of memory...: one error naming the node
             raise ort_failure(e, fused, self.device, "starting the training session",
@@ -96,11 +106,11 @@ class FusedTrainer:
         self.inputs = [n for n in self.art.eval_inputs if n != LABELS or self.loss.has_labels]
 
     def _args(self, arrays: Sequence[np.ndarray]):
-        if self.device.startswith("cuda"):
+        if self.device.is_cuda:
             from onnxruntime import OrtValue
 
-            dev_id = int(self.device.split(":")[1]) if ":" in self.device else 0
-            return [OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", dev_id) for a in arrays]
+            return [OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", self.device.device_id)
+                    for a in arrays]
         return list(arrays)
 
     @staticmethod
@@ -155,13 +165,12 @@ class FusedTrainer:
         return self.art.buffers
 
     @staticmethod
-    def unavailable(device: str) -> str | None:
+    def unavailable(device: Device | str) -> str | None:
         """Why this runtime cannot train on ``device`` (None: it can)."""
         try:
-            check_device(device)
+            return _ort_unavailable(Device.of(device))
         except ConfigError as e:
             return str(e)
-        return None
 
     def save_checkpoint(self, path: str) -> None:
         from onnxruntime.training.api import CheckpointState

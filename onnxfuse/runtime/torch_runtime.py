@@ -32,6 +32,7 @@ from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.runtime.ort_artifacts import (HYPER_INPUT, add_loss_pass, inference_loss_pass,
                                             weights_as_inputs_pass)
 from onnxfuse.recipe.data import Dataset
+from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, get_loss
 from onnxfuse.recipe.optim import STATE_PREFIX, OptimizerConfig, StepValues
 from onnxfuse.recipe.runtimes import check_feeds, evaluate, parameter_names
@@ -87,24 +88,12 @@ def update_graph(opt: OptimizerConfig, params: Sequence[tuple[str, Sequence[int]
     return model, [target for target, _ in writes]
 
 
-def _is_cpu(device: str) -> bool:
-    return device.partition(":")[0] == "cpu"
-
-
-def _device_available(device: str) -> str | None:
-    import torch
-
-    kind, _, index = device.partition(":")
-    if kind == "cpu" and not index:
-        return None
-    if kind != "cuda":
-        return f"unknown device '{device}'; use cpu, cuda or cuda:N"
-    if not torch.cuda.is_available():
-        return (f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; install a CUDA build of "
-                "torch (README, \"GPU\") or use --device cpu")
-    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-        return f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s) (cuda:0 ..)"
-    return None
+def _device_available(device: Device | str) -> str | None:
+    """Why torch cannot train on ``device`` (None: it can)."""
+    try:
+        return Device.of(device).available()
+    except ConfigError as e:
+        return str(e)
 
 
 class TorchTrainer:
@@ -113,17 +102,18 @@ class TorchTrainer:
     name = "torch"
 
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
-                 device: str = "cpu", workdir: str | None = None, threads: int | None = None):
+                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None):
         import torch
 
         from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
 
         if optimizer.B != spec.B:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
-        why = _device_available(device)
+        device = Device.of(device)
+        why = device.available()
         if why is not None:
             raise ConfigError(why)
-        if _is_cpu(device):
+        if not device.is_cuda:
             # One thread unless asked: torch's OpenMP threads wait for each other at every parallel region, and
             # when another process holds one of the cores a step takes 10-50x as long (measured on a 2-core machine:
             # a demo step 480 ms with 2 threads, 34 ms with 1). A fixed default also keeps results independent of
@@ -137,7 +127,7 @@ class TorchTrainer:
         torch.set_flush_denormal(True)
         self.spec, self.opt, self.loss = spec, optimizer, get_loss(loss)
         self.device = device
-        self.torch_device = torch.device(device)
+        self.torch_device = device.torch()
         self.trainable, self.buffers = parameter_names(spec)
         self.steps = 0
         self.last_ok = np.ones(spec.B, dtype=bool)

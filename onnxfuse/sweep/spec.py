@@ -41,6 +41,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from onnxfuse.core.errors import ConfigError
+from onnxfuse.recipe.device import Device
 
 __all__ = ["SweepSpec", "load_spec", "parse_spec", "METRICS", "SWEEP_SECTIONS"]
 
@@ -232,14 +233,15 @@ class SweepSpec:
     def direction(self) -> str:
         return METRICS[self.metric]
 
-    @property
-    def device(self) -> str:
-        return str(self.run.get("device", "cpu"))
+    @functools.cached_property
+    def device(self) -> Device:
+        """The run's device (its text checked by ``normalized``, as the rest of the run part)."""
+        return Device.of(self.run.get("device", "cpu"))
 
     @property
     def gpus(self) -> float:
         g = self.sections.resources.gpus
-        return (1.0 if self.device.startswith("cuda") else 0.0) if g is None else g
+        return (1.0 if self.device.is_cuda else 0.0) if g is None else g
 
     @property
     def cpus(self) -> float:
@@ -276,7 +278,7 @@ class SweepSpec:
 
     def normalized(self, array_values: dict | None = None, what: str = "") -> dict:
         """The run part with ``array_values`` ({dotted key: value}) set, normalized and checked."""
-        from onnxfuse.recipe.settings import normalize_config
+        from onnxfuse.recipe.settings import normalize_config, set_dotted
 
         raw = copy.deepcopy(self.run)
         for key, value in (array_values or {}).items():
@@ -308,17 +310,6 @@ class SweepSpec:
                 raise ConfigError(f"{where}{key}: a sweep has no grid; put the values in search.space")
             if key.startswith("data.order"):
                 raise ConfigError(f"{where}{key}: a sweep trains every trial on the shared batch order")
-
-
-def set_dotted(raw: dict, key: str, value: Any) -> None:
-    section, _, leaf = key.partition(".")
-    if leaf:
-        sub = raw.get(section)
-        if isinstance(sub, str):  # `loss: mse`, `optimizer: sgd`
-            sub = {"name": sub}
-        raw[section] = {**(sub or {}), leaf: value}
-    else:
-        raw[section] = value
 
 
 def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> SweepSpec:
@@ -357,7 +348,7 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
                           "batch order (per-model orders would tie a trial's batches to its place in an array)")
     if spec.metric.startswith("eval") and not spec._has_eval():
         raise ConfigError(f"{where}metric {spec.metric} needs held-out data: set data.eval or data.eval_fraction")
-    if spec.device.startswith("cuda") and spec.gpus == 0:
+    if spec.device.is_cuda and spec.gpus == 0:
         raise ConfigError(f"{where}device {spec.device} needs resources.gpus > 0 (a fraction shares one GPU)")
     if sections.search is not None:
         _check_search(spec, sections.search, where)

@@ -24,7 +24,7 @@ from onnxfuse.recipe.data import BatchSampler, Dataset
 from onnxfuse.recipe.optim import STATE_PREFIX
 from onnxfuse.recipe.settings import RESUMABLE
 from onnxfuse.runtime.ort_runtime import FusedTrainer
-from onnxfuse.recipe.train_config import TrainConfig
+from onnxfuse.recipe.train_config import RunPlan, TrainConfig
 from onnxfuse.training.run_state import RunState
 
 
@@ -118,7 +118,7 @@ def _trajectory(settings: dict) -> dict:
     return {k: _canon(v) for k, v in settings.items() if k not in RESUMABLE and not k.startswith("_")}
 
 
-def settings_hash(config: TrainConfig) -> str:
+def settings_hash(config: TrainConfig | RunPlan) -> str:
     """A run's settings hash: what its steps compute, not how long it runs or what it logs (``RESUMABLE``)."""
     return hashlib.sha256(json.dumps(_trajectory(config.as_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -143,7 +143,7 @@ def new_run(identity: dict) -> dict:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
 
 
-def check_resumable(ckpt: str, st: dict, config: TrainConfig, identity: dict, data) -> dict:
+def check_resumable(ckpt: str, st: dict, config: TrainConfig | RunPlan, identity: dict, data) -> dict:
     """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
     record = st.get("run") or {}
     if record.get("settings_hash") != identity["settings_hash"]:

@@ -42,6 +42,7 @@ from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.core.weights import ArraySpec, FusedWeight
 
+from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig
 from onnxfuse.runtime.ort_runtime import FusedTrainer, check_device
@@ -168,7 +169,7 @@ class FusedGAN:
     ``make_optimizer("adamw", B, lr=[2e-4, 1e-3], betas=(0.5, 0.999), weight_decay=0)`` (Adam)."""
 
     def __init__(self, generator, discriminator, g_optimizer: OptimizerConfig, d_optimizer: OptimizerConfig,
-                 device: str = "cpu", workdir: str | None = None, threads: int | None = None):
+                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None):
         import onnxruntime
 
         self.device = check_device(device)
@@ -181,9 +182,9 @@ class FusedGAN:
                                                                           discriminator.model, self.d_spec)
         # (build_artifacts legalizes both graphs: e.g. the generator's ConvTranspose has no CPU gradient kernel)
         bce = get_loss("bce-with-logits")
-        self.d_trainer = FusedTrainer(discriminator.model, self.d_spec, bce, d_optimizer, device,
+        self.d_trainer = FusedTrainer(discriminator.model, self.d_spec, bce, d_optimizer, self.device,
                                       os.path.join(workdir, "discriminator"), threads)
-        self.g_trainer = FusedTrainer(step_model, step_spec, bce, g_optimizer, device,
+        self.g_trainer = FusedTrainer(step_model, step_spec, bce, g_optimizer, self.device,
                                       os.path.join(workdir, "generator"), threads)
         # D's BatchNorm statistics: buffers of both trainers (the generator step's under D/ names)
         _, self.d_stats = self.d_spec.parameter_names()
@@ -193,13 +194,9 @@ class FusedGAN:
         so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
-        if self.device.startswith("cuda"):
-            dev_id = int(self.device.split(":")[1]) if ":" in self.device else 0
-            providers = [("CUDAExecutionProvider", {"device_id": dev_id}), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
         sampler, self.sampler_params = _sampler_graph(generator.model, self.g_spec)
-        self.sampler = onnxruntime.InferenceSession(sampler.SerializeToString(), so, providers=providers)
+        self.sampler = onnxruntime.InferenceSession(sampler.SerializeToString(), so,
+                                                    providers=self.device.ort_providers())
         self.z_input = self.g_spec.inputs[0]
         self.iterations = 0
 

@@ -3,7 +3,7 @@ problem), the data loaded, held out, sharded and checked, and the number of step
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -13,21 +13,20 @@ from onnxfuse.recipe.data import BatchSampler, Dataset, check_finite, load_npz, 
 from onnxfuse.recipe.losses import LABELS, LossSpec
 from onnxfuse.recipe.settings import check_halving
 from onnxfuse.recipe.runtimes import resolve_runtime
-from onnxfuse.recipe.train_config import TrainConfig
+from onnxfuse.recipe.train_config import RunPlan, TrainConfig
 
 
-def validate(config: TrainConfig, spec: ArraySpec) -> None:
-    """The settings against the array, before anything is read or written: one clear line per problem. Every
-    value alone was checked when ``config`` was made; made again here, in case a field was set since."""
-    config = type(config).from_dict(config.as_dict())
-    if config.data_order != "shared":
+def validate(config: TrainConfig, spec: ArraySpec, has_eval: bool) -> RunPlan:
+    """The run's plan for the array (every value was checked when ``config`` was made; here what needs the array:
+    B, the shared inputs, the runtime on the device), before anything is read or written: one clear line per
+    problem."""
+    plan = config.plan(spec.B, has_eval)
+    if plan.data_order != "shared":
         shared = [i["name"] for i in spec.inputs if not i.get("per_model")]
         if shared:
-            raise ConfigError(f"--data-order {config.data_order} gives every model other samples, but graph input "
+            raise ConfigError(f"--data-order {plan.data_order} gives every model other samples, but graph input "
                               f"'{shared[0]}' is shared: fuse with --per-model-inputs {','.join(shared)}")
-    resolve_runtime(config.runtime, config.device)
-    config.loss_spec()
-    config.optimizer_config(spec.B)
+    return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device))
 
 
 def _load_arrays(data, spec: ArraySpec, what: str) -> tuple[dict, str]:
@@ -62,7 +61,7 @@ def _load_arrays(data, spec: ArraySpec, what: str) -> tuple[dict, str]:
                       f"got {type(data).__name__}")
 
 
-def _datasets(data, eval_data, config: TrainConfig, spec: ArraySpec, loss: LossSpec) -> tuple[Dataset, Dataset | None]:
+def _datasets(data, eval_data, config: RunPlan, spec: ArraySpec, loss: LossSpec) -> tuple[Dataset, Dataset | None]:
     arrays, source = _load_arrays(data, spec, "training")
     eval_arrays, eval_source = (None, None) if eval_data is None else _load_arrays(eval_data, spec, "evaluation")
     if not config.allow_nonfinite_data:  # before any split or shard: indices as in the file
@@ -121,7 +120,7 @@ def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
 class Prepared:
     """A run's inputs, validated: nothing is written before this exists."""
 
-    config: TrainConfig
+    config: RunPlan
     loss: LossSpec
     train: Dataset
     eval: Dataset | None
@@ -135,11 +134,9 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data) -> Pre
         raise ConfigError("no training configuration given")
     if len(spec.outputs) != 1:
         raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
-    validate(config, spec)
+    config = validate(config, spec, eval_data is not None)
     loss = config.loss_spec()
     train_ds, eval_ds = _datasets(data, eval_data, config, spec, loss)
-    if config.halving and eval_ds is None:
-        raise ConfigError("--halving ranks models by eval loss: give --eval-data or --eval-fraction")
     sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
                            per_model=spec.B if config.data_order == "per-model" else None)
     total = config.steps if config.steps is not None else config.epochs * sampler.batches_per_epoch

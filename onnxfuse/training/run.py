@@ -48,7 +48,7 @@ from onnxfuse.recipe.data import BatchSampler, Dataset
 from onnxfuse.recipe.optim import StepValues
 from onnxfuse.recipe.runtimes import Runtime, make_trainer
 from onnxfuse.recipe.settings import RESUMABLE
-from onnxfuse.recipe.train_config import TrainConfig
+from onnxfuse.recipe.train_config import RunPlan, TrainConfig
 from onnxfuse.runtime.ort_runtime import load_array
 from onnxfuse.training.checkpoints import (CheckpointModels, check_resumable, checkpoint_folders, checkpoint_models,
                                            data_hash, new_run, restore, resume_point, saved_settings, seed_run,
@@ -83,7 +83,7 @@ class TrainResult:
     run_id: str = ""
 
 
-def _first_steps(ds: Dataset, sampler: BatchSampler, config: TrainConfig, B: int, total: int, K: int
+def _first_steps(ds: Dataset, sampler: BatchSampler, config: RunPlan, B: int, total: int, K: int
                  ) -> tuple[list[dict[str, np.ndarray]], list[StepValues]]:
     """The batches and per-model step values of a fresh run's first K steps, drawn without moving ``sampler``."""
     position = sampler.state_dict()
@@ -98,7 +98,7 @@ def _first_steps(ds: Dataset, sampler: BatchSampler, config: TrainConfig, B: int
 
 
 def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Runtime | None, ds: Dataset,
-            sampler: BatchSampler, config: TrainConfig, total: int, K: int) -> VerifyReport:
+            sampler: BatchSampler, config: RunPlan, total: int, K: int) -> VerifyReport:
     """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
@@ -202,11 +202,8 @@ def _resumed_inputs(saved: dict, data, eval_data, config: TrainConfig | None, ov
     given, with ``overrides`` (e.g. more steps) applied."""
     data = data if data is not None else saved["config"].get("_data")
     eval_data = eval_data if eval_data is not None else saved["config"].get("_eval_data")
-    if config is None:  # the run's own settings (inf was written as a string)
-        settings = saved_settings(saved)
-        if overrides and "epochs" in overrides:
-            settings["steps"] = None
-        config = TrainConfig.from_dict({**settings, **(overrides or {})})
+    if config is None:  # the run's own settings, the overrides validated over them as any settings are
+        config = TrainConfig.resumed(saved_settings(saved), overrides)
     return data, eval_data, config
 
 

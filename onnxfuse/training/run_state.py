@@ -16,9 +16,9 @@ from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.losses import LossSpec
 from onnxfuse.recipe.optim import OptimizerConfig
-from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules
+from onnxfuse.recipe.schedules import PerModelSchedules
 from onnxfuse.recipe.runtimes import Runtime, make_trainer
-from onnxfuse.recipe.train_config import TrainConfig
+from onnxfuse.recipe.train_config import RunPlan
 
 
 log = logging.getLogger("onnxfuse.train")
@@ -42,7 +42,7 @@ def model_batch(ds: Dataset, idx: np.ndarray, run: "RunState") -> dict[str, np.n
 class RunState:
     """The mutable state of one run: the current (possibly shrunk) array and everything needed to checkpoint it."""
 
-    def __init__(self, array_dir: str, config: TrainConfig, fused: onnx.ModelProto, spec: ArraySpec,
+    def __init__(self, array_dir: str, config: RunPlan, fused: onnx.ModelProto, spec: ArraySpec,
                  loss: LossSpec, total_steps: int, workdir: str):
         self.array_dir, self.config, self.loss, self.total = array_dir, config, loss, total_steps
         self.array = ArrayDir(array_dir)
@@ -108,11 +108,11 @@ class RunState:
         self.last_loss = self.last_loss[positions]
 
 
-def optimizer_and_schedules(config: TrainConfig, B: int, total_steps: int
+def optimizer_and_schedules(config: RunPlan, B: int, total_steps: int
                              ) -> tuple[OptimizerConfig, PerModelSchedules]:
     """The array's optimizer configuration and its per-model schedules at step 0."""
-    opt = config.optimizer_config(B)
-    schedules = PerModelSchedules(check_schedules(config.schedule, B, total_steps), opt, total_steps)
+    opt = config.optimizer_config()
+    schedules = PerModelSchedules(config.schedules, opt, total_steps)
     opt.momentum_varies = schedules.moves_momentum  # one-cycle moves SGD's momentum: keep a momentum buffer
     return opt, schedules
 
