@@ -210,3 +210,37 @@ def test_one_timing_loop_for_the_benchmarks_and_the_planner():
     done = watch.seconds
     assert 0.01 <= done < 1 and watch.seconds == done  # stopped at the block's end
     assert Stopwatch().seconds < done
+
+
+def test_training_memory_has_one_rule_for_weights(tmp_path):
+    """The planner's estimate of an array's step and placement's memory plan count a trained weight alike
+    (measure.sizing.training_weight_factor: the weight, its gradient, the optimizer's slots), and placement takes
+    the slots from the optimizer registry (it had its own table: sgd 0, momentum 1, adam/adamw 2)."""
+    from onnxfuse.core.passes import fuse_models
+    from onnxfuse.measure.sizing import estimate_step_memory, training_weight_factor
+    from onnxfuse.placement import build_graph
+    from onnxfuse.placement.graph import optimizer_names, optimizer_state_slots
+    from onnxfuse.recipe.losses import get_loss
+    from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.recipe.settings import OPTIMIZERS
+
+    for name in OPTIMIZERS:
+        assert optimizer_state_slots(name) == len(make_optimizer(name, 1).state_names())
+    assert optimizer_state_slots("momentum") == 1 and optimizer_state_slots(3) == 3
+    assert set(optimizer_names()) == set(OPTIMIZERS) | {"momentum"}
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "m.onnx")
+    export_module(_ConvBN(), path, input_shape=(4, 2, 8, 8))
+    fa = fuse_models([path, path])
+    adamw = make_optimizer("adamw", 2)
+    rng = np.random.default_rng(0)
+    feeds = {"input": rng.standard_normal((4, 2, 8, 8)).astype(np.float32), "labels": np.zeros(4, np.int64)}
+    est = estimate_step_memory(fa.model, fa.spec, get_loss("cross-entropy"), adamw, feeds)
+    trainable, buffers = fa.spec.parameter_names()
+    nbytes = {t.name: onnx.numpy_helper.to_array(t).nbytes for t in fa.model.graph.initializer}
+    slots = len(adamw.state_names())
+    assert est.held + est.gradients == (sum(nbytes[n] for n in trainable) * training_weight_factor(slots)
+                                        + sum(nbytes[n] for n in buffers))
+    graph = build_graph(fa.model, batch_size=4, training=True, optimizer="adamw")
+    assert graph.weight_factor == training_weight_factor(slots) == 4

@@ -23,30 +23,24 @@ __all__ = ["add_place_parser", "cmd_place"]
 
 def _optimizer_choices() -> list[str]:
     """The training optimizers (one registry, onnxfuse/recipe/settings.py), and "momentum": SGD with momentum."""
-    from onnxfuse.recipe.settings import OPTIMIZERS
+    from onnxfuse.placement.graph import optimizer_names
 
-    return list(OPTIMIZERS) + ["momentum"]
+    return optimizer_names()
 
 
 def _optimizer(name: str) -> str:
-    """--optimizer's value as placement names it: a registered optimizer placement has no shorthand for is
-    named by its number of state buffers per weight (0: sgd, 1: momentum, 2: adamw; more: its own name)."""
-    from onnxfuse.placement.graph import OPTIMIZER_SLOTS
-
+    """--optimizer's value: one of ``_optimizer_choices``."""
     if name not in _optimizer_choices():
         raise argparse.ArgumentTypeError(f"invalid choice: '{name}' (choose from {', '.join(_optimizer_choices())})")
-    if name in OPTIMIZER_SLOTS:
-        return name
-    return {0: "sgd", 1: "momentum", 2: "adamw"}.get(_state_slots(name), name)
+    return name
 
 
 def _state_slots(name: str) -> int:
-    """The state buffers per weight training keeps for --optimizer ``name``: the registered optimizer's (its maths
-    at the default hyper-parameters, onnxfuse/recipe/optim.py), or placement's shorthand ("momentum")."""
-    from onnxfuse.recipe.settings import OPTIMIZERS
+    """The state buffers per weight training keeps for --optimizer ``name`` (placement's ``optimizer_state_slots``:
+    the registered optimizer's maths at the default hyper-parameters)."""
     from onnxfuse.placement.graph import optimizer_state_slots
 
-    return OPTIMIZERS[name].state_slots() if name in OPTIMIZERS else optimizer_state_slots(name)
+    return optimizer_state_slots(name)
 
 
 def add_place_parser(subparsers) -> argparse.ArgumentParser:

@@ -57,7 +57,8 @@ from onnxfuse.core._units import parse_size
 from onnxfuse.core.errors import ConfigError, as_user_error
 
 __all__ = ["ArrayPlan", "PlanRow", "Probe", "MemoryEstimate", "plan_array", "recommend_B", "choose_B",
-           "fit_line", "measure_arrays", "estimate_step_memory", "parse_memory", "default_memory_budget",
+           "fit_line", "measure_arrays", "estimate_step_memory", "training_weight_factor", "parse_memory",
+           "default_memory_budget",
            "MIN_GAIN", "SAFETY"]
 
 MIN_GAIN = 0.10  # doubling B must add at least 10 % samples/s to be worth it
@@ -237,6 +238,14 @@ def _workload(model: str, batch: int, folder: str) -> _Workload:
 
 
 # -------------------------------------------------------------------------------------------- memory estimate
+def training_weight_factor(state_slots: int) -> int:
+    """Bytes a training step holds per byte of a trained weight: the weight, its gradient and ``state_slots``
+    optimizer state buffers of its size (AdamW 2, SGD with momentum 1, plain SGD 0). The one rule for weights in
+    training memory: :func:`estimate_step_memory` (an array's whole step on one device, to choose B) and placement
+    (``PlacementGraph.weight_factor``: each device's share of a graph, to fit a placement) both apply it."""
+    return 2 + state_slots
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes of one training step of a fused array, counted from its graph (see the module docstring)."""
@@ -286,7 +295,12 @@ def _peak_live(model: onnx.ModelProto, sizes: dict[str, int]) -> int:
 
 def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: dict) -> MemoryEstimate:
     """Count the bytes of one training step of ``fused`` (an :class:`ArraySpec`'s graph) from its tensor shapes
-    at the batch ``feeds`` gives: see :class:`MemoryEstimate`."""
+    at the batch ``feeds`` gives: see :class:`MemoryEstimate`.
+
+    Placement's memory plan (``onnxfuse/placement/graph.py``) answers another question, the bytes each device
+    holds for the nodes placed on it; it shares this estimate's rule for weights (:func:`training_weight_factor`),
+    and differs where a bare graph gives less to go on: every initializer counts as trained (no spec tells
+    buffers from parameters), every activation is kept for the whole step and no optimizer update is counted."""
     from onnxfuse.runtime.ort_artifacts import add_loss_pass
     from onnxfuse.recipe.runtimes import parameter_names
     from onnxfuse.runtime.torch_runtime import update_graph
@@ -300,7 +314,8 @@ def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: d
         return int(np.prod(t.dims, dtype=np.int64)) * itemsize
 
     params = sum(size(n) for n in trainable)
-    held = params * (1 + len(optimizer.state_names())) + sum(size(n) for n in buffers)
+    gradients = params  # one per parameter, a field of its own beside what is held
+    held = params * training_weight_factor(len(optimizer.state_names())) - gradients + sum(size(n) for n in buffers)
     batch = sum(int(np.asarray(a).nbytes) for a in feeds.values())
 
     train, _ = add_loss_pass(copy.deepcopy(fused), spec, loss)
@@ -320,7 +335,7 @@ def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: d
                                        if is_training_batchnorm(node, opset))]  # what the torch runtime updates
     upd, _ = update_graph(optimizer, [(p, shapes[p]) for p in trainable], [(s, shapes[s]) for s in stats], opset)
     update = _peak_live(upd, _inferred_sizes(upd))
-    return MemoryEstimate(held, batch, activations, params, update)
+    return MemoryEstimate(held, batch, activations, gradients, update)
 
 
 # ----------------------------------------------------------------------------------------------- measurement

@@ -12,12 +12,18 @@
       Every tensor written is counted as kept for the whole step: that is what training keeps for the backward
       pass, and an upper bound of what inference holds at once (the simulator reports the live peak too).
 
+      This is not the array-size planner's question (``measure/sizing.py``'s ``estimate_step_memory``: the bytes
+      of a whole array's training step on one device, from its spec: buffers apart from parameters, the
+      optimizer update's temporaries); the two share f, ``sizing.training_weight_factor``, and the optimizer's
+      slots k, the registered optimizer's (``optimizer_state_slots``).
+
 Shapes come from ONNX shape inference after the graph inputs' symbolic dimensions are bound (``batch_size`` for
 the first axis, ``dims`` by name); tensors it cannot type (e.g. com.microsoft gradient ops in a training graph)
 are measured by running the graph once with onnxruntime.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import warnings
@@ -35,25 +41,44 @@ from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.source import check_every_input_defined
+from onnxfuse.measure.sizing import training_weight_factor
 from onnxfuse.placement.orders import CycleError, Dag, check_acyclic
 
 __all__ = ["TensorInfo", "PlacementGraph", "build_graph", "bind_dims", "example_feeds",
-           "estimate_flops", "name_nodes", "union_graph", "OPTIMIZER_SLOTS", "optimizer_state_slots"]
+           "estimate_flops", "name_nodes", "union_graph", "MOMENTUM", "optimizer_names", "optimizer_state_slots"]
 
-# Training memory counts the optimizer's state buffers per weight. The training layer's optimizer registry says
-# how many each registered optimizer keeps (``Optimizer.state_slots``), and the CLI passes that number; placement
-# (which does not import the training layer) also takes these shorthands for torch.optim's, as a number would be
-OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adamw": 2, "adam": 2}
+MOMENTUM = "momentum"  # SGD with momentum: the name placement gives it beside the registered optimizers
+
+
+def _registered() -> dict:
+    """The optimizer registry (onnxfuse/recipe/settings.py), with the built-in optimizers in it: recipe/optim.py
+    registers them when imported."""
+    importlib.import_module("onnxfuse.recipe.optim")
+    from onnxfuse.recipe.settings import OPTIMIZERS
+
+    return OPTIMIZERS
+
+
+def optimizer_names() -> list[str]:
+    """The optimizers whose training memory placement plans: every registered one, and ``momentum``."""
+    return list(_registered()) + [MOMENTUM]
 
 
 def optimizer_state_slots(optimizer: str | int) -> int:
-    """State buffers per weight: a number as it is, or a shorthand of ``OPTIMIZER_SLOTS``."""
+    """State buffers per weight that training with ``optimizer`` keeps: a number as it is; a registered optimizer's
+    (``Optimizer.state_slots``: its maths at the default hyper-parameters, onnxfuse/recipe/optim.py); ``momentum``:
+    SGD's with momentum."""
     if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
         return optimizer
-    if optimizer not in OPTIMIZER_SLOTS:
-        raise ConfigError(f"--optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(OPTIMIZER_SLOTS)}, "
+    registry = _registered()
+    if optimizer == MOMENTUM:
+        from onnxfuse.recipe.optim import make_optimizer
+
+        return len(make_optimizer("sgd", 1, momentum=0.9).state_names())
+    if optimizer not in registry:
+        raise ConfigError(f"--optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(optimizer_names())}, "
                           "or give its number of state buffers per weight")
-    return OPTIMIZER_SLOTS[optimizer]
+    return registry[optimizer].state_slots()
 
 # ops that move or reinterpret data without arithmetic
 _MOVES = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Concat", "Split", "Slice",
@@ -122,8 +147,9 @@ class PlacementGraph:
 
     @property
     def weight_factor(self) -> float:
-        """Bytes held per weight byte: 1 to run the graph, 2 + optimizer slots to train it."""
-        return 2.0 + self.optimizer_slots if self.training else 1.0
+        """Bytes held per weight byte: 1 to run the graph; to train it, the weight, its gradient and the optimizer
+        slots (:func:`~onnxfuse.measure.sizing.training_weight_factor`, the rule the array-size planner counts by)."""
+        return float(training_weight_factor(self.optimizer_slots)) if self.training else 1.0
 
     def edge_tensors(self, p: int, c: int) -> list[str]:
         """Tensors node p writes that node c reads."""
@@ -319,7 +345,7 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
     """The placement graph of an ONNX model (single, fused, or a training graph with its backward pass).
 
     ``training`` plans memory for training a forward graph (weights x (2 + optimizer slots); ``optimizer``: a
-    number of state buffers per weight, or a shorthand of ``OPTIMIZER_SLOTS``). Tensors whose
+    number of state buffers per weight, or an optimizer's name: ``optimizer_names``). Tensors whose
     shape inference cannot give are measured by one onnxruntime run with ``feeds`` (random ones by default)
     unless ``run_for_shapes`` is False (they then count 0 bytes, with a warning).
     """
