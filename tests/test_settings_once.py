@@ -103,6 +103,9 @@ def test_the_python_api_follows_the_same_rules():
     with pytest.raises(ConfigError, match=r"TrainConfig\(lr=\.\.\.\): optimizer.lr has 3 values but the array "
                                           r"has B=2 models"):
         TrainConfig(steps=2, lr=[0.1, 0.2, 0.3]).plan(2)
+    # every field round-trips (as_dict holds the hyper-parameters of other optimizers at their defaults)
+    adam = TrainConfig(steps=2, optimizer="adam", lr=[0.1, 0.2])
+    assert TrainConfig.from_dict(adam.as_dict()) == adam == dataclasses.replace(adam)
     # held-out data: the rules wait for the run to say whether it has eval data
     assert TrainConfig(steps=4, eval_fraction=0.2).plan(2, has_eval=False).eval_fraction == 0.2
     with pytest.raises(ConfigError, match="data.eval and data.eval_fraction are both set"):
@@ -135,9 +138,9 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
             checked.append(value)
         return check_value(p, value, key, *args, **kwargs)
 
-    def counting_parse(cls, text, key="device"):
+    def counting_parse(cls, text, where=""):
         parsed.append(text)
-        return parse(cls, text, key)
+        return parse(cls, text, where)
 
     coefficients = OptimizerConfig.coefficients
 
@@ -193,9 +196,14 @@ def test_a_malformed_device_is_one_message(text, work, capsys):
     with pytest.raises(ConfigError) as e:
         Device.parse(text)
     assert str(e.value) == f"device = {text!r} must be cpu, cuda or cuda:N"
+    said = f"onnxfuse: error: --device: {e.value}"  # the same line from every command that takes --device
     code, _, err = cli(capsys, "train", work / "array", "--data", work / "data.npz", "--steps", 1, "--device",
                        text, "-q")
-    assert code == 2 and one_error_line(err) == f"onnxfuse: error: --device: {e.value}"
+    assert code == 2 and one_error_line(err) == said
+    code, _, err = cli(capsys, "plan", "lenet", "--device", text)
+    assert code == 2 and one_error_line(err) == said
+    code, _, err = cli(capsys, "fuse", work / "jobs", "-o", work / "never", "--strategy", "auto", "--device", text)
+    assert code == 2 and one_error_line(err) == said and not os.path.exists(work / "never")
 
 
 def test_the_device_value():

@@ -468,7 +468,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
     models, Bs = list(models), list(B)
     modes = list(dict.fromkeys(modes))
     _check(models, Bs, modes, batch, steps, rounds, warmup)
-    where = Device.of(device, "--device")
+    where = Device.of(device, "--device: ")
     out = os.fspath(out)
     with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
         cmd = command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)

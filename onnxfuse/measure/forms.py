@@ -195,7 +195,7 @@ def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch
 
     if batch < 1:
         raise ConfigError(f"--batch must be at least 1 for the auto strategy, got {batch}")
-    device = Device.of(device, "--device")
+    device = Device.of(device, "--device: ")
     runtime = resolve_runtime(runtime, device)
     key = _device_key(runtime, device, threads)
     path = cache_path()

@@ -55,6 +55,7 @@ from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core._units import parse_size
 from onnxfuse.core.errors import ConfigError, as_user_error
+from onnxfuse.recipe.device import Device
 
 __all__ = ["ArrayPlan", "PlanRow", "Probe", "MemoryEstimate", "plan_array", "recommend_B", "choose_B",
            "fit_line", "measure_arrays", "estimate_step_memory", "training_weight_factor", "parse_memory",
@@ -102,13 +103,13 @@ def _available_ram() -> int | None:
         return None
 
 
-def default_memory_budget(device: str) -> tuple[int, str]:
+def default_memory_budget(device: Device | str) -> tuple[int, str]:
     """(bytes, where they come from): CUDA: the device's total memory x 0.9; CPU: the RAM available now x 0.8."""
-    kind = device.partition(":")[0]
-    if kind == "cuda":
+    device = Device.of(device)
+    if device.is_cuda:
         import torch
 
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        total = torch.cuda.get_device_properties(device.torch()).total_memory
         return int(total * SAFETY["cuda"]), f"{SAFETY['cuda']:g} x {device}'s {_size(total)}"
     ram = _available_ram()
     if ram is None:
@@ -380,9 +381,9 @@ def _held_bytes(trainer) -> int:
     return sum(a.nbytes for a in trainer.weights().values()) + sum(a.nbytes for a in trainer.optimizer_state().values())
 
 
-def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device: str = "cpu", batch: int = 32,
-                   optimizer: str = "adamw", threads: int = 0, warmup: int = 2, steps: int = 5, rounds: int = 2,
-                   measure_memory: bool = True) -> list[Probe]:
+def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device: Device | str = "cpu",
+                   batch: int = 32, optimizer: str = "adamw", threads: int = 0, warmup: int = 2, steps: int = 5,
+                   rounds: int = 2, measure_memory: bool = True) -> list[Probe]:
     """Fuse B copies of ``model`` for each B in ``Bs``, train each ``warmup`` untimed steps then ``rounds`` x
     ``steps`` timed ones (rounds alternate the arrays' order, so that no array always runs first on a machine whose
     speed drifts), and measure its memory (see the module docstring). The B models share weights: the time and
@@ -395,9 +396,10 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
     from onnxfuse.recipe.optim import make_optimizer
     from onnxfuse.recipe.runtimes import make_trainer, resolve_runtime
 
+    device = Device.of(device)
     runtime = resolve_runtime(runtime, device)
-    cuda = device.partition(":")[0] == "cuda"
-    dev = torch.device(device)
+    cuda = device.is_cuda
+    dev = device.torch()
     built: list[tuple[int, object, float, int | None, int]] = []
     with tempfile.TemporaryDirectory(prefix="onnxfuse-plan-") as folder:
         work = _workload(model, batch, folder)
@@ -523,7 +525,7 @@ def _check_int(flag: str, value, least: int = 1) -> int:
     return int(value)
 
 
-def plan_array(model: str, runtime: str = "auto", device: str = "cpu", batch: int = 32,
+def plan_array(model: str, runtime: str = "auto", device: Device | str = "cpu", batch: int = 32,
                memory_budget: str | int | float | None = None, probe: Sequence[int] = (1, 2, 4), max_B: int = 1024,
                optimizer: str = "adamw", threads: int = 0, warmup: int = 2, steps: int = 5,
                rounds: int = 2) -> ArrayPlan:
@@ -543,8 +545,7 @@ def plan_array(model: str, runtime: str = "auto", device: str = "cpu", batch: in
     probe = sorted({_check_int("--probe", B) for B in probe})
     if len(probe) < 2:
         raise ConfigError(f"--probe needs at least two different array sizes to fit a line, e.g. 1,2,4; got {probe}")
-    if device.partition(":")[0] not in ("cpu", "cuda"):
-        raise ConfigError(f"--device: unknown device '{device}'; use cpu, cuda or cuda:N")
+    device = Device.of(device, "--device: ")
     runtime = resolve_runtime(runtime, device)
     if memory_budget is None:
         budget, budget_source = default_memory_budget(device)
@@ -554,7 +555,7 @@ def plan_array(model: str, runtime: str = "auto", device: str = "cpu", batch: in
     probes = measure_arrays(model, probe, runtime, device, batch, optimizer, threads, warmup, steps, rounds)
     notes = []
     measured = all(p.memory is not None for p in probes)
-    memory_source = ("torch.cuda.max_memory_allocated" if measured and device.startswith("cuda") else
+    memory_source = ("torch.cuda.max_memory_allocated" if measured and device.is_cuda else
                      "torch CPU allocator peak (profiler)" if measured else "estimate from the graph's tensor shapes")
     mem = [p.memory if measured else p.memory_estimate for p in probes]
     Bs = [p.B for p in probes]
@@ -569,7 +570,7 @@ def plan_array(model: str, runtime: str = "auto", device: str = "cpu", batch: in
     if m1 <= 0:
         m1 = max(mem) / max(Bs)  # memory that does not grow with B is noise: grow it as the largest probe's share
         notes.append("the probes' memory did not grow with B; predicted as proportional to B")
-    plan = ArrayPlan(model=model, runtime=runtime, device=device, batch=batch, optimizer=optimizer,
+    plan = ArrayPlan(model=model, runtime=runtime, device=str(device), batch=batch, optimizer=optimizer,
                      memory_budget=budget, budget_source=budget_source, memory_source=memory_source, probes=probes,
                      time_fit=(a, b), memory_fit=(m0, m1), rows=[], recommended_B=0, reason="", notes=notes)
     rows = []

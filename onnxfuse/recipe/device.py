@@ -33,17 +33,18 @@ class Device:
     index: int | None = None
 
     @classmethod
-    def parse(cls, text: object, key: str = "device") -> "Device":
-        """The one parser of a device's text; anything else is one ConfigError line naming ``key``."""
+    def parse(cls, text: object, where: str = "") -> "Device":
+        """The one parser of a device's text; anything else is one ConfigError line, the same wherever it was
+        written (``where`` begins it: ``"--device: "``)."""
         m = _FORM.fullmatch(text) if isinstance(text, str) else None
         if m is None or (m.group(1) == "cpu" and m.group(2) is not None):
-            raise ConfigError(f"{key} = {text!r} must be {DEVICE_TAKES}")
+            raise ConfigError(f"{where}device = {text!r} must be {DEVICE_TAKES}")
         return cls(m.group(1), None if m.group(2) is None else int(m.group(2)))
 
     @classmethod
-    def of(cls, device: "Device | str", key: str = "device") -> "Device":
+    def of(cls, device: "Device | str", where: str = "") -> "Device":
         """``device`` as a Device: one given is used as it is, a string is parsed (the Python API's edge)."""
-        return device if isinstance(device, Device) else cls.parse(device, key)
+        return device if isinstance(device, Device) else cls.parse(device, where)
 
     def __str__(self) -> str:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"

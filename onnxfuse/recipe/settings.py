@@ -560,9 +560,9 @@ def get_dotted(cfg: Mapping, key: str, default: Any = None) -> Any:
 
 def raw_from_flat(flat: Mapping[str, Any], recorded: bool = False) -> dict:
     """``TrainConfig`` settings (by their flat names; None: the default) as a config mapping, for the one
-    validation (:func:`normalize_config`). ``recorded``: a run's recorded settings, whose hyper-parameters that
-    its optimizer does not take are left out (a run before onnxfuse refused them recorded them; they did
-    nothing)."""
+    validation (:func:`normalize_config`). A hyper-parameter the optimizer does not take is left out when it has
+    ``TrainConfig``'s default (``as_dict()`` holds every field), and always when ``recorded``: a run's recorded
+    settings (a run before onnxfuse refused them recorded them; they did nothing)."""
     raw: dict[str, Any] = {}
     kind = flat.get("optimizer") or _RUN["optimizer"].param.default
     takes = {p.name for p in OPTIMIZERS[kind].params} if kind in OPTIMIZERS else None
@@ -580,12 +580,18 @@ def raw_from_flat(flat: Mapping[str, Any], recorded: bool = False) -> dict:
         elif name == "schedule" or name in _RUN:
             set_dotted(raw, raw_key(name), v)
         elif name in hyper:
-            if not (recorded and takes is not None and name not in takes):
+            idle = takes is not None and name not in takes and (recorded or _as_lists(v) == _as_lists(
+                flat_default(name)))
+            if not idle:
                 set_dotted(raw, raw_key(name), v)
         else:
             raise _fail(f"unknown training setting '{name}'; the settings are those of `onnxfuse train --help` "
                         "(TrainConfig's fields)")
     return raw
+
+
+def _as_lists(v: Any) -> Any:
+    return [_as_lists(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
 def raw_to_flat(raw: Mapping) -> dict:

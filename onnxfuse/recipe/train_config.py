@@ -96,6 +96,7 @@ class TrainConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __init__(self, **settings: Any) -> None:
+        settings = {**{k: v for k, v in settings.items() if k != "extra"}, **(settings.get("extra") or {})}
         named = _named(settings, lambda name: f"TrainConfig({name}=...)")
         cfg = normalize_config(raw_from_flat(settings), source="", named=named, with_data=False)
         self._set(settings, cfg, Origins("", named), None)
