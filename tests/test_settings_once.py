@@ -172,7 +172,9 @@ def test_the_plan_is_typed_and_per_model():
     assert all(len(v) == 2 for v in plan.hyper.values())
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.batch_size = 4
-    assert plan.optimizer_config().max_norm == [1.0, float("inf")]  # the coefficient row's form
+    opt = plan.optimizer_config()
+    assert opt.hyper["lr"] is plan.hyper["lr"]  # the plan's own values, not another form of them
+    assert opt.max_norm == [1.0, float("inf")]  # the coefficient row's form of "no clipping"
 
 
 def test_fields_are_declared_and_match_the_table():

@@ -42,8 +42,8 @@ from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, OptimizerSpec, Param, hyper_params, pair, real,
                                       register_optimizer)
 
-__all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "optimizer_config", "OPTIMIZERS", "HYPER_INPUT",
-           "STATE_PREFIX", "StepValues", "register_optimizer"]
+__all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "optimizer_config", "per_model", "OPTIMIZERS",
+           "HYPER_INPUT", "STATE_PREFIX", "StepValues", "register_optimizer"]
 
 HYPER_INPUT = "optim.hyper"
 STATE_PREFIX = "optim."
@@ -243,11 +243,11 @@ OPTIMIZERS = tuple(_REGISTRY)  # the built-in names (the registry, settings.OPTI
 
 @dataclass
 class OptimizerConfig:
-    """One registered optimizer for the array: ``hyper`` holds each of its hyper-parameters as a list with one
-    value per model; the maths is the registration's (``spec``)."""
+    """One registered optimizer for the array: ``hyper`` holds each of its hyper-parameters as a tuple with one
+    value per model (:func:`per_model`); the maths is the registration's (``spec``)."""
 
     kind: str
-    hyper: dict[str, list]
+    hyper: dict[str, tuple]
     # each model's gradient-clipping coefficient: its clip_grad_norm, inf for a model not clipped (the settings'
     # None: min(inf / (norm + 1e-6), 1) = 1 leaves the gradient as it is)
     max_norm: list[float] = field(default_factory=list)
@@ -302,7 +302,7 @@ class OptimizerConfig:
     def select(self, keep: Sequence[int]) -> "OptimizerConfig":
         """The configuration of the models ``keep`` (by position), e.g. after an array shrinks."""
         pick = lambda v: [v[i] for i in keep] if v else v  # noqa: E731
-        return OptimizerConfig(self.kind, {k: pick(v) for k, v in self.hyper.items()}, pick(self.max_norm),
+        return OptimizerConfig(self.kind, {k: tuple(pick(v)) for k, v in self.hyper.items()}, pick(self.max_norm),
                                self.momentum_varies)
 
     # ---- graph side
@@ -386,13 +386,17 @@ class OptimizerConfig:
         return writes, ok
 
 
-def optimizer_config(kind: str, hyper: Mapping[str, Sequence], clip: Sequence[float | None]) -> OptimizerConfig:
-    """The optimizer of an array from validated per-model values (a run's plan): ``hyper`` each hyper-parameter of
-    ``kind`` with one value per model, ``clip`` each model's clip_grad_norm (None: not clipped). Nothing is checked
-    again here."""
-    # a pair (betas) is a tuple whichever way it was given, so two equal configurations compare equal
-    lists = {k: [tuple(x) if isinstance(x, list) else x for x in vals] for k, vals in hyper.items()}
-    return OptimizerConfig(kind, lists, max_norm=[math.inf if c is None else float(c) for c in clip])
+def per_model(values: Sequence) -> tuple:
+    """Validated per-model values as the one form a run keeps them in: a tuple of B, a pair (betas) a tuple too
+    (so that two equal configurations compare equal whichever way they were given)."""
+    return tuple(tuple(x) if isinstance(x, list) else x for x in values)
+
+
+def optimizer_config(kind: str, hyper: Mapping[str, tuple], clip: Sequence[float | None]) -> OptimizerConfig:
+    """The optimizer of an array from validated per-model values (a run's plan, whose tuples it keeps): ``hyper``
+    each hyper-parameter of ``kind`` as :func:`per_model` gives it, ``clip`` each model's clip_grad_norm (None: not
+    clipped). Nothing is checked again here."""
+    return OptimizerConfig(kind, dict(hyper), max_norm=[math.inf if c is None else float(c) for c in clip])
 
 
 def make_optimizer(kind: str, B: int, max_norm=None, **hyper) -> OptimizerConfig:
@@ -412,4 +416,4 @@ def make_optimizer(kind: str, B: int, max_norm=None, **hyper) -> OptimizerConfig
     raw = {"steps": 1, "optimizer": {"name": kind, **given}, "clip_grad_norm": max_norm}
     cfg = expand_per_model(normalize_config(raw, source="", named=named, with_data=False), B, Origins("", named))
     opt = cfg["optimizer"]
-    return optimizer_config(kind, {k: v for k, v in opt.items() if k != "name"}, cfg["clip_grad_norm"])
+    return optimizer_config(kind, {k: per_model(v) for k, v in opt.items() if k != "name"}, cfg["clip_grad_norm"])

@@ -29,7 +29,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.config import array_size, expand_per_model, read_config_file
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec, get_loss
-from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config
+from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config, per_model
 from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, check_held_out, flag_of, flat_default, flat_settings,
                                       hyper_params, merge_raw, normalize_config, raw_from_flat, raw_key)
 
@@ -257,9 +257,8 @@ class RunPlan:
         run = {s.name: flat[s.name] for s in RUN_SETTINGS if s.name not in ("clip_grad_norm", "halving", "device")}
         opt = cfg["optimizer"]
         return cls(B=B, **run, loss_options={k: v for k, v in cfg["loss"].items() if k != "name"},
-                   hyper={k: tuple(tuple(x) if isinstance(x, list) else x for x in v)  # a pair is a tuple too
-                          for k, v in opt.items() if k != "name"},
-                   clip_grad_norm=tuple(cfg["clip_grad_norm"]), schedules=tuple(cfg["schedule"]),
+                   hyper={k: per_model(v) for k, v in opt.items() if k != "name"},
+                   clip_grad_norm=per_model(cfg["clip_grad_norm"]), schedules=tuple(cfg["schedule"]),
                    models=tuple(cfg["models"]), halving=tuple(cfg["halving"]), device=cfg["device"],
                    record=dict(record))
 
