@@ -16,11 +16,11 @@ import os
 import socket
 import tarfile
 import tempfile
-import time
 from typing import Callable
 
 import numpy as np
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.array import ArrayDir, model_file, model_weights_file
 from onnxfuse.training.run import METRICS_HEADER
 from onnxfuse.sweep.folder import TRIAL_ONNX, TRIAL_WEIGHTS
@@ -125,11 +125,11 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     from onnxfuse.training.run import TrainingStopped
 
     where = node_of_this_process()
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     last = [0.0]
 
     def tell(step: int, total: int) -> None:
-        now = time.perf_counter()
+        now = watch.seconds
         if report is not None and (step in (0, total) or now - last[0] > 0.5):
             last[0] = now
             try:
@@ -188,7 +188,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
                 "files": files}
         if seg.get("until") is not None:
             out["state"] = _pack(array_dir)
-    out["elapsed_s"] = time.perf_counter() - t0
+    out["elapsed_s"] = watch.seconds
     tell(out["steps"], out["steps"])
     return out
 

@@ -65,13 +65,13 @@ the check.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import onnx
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import VerificationError
 from onnxfuse.core.weights import ArraySpec, pack_weights, unpack_weight
 
@@ -436,7 +436,7 @@ def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
     weights); its trainer is built here, with :func:`reference_optimizer`. ``trainer`` is left exactly as it was
     (weights, optimizer state, step count), so a run verified this way goes on bit for bit as one that was not.
     """
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     spec = trainer.spec
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")} | (
         {LABELS} if trainer.loss.per_model_labels else set())
@@ -453,4 +453,4 @@ def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
     finally:
         trainer.load({**saved[0], **saved[1]})
         trainer.steps = saved_steps
-    return VerifyReport(len(batches), checks, time.perf_counter() - t0)
+    return VerifyReport(len(batches), checks, watch.seconds)
