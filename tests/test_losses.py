@@ -288,7 +288,8 @@ def test_cli_loss_flags_with_per_model_data(cli_array, capsys):
                                   ignore_index=7).item()
         assert abs(float(rows[b]["loss"]) - ref) < 1e-5, (b, rows[b], ref)
     state = json.load(open(d / "array" / "trained" / "train_state.json"))
-    assert state["config"]["loss_options"] == {"label_smoothing": 0.1, "ignore_index": 7}
+    # recorded as a config file records them: every loss option, the defaults filled in
+    assert state["config"]["loss_options"] == {"label_smoothing": 0.1, "ignore_index": 7, "class_axis": 1}
     assert state["config"]["per_model_labels"] is True
 
 
