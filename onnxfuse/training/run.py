@@ -30,13 +30,13 @@ import logging
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 import onnx
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, OutOfMemoryError, OutputError, TrainingStoppedError,
@@ -103,7 +103,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
     checked with Dropout off, in a trainer of its own."""
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     dropout_off = has_random_dropout(fused)
     if trainer is None or dropout_off:
         opt, _ = optimizer_and_schedules(config, spec.B, total)
@@ -113,7 +113,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     batches, values = _first_steps(ds, sampler, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
     # the time includes the reference's fusion and, with Dropout, the check's own trainer
-    return replace(report, seconds=time.perf_counter() - t0, dropout_off=dropout_off)
+    return replace(report, seconds=watch.seconds, dropout_off=dropout_off)
 
 
 def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None,
@@ -217,7 +217,7 @@ class _Loop:
         self.run, self.p, self.record, self.elapsed0 = run, p, record, elapsed0
         self.metrics = Metrics(run.array.metrics_path, record["id"], run.step) if resumed else None
         self.samples, self.stopped, self.elapsed = 0, None, 0.0
-        self.t0 = time.perf_counter() - elapsed0
+        self.watch = Stopwatch()  # this process's part of the run; elapsed0 before it
 
     def train(self, stop_at: int | None, progress: bool, on_step: Callable[[int, int], None] | None) -> None:
         from tqdm import tqdm
@@ -233,10 +233,10 @@ class _Loop:
                 if on_step is not None:
                     on_step(run.step, total)
             if self.p.eval is not None and run.last_eval_step != run.step:
-                evaluate(run, self.p.eval, self.metrics, time.perf_counter() - self.t0)
+                evaluate(run, self.p.eval, self.metrics, self._elapsed())
             if stop_at is not None and not self.stopped and run.step < total and \
                     not os.path.isdir(run.array.checkpoint_path(run.step)):  # where a resumed run continues
-                write_checkpoint(run, self.p.sampler, time.perf_counter() - self.t0)
+                write_checkpoint(run, self.p.sampler, self._elapsed())
         except Exception as e:
             user = _as_run_error(e, run.array_dir, self.record["id"], self.metrics is not None)
             if user is None:
@@ -246,7 +246,7 @@ class _Loop:
             bar.close()
             if self.metrics is not None:
                 self.metrics.close()
-        self.elapsed = time.perf_counter() - self.t0
+        self.elapsed = self._elapsed()
 
     def _step(self) -> bool:
         """One step and what follows it; False when the run stops here (a model diverged, --on-diverge stop)."""
@@ -264,7 +264,7 @@ class _Loop:
         self.samples += len(run.models) * config.batch_size
         run.last_loss = losses
         events = mark_diverged(run, run.trainer.last_ok, losses)
-        el = time.perf_counter() - self.t0
+        el = self._elapsed()
         if run.step % config.log_every == 0 or run.step == self.p.total or events:
             self.metrics.write([{"step": run.step, "model": b, "split": "train", "loss": fmt(losses[i]),
                                  "accuracy": "", "lr": fmt(values.lr[i]), "elapsed_s": f"{el:.4f}",
@@ -282,10 +282,14 @@ class _Loop:
             write_checkpoint(run, sampler, el)
         return True
 
+    def _elapsed(self) -> float:
+        """Seconds of the run so far, a resumed run's earlier ones included."""
+        return self.elapsed0 + self.watch.seconds
+
     def _postfix(self) -> str:
         run = self.run
         finite = run.last_loss[np.isfinite(run.last_loss)]
-        rate = self.samples / max(time.perf_counter() - self.t0 - self.elapsed0, 1e-9)
+        rate = self.samples / max(self.watch.seconds, 1e-9)
         return ((f"loss best {finite.min():.4g} worst {finite.max():.4g} | " if finite.size else "")
                 + f"{rate:,.0f} samples/s" + (f" | {len(run.status)} stopped" if run.status else ""))
 
