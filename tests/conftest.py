@@ -171,3 +171,20 @@ def in_tmpfs(script: str, mount: str, options: str, **env) -> subprocess.Complet
     full = f'mount -t tmpfs -o {options} tmpfs "{mount}" || exit 99\n{script}'
     return subprocess.run(["unshare", "-rm", "sh", "-ec", full], capture_output=True, text=True,
                           env={**os.environ, **{k: str(v) for k, v in env.items()}})
+
+
+def fresh_copy(template, tmp_path):
+    """A test's own copy of a module's prepared folder (its array, jobs and data.npz), so no test sees another's."""
+    for name in ("array", "jobs"):
+        shutil.copytree(template / name, tmp_path / name)
+    shutil.copy(template / "data.npz", tmp_path / "data.npz")
+    return tmp_path
+
+
+def write_spec(folder, raw) -> str:
+    """A sweep spec ``raw`` written as folder/spec.yaml."""
+    import yaml
+
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)

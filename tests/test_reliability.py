@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import EXE, cli, export_all, have_userns, in_tmpfs, make_modules, one_error_line, snapshot
+from conftest import (EXE, cli, export_all, fresh_copy, have_userns, in_tmpfs, make_modules, one_error_line,
+                      snapshot)
 from onnxfuse import fuse_models, save_array
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -93,10 +94,7 @@ def template(tmp_path_factory):
 
 @pytest.fixture
 def work(template, tmp_path):
-    for name in ("array", "jobs"):
-        shutil.copytree(template / name, tmp_path / name)
-    shutil.copy(template / "data.npz", tmp_path / "data.npz")
-    return tmp_path
+    return fresh_copy(template, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ 1. run identity

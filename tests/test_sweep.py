@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from onnxfuse.core.errors import ConfigError, InputFileError
 from onnxfuse.exporters import zoo
@@ -23,7 +22,7 @@ from onnxfuse.sweep import parse_spec, run_sweep
 from onnxfuse.sweep.planning import array_sizes, plan_sweep
 from onnxfuse.sweep.folder import SweepDir
 
-from conftest import rel_err
+from conftest import rel_err, write_spec
 
 SHAPE = [8, 3, 4, 4]  # zoo.MLP(in_features=48)
 LRS = [0.02, 0.005, 0.001]
@@ -44,12 +43,6 @@ def base_spec(folder, steps=8, **over) -> dict:
            "eval_every": 4}
     raw.update(over)
     return raw
-
-
-def write_spec(folder, raw) -> str:
-    path = folder / "spec.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
 
 
 def rows(path) -> list[dict]:

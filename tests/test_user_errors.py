@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import cli, export_all, make_modules, one_error_line, snapshot
+from conftest import cli, export_all, fresh_copy, make_modules, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
 from onnxfuse.cli.main import main
 
@@ -32,10 +32,7 @@ def template(tmp_path_factory):
 
 @pytest.fixture
 def work(template, tmp_path):
-    for name in ("array", "jobs"):
-        shutil.copytree(template / name, tmp_path / name)
-    shutil.copy(template / "data.npz", tmp_path / "data.npz")
-    return tmp_path
+    return fresh_copy(template, tmp_path)
 
 
 def _edit(path, change) -> str:

@@ -18,9 +18,8 @@ import subprocess
 
 import numpy as np
 import pytest
-import yaml
 
-from conftest import EXE, cli, have_userns, in_tmpfs, one_error_line
+from conftest import EXE, cli, have_userns, in_tmpfs, one_error_line, write_spec
 
 SHAPE = [8, 3, 4, 4]  # zoo.MLP(in_features=48)
 
@@ -40,12 +39,6 @@ def base_spec(folder, **over) -> dict:
            "optimizer": {"name": "adamw"}, "steps": 2, "batch_size": 16}
     raw.update(over)
     return raw
-
-
-def write_spec(folder, raw) -> str:
-    path = folder / "spec.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
 
 
 def random_search(**space) -> dict:
