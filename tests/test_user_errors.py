@@ -261,19 +261,15 @@ def _case(name: str, work) -> tuple[list, "str | None"]:
             "fuse only models that are the same graph up to weight values"
     if name == "UnsupportedOpError":
         return ["fuse", _det_model(work / "det.onnx"), work / "det.onnx", "--strict", "-o", work / "f"], "'Det'"
-    if name == "UnsupportedTorchOpError":
+    if name in ("UnsupportedTorchOpError", "UntrainableOpError"):  # an op the runtime cannot train: Det
+        runtime, said = ("torch", "no torch kernel") if name == "UnsupportedTorchOpError" else ("ort", "Det")
+        if runtime == "ort":
+            pytest.importorskip("onnxruntime.training")
         assert main(["fuse", str(_det_model(work / "det.onnx")), str(work / "det.onnx"), "-o", str(work / "d"),
                      "--overwrite"]) == 0
         np.savez(work / "det.npz", x=np.ones((8, 4, 4), np.float32), labels=np.ones(8, np.float32))
         return ["train", work / "d", "--data", work / "det.npz", "--loss", "mse", "--batch-size", 4, "--steps", 1,
-                "--runtime", "torch", "-q"], "no torch kernel"
-    if name == "UntrainableOpError":
-        pytest.importorskip("onnxruntime.training")
-        assert main(["fuse", str(_det_model(work / "det.onnx")), str(work / "det.onnx"), "-o", str(work / "d"),
-                     "--overwrite"]) == 0
-        np.savez(work / "det.npz", x=np.ones((8, 4, 4), np.float32), labels=np.ones(8, np.float32))
-        return ["train", work / "d", "--data", work / "det.npz", "--loss", "mse", "--batch-size", 4, "--steps", 1,
-                "--runtime", "ort", "-q"], "Det"
+                "--runtime", runtime, "-q"], said
     if name == "DataError":
         np.savez(work / "bad.npz", image=np.zeros((16,) + SHAPE[1:], np.float32), labels=np.zeros(16, np.int64))
         return [*train[:3], work / "bad.npz", *train[4:]], "has no array 'input'"
