@@ -18,17 +18,32 @@ from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import (ConfigError, DataError, InputFileError, NotFusibleError, OnnxFuseError,
                                   UnsupportedOpError)
 from onnxfuse.core.layout import SHARED, Layout, packed, stacked
-from onnxfuse.core.passes import FusedArray, fuse_models, save_array
+from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
 from onnxfuse.core.rules import supported_ops
 from onnxfuse.core.weights import ArraySpec, FusedWeight, WeightSlot, pack_weights, unpack_weight
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "fuse_models", "save_array", "FusedArray", "ArrayDir", "ArraySpec", "FusedWeight", "WeightSlot", "pack_weights",
+    "fuse", "FusedArray", "optim", "fuse_models", "save_array", "FusedGraph", "ArrayDir", "ArraySpec", "FusedWeight", "WeightSlot", "pack_weights",
     "unpack_weight", "Layout", "SHARED", "stacked", "packed", "supported_ops",
     "OnnxFuseError", "InputFileError", "NotFusibleError", "UnsupportedOpError", "ConfigError", "DataError",
 ]
+
+# The PyTorch face, imported when first used (``import onnxfuse`` stays free of torch): ``onnxfuse.fuse`` and
+# ``onnxfuse.FusedArray`` (the array as a torch module), ``onnxfuse.optim`` (its per-model optimizers).
+_TORCH_FACE = {"fuse": ("onnxfuse.runtime.array_module", "fuse"),
+               "FusedArray": ("onnxfuse.runtime.array_module", "FusedArray"),
+               "optim": ("onnxfuse.runtime.torch_optim", None)}
+
+
+def __getattr__(name: str):
+    if name not in _TORCH_FACE:
+        raise AttributeError(f"module 'onnxfuse' has no attribute '{name}'")
+    module, attr = _TORCH_FACE[name]
+    value = importlib.import_module(module)
+    return value if attr is None else getattr(value, attr)
+
 
 # Import paths of the flat layout before the layer folders (0.1.0), each the module it now is.
 MOVED = {f"onnxfuse.{m}": f"onnxfuse.core.{m}" for m in (
@@ -46,6 +61,7 @@ MOVED = {f"onnxfuse.{m}": f"onnxfuse.core.{m}" for m in (
     "onnxfuse.sweep.report": "onnxfuse.sweep.results",
     "onnxfuse.sweep.layout": "onnxfuse.sweep.folder",
     "onnxfuse.placement.report": "onnxfuse.placement.result",
+    "onnxfuse.optim": "onnxfuse.runtime.torch_optim",  # not moved: the public name of the per-model optimizers
 } | {f"onnxfuse.training.{m}": f"onnxfuse.measure.{m}" for m in (
     "bench", "bench_ort", "forms", "hfta_models", "workloads")}
 

@@ -22,7 +22,7 @@ from onnxfuse.core.rules import RULES
 from onnxfuse.core.source import SourceModel, load_source, resolve_static_pass
 from onnxfuse.core.weights import ArraySpec
 
-__all__ = ["FusedArray", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
+__all__ = ["FusedGraph", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
            "check_pass", "FORMS", "fixed_strategy"]
 
 # Every fused form some rule offers (``Rule.forms``), e.g. "grouped", "per-model": the names a fixed strategy takes.
@@ -37,7 +37,7 @@ def fixed_strategy(form: str) -> Strategy:
 
 
 @dataclass
-class FusedArray:
+class FusedGraph:
     model: onnx.ModelProto
     spec: ArraySpec
     sources: list[SourceModel]
@@ -58,7 +58,7 @@ def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None,
                 strict: bool = False, per_model_inputs: Sequence[str] = (),
-                strategy: str | Strategy | None = None) -> FusedArray:
+                strategy: str | Strategy | None = None) -> FusedGraph:
     """Fuse B models that are the same graph up to weights into one horizontally fused model.
 
     ``per_model_inputs`` names graph inputs that differ per model: the fused graph takes them as [B, ...].
@@ -105,7 +105,7 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         extra_state=[dict(s.meta.get("extra_state", {})) for s in sources],
         summary=summary,
     )
-    return FusedArray(model=model, spec=spec, sources=sources)
+    return FusedGraph(model=model, spec=spec, sources=sources)
 
 
 def _labels(models) -> list[str]:
@@ -125,7 +125,7 @@ def _strip_weights(src: SourceModel) -> onnx.ModelProto:
     return m
 
 
-def save_array(fa: FusedArray, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
+def save_array(fa: FusedGraph, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
     """Write the array folder (:class:`onnxfuse.core.array.ArrayDir`): the fused graph, its spec and the weightless
     source graphs, atomically. With ``overwrite``, an array folder there is replaced as a whole (its runs too),
     holding its lock."""

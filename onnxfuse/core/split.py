@@ -55,7 +55,8 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
     ``spec.extra_state`` are state that is not a graph initializer: ``alias`` of another key (tied weights: the
     trained value of the key it aliases, copied), ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the
     number of training steps, as torch does once per training forward) and ``constant`` (its value at export time).
-    Arrays made before aliases were recorded carry tied weights as constants (their export-time value)."""
+    Arrays made before aliases were recorded carry tied weights as constants (their export-time value).
+    ``fused`` may hold torch tensors: the unpacked weights are then torch tensors too (the extra state stays numpy)."""
     per_model = list(steps) if isinstance(steps, (list, tuple)) else [steps] * spec.B
     out = []
     for b in range(spec.B):
@@ -73,7 +74,7 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
             if of not in state:
                 raise InputFileError(f"{spec.sources[b]}: state_dict entry '{key}' is an alias of '{of}', which the "
                                      "array does not hold; re-export the model and re-run `onnxfuse fuse`")
-            state[key] = state[of].copy()
+            state[key] = state[of].clone() if hasattr(state[of], "clone") else state[of].copy()
         out.append(state)
     return out
 

@@ -41,10 +41,14 @@ class WeightSlot:
         t = np.transpose(w, self.perm) if self.perm is not None else w
         return np.reshape(t, self.block_shape)
 
-    def from_block(self, block: np.ndarray, orig_shape: Sequence[int]) -> np.ndarray:
+    def from_block(self, block, orig_shape: Sequence[int]):
+        """The original tensor from its block: a numpy array, or a torch tensor (a view where torch can give one),
+        by the methods both have."""
         if self.perm is None:
-            return np.reshape(block, orig_shape)
-        return np.transpose(np.reshape(block, self.transposed_shape(orig_shape)), np.argsort(self.perm))
+            return block.reshape(tuple(orig_shape))
+        inverse = tuple(int(k) for k in np.argsort(self.perm))
+        t = block.reshape(tuple(self.transposed_shape(orig_shape)))
+        return t.permute(inverse) if hasattr(t, "permute") else t.transpose(inverse)
 
     def transposed_shape(self, orig_shape: Sequence[int]) -> list[int]:
         """The original shape after ``perm`` (what the block is a reshape of)."""
@@ -105,9 +109,11 @@ def pack_weights(slot: WeightSlot, arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([slot.to_block(w) for w in arrays], axis=0))
 
 
-def unpack_weight(fw: FusedWeight, fused: np.ndarray, b: int) -> np.ndarray:
-    """Model b's original tensor from the fused one (exact inverse of :func:`pack_weights`)."""
-    return np.ascontiguousarray(fw.slot.from_block(fw.block(fused, b), fw.orig_shape))
+def unpack_weight(fw: FusedWeight, fused, b: int):
+    """Model b's original tensor from the fused one (exact inverse of :func:`pack_weights`), contiguous: a numpy
+    array from a numpy array, a torch tensor of its own on the same device from a torch tensor."""
+    t = fw.slot.from_block(fw.block(fused, b), fw.orig_shape)
+    return t.clone().contiguous() if hasattr(t, "clone") else np.ascontiguousarray(t)
 
 
 def relayout(src: WeightSlot, dst: WeightSlot, orig_shape: Sequence[int], B: int) -> list[tuple[str, list[int]]]:

@@ -105,7 +105,7 @@ def _state_metadata(module: torch.nn.Module, graph_inits: set[str]) -> dict:
 
 def export_module(
     module: torch.nn.Module,
-    path: str | os.PathLike,
+    path: str | os.PathLike | None,
     input_shape: Sequence[int] | None = None,
     example_inputs: tuple | None = None,
     input_names: Sequence[str] = ("input",),
@@ -113,7 +113,7 @@ def export_module(
     opset: int = DEFAULT_OPSET,
     dynamic_batch: bool = True,
 ) -> onnx.ModelProto:
-    """Export ``module`` in training mode to ``path``; returns the ModelProto.
+    """Export ``module`` in training mode to ``path`` (None: in memory only, no file); returns the ModelProto.
 
     The batch dimension (dim 0 of every input and output) is symbolic ``N`` unless ``dynamic_batch=False``.
     Exporting runs one training forward, which moves BatchNorm running statistics: the module's state_dict is
@@ -153,7 +153,8 @@ def export_module(
     meta = _state_metadata(module, {i.name for i in proto.graph.initializer})
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(meta))
     proto.ir_version = min(proto.ir_version, 10)
-    onnx.save(proto, os.fspath(path))
+    if path is not None:
+        onnx.save(proto, os.fspath(path))
     return proto
 
 

@@ -304,7 +304,7 @@ def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: d
     buffers from parameters), every activation is kept for the whole step and no optimizer update is counted."""
     from onnxfuse.runtime.ort_artifacts import add_loss_pass
     from onnxfuse.recipe.runtimes import parameter_names
-    from onnxfuse.runtime.torch_runtime import update_graph
+    from onnxfuse.runtime.torch_optim import update_graph
 
     trainable, buffers = parameter_names(spec)
     weights = {t.name: t for t in fused.graph.initializer}

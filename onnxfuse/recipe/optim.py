@@ -43,7 +43,8 @@ from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, OptimizerSp
                                       register_optimizer)
 
 __all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "optimizer_config", "per_model", "OPTIMIZERS",
-           "HYPER_INPUT", "STATE_PREFIX", "StepValues", "register_optimizer"]
+           "HYPER_INPUT", "STATE_PREFIX", "StepValues", "register_optimizer", "append_clip", "flat_models",
+           "unflat_models"]
 
 HYPER_INPUT = "optim.hyper"
 STATE_PREFIX = "optim."
@@ -346,16 +347,9 @@ class OptimizerConfig:
         row = {name: gb.one("Gather", [hyper, gb.const(k, np.int64, "row")], axis=0)
                for k, name in enumerate(self.rows())}
         writes: list[tuple[str, str]] = []
-
-        def flat(names: list[str]) -> str:
-            views = [gb.one("Reshape", [n, view]) for n in names]
-            return views[0] if len(views) == 1 else gb.one("Concat", views, axis=1)
-
-        P, G = flat([p for p, _, _ in params]), flat([g for _, g, _ in params])
-        if self.clips:  # clip_grad_norm_: scale each model's whole gradient to at most its max_norm
-            norm = gb.one("Sqrt", [gb.reduce("ReduceSum", gb.one("Mul", [G, G]), [1], keepdims=1)])
-            coef = gb.one("Div", [row["max_norm"], gb.one("Add", [norm, gb.const(1e-6)])])
-            G = gb.one("Mul", [G, gb.one("Min", [coef, gb.const(1.0)])])
+        P, G = flat_models(gb, [p for p, _, _ in params], B), flat_models(gb, [g for _, g, _ in params], B)
+        if self.clips:
+            G, _ = append_clip(gb, G, row["max_norm"])
         Pn, news = self.spec.emit(gb, P, G, row, self)  # news: (state buffer, its new value)
         # ok[b]: model b is active and its loss, gradient and new parameters are finite. A non-finite gradient
         # element reaches the new parameters in every update above (even at lr 0: 0 * NaN = NaN), and a sum is
@@ -374,16 +368,37 @@ class OptimizerConfig:
         for buf, new in news:
             writes.append((buf, gb.one("Where", [ok, new, buf])))
         Pn = gb.one("Where", [ok, Pn, P])
-        sizes = [int(np.prod(shape)) // B for _, _, shape in params]
-        pieces = [Pn] if len(params) == 1 else gb.emit("Split", [Pn, gb.const(sizes, np.int64, "sizes")],
-                                                       len(params), axis=1)
-        for (p, _, shape), piece in zip(params, pieces):
-            writes.append((p, gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")])))
+        writes += zip([p for p, _, _ in params], unflat_models(gb, Pn, [shape for _, _, shape in params], B))
         # running statistics are model-major too ([B*C] = [B, C]): a model whose step is rejected keeps its own
         for stat, value in buffers:
             kept = gb.one("Where", [ok, gb.one("Reshape", [value, view]), gb.one("Reshape", [stat, view])])
             writes.append((stat, gb.one("Reshape", [kept, gb.one("Shape", [stat])])))
         return writes, ok
+
+
+def flat_models(gb: GraphBuilder, names: Sequence[str], B: int) -> str:
+    """The model-major tensors ``names`` as one ``[B, P]`` matrix: each viewed as ``[B, -1]``, concatenated."""
+    view = gb.const([B, -1], np.int64, "model_view")
+    views = [gb.one("Reshape", [n, view]) for n in names]
+    return views[0] if len(views) == 1 else gb.one("Concat", views, axis=1)
+
+
+def unflat_models(gb: GraphBuilder, flat: str, shapes: Sequence[Sequence[int]], B: int) -> list[str]:
+    """The inverse of :func:`flat_models`: each tensor's columns of ``flat``, in its fused shape."""
+    sizes = [int(np.prod(shape)) // B for shape in shapes]
+    pieces = [flat] if len(shapes) == 1 else gb.emit("Split", [flat, gb.const(sizes, np.int64, "sizes")],
+                                                     len(shapes), axis=1)
+    return [gb.one("Reshape", [piece, gb.const(list(shape), np.int64, "shape")]) for shape, piece in zip(shapes, pieces)]
+
+
+def append_clip(gb: GraphBuilder, G: str, max_norm: str) -> tuple[str, str]:
+    """torch's ``clip_grad_norm_`` per model on the flat gradients ``G`` [B, P]: each model's whole gradient scaled
+    to at most its ``max_norm`` [B, 1] (inf: unchanged), ``g * min(max_norm / (||g|| + 1e-6), 1)``. Returns the
+    clipped gradients and each model's norm before clipping [B, 1]. The one implementation of clipping: the update
+    graph and ``onnxfuse.optim.clip_grad_norm_`` both append it."""
+    norm = gb.one("Sqrt", [gb.reduce("ReduceSum", gb.one("Mul", [G, G]), [1], keepdims=1)])
+    coef = gb.one("Div", [max_norm, gb.one("Add", [norm, gb.const(1e-6)])])
+    return gb.one("Mul", [G, gb.one("Min", [coef, gb.const(1.0)])]), norm
 
 
 def per_model(values: Sequence) -> tuple:

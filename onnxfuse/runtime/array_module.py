@@ -1,0 +1,258 @@
+"""The fused array as a ``torch.nn.Module``, for a PyTorch user's own training loop.
+
+    arr = onnxfuse.fuse([net_0, net_1, net_2], torch.randn(1, 1, 8, 8))   # export, check, fuse: no file written
+    out = arr(x)                           # [B, N, ...]: model b's output is out[b]
+    losses = F.cross_entropy(out.flatten(0, 1), y.repeat(3), reduction="none").view(3, -1).mean(1)
+    losses.sum().backward()                # each model's gradient is its own (the models share no weight)
+    opt = onnxfuse.optim.AdamW(arr, lr=[1e-3, 3e-4, 1e-4]); opt.step()
+    arr.load_into([net_0, net_1, net_2])   # or arr.state_dicts(): B torch state_dicts, strict=True
+
+``fuse`` runs the pipeline the CLI runs (``export_module`` in memory, ``fuse_models``: the identity check and the
+fusion, with their errors), then converts the fused graph with ``torch_graph.OnnxModule``: the fused weights are
+this module's parameters and buffers (``arr.parameters()``: one tensor per fused weight, model-major, every model's
+block in it; see ``onnxfuse.core.weights``). ``arr(*inputs)`` takes the graph inputs in order (or by name): a
+shared input as one model takes it, a per-model input (``per_model_inputs``) with a leading model axis ``[B, ...]``;
+it returns each graph output stacked, ``[B, ...]`` (one output: a tensor; several: a tuple). ``train()`` and
+``eval()`` switch BatchNorm and Dropout as torch modules do (BatchNorm's running statistics update in place during
+a training forward, each model's own), ``.to(device)`` moves everything, and ``torch.compile(arr)`` compiles the
+interpreter's program.
+
+The run loop's trainer (``torch_runtime.TorchTrainer``) is built on this module and ``onnxfuse.optim``: it runs
+other programs over the same state (:meth:`FusedArray.program`: the fused graph with its loss, BatchNorm
+statistics returned rather than written) so that one set of tensors is what the user's loop and ``onnxfuse train``
+both train.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from onnxfuse.core._opset import onnx_opset
+from onnxfuse.core.errors import ConfigError, DataError
+from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
+from onnxfuse.core.split import split_weights
+from onnxfuse.exporters.torch_export import DEFAULT_OPSET, export_module
+from onnxfuse.runtime.ort_artifacts import weights_as_inputs_pass
+from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
+
+__all__ = ["FusedArray", "fuse", "ArrayProgram"]
+
+
+class ArrayProgram(torch.nn.Module):
+    """Another graph over a FusedArray's weights (the fused graph with a loss, say), which reads them as inputs:
+    ``program(**feeds)`` runs it with the array's current parameters and buffers, so autograd reaches them."""
+
+    def __init__(self, array: "FusedArray", model: onnx.ModelProto, outputs: Sequence[str] | None,
+                 options: TorchOptions | None):
+        super().__init__()
+        object.__setattr__(self, "_array", array)  # not a submodule: the array's state is the array's
+        self.held = array.param_names + array.buffer_names
+        self.onnx = OnnxModule(weights_as_inputs_pass(copy.deepcopy(model), self.held), trainable=[], buffers=[],
+                               outputs=outputs, options=options).to(array.device)
+
+    def forward(self, **feeds) -> tuple:
+        return self.onnx(**feeds, **self._array.onnx_state())
+
+
+class FusedArray(torch.nn.Module):
+    """B same-architecture models as one torch module (see the module docstring). Made by :func:`fuse`, or from a
+    :class:`~onnxfuse.core.passes.FusedGraph` (what ``fuse_models`` returns)."""
+
+    def __init__(self, graph: FusedGraph):
+        super().__init__()
+        self.spec = graph.spec
+        self.B = graph.spec.B
+        self._graph, self._sources = graph.model, list(graph.sources)
+        self.opset = onnx_opset(graph.model)
+        self.trainable, self.buffer_names = graph.spec.parameter_names()
+        self.param_names = list(self.trainable)
+        self.module = OnnxModule.from_array(graph.model, graph.spec)
+        self.input_names = [i["name"] for i in graph.spec.inputs]
+        self.per_model_inputs = [i["name"] for i in graph.spec.inputs if i.get("per_model")]
+        self.output_names = [o["name"] for o in graph.spec.outputs]
+        # training forwards so far: what BatchNorm's num_batches_tracked counts (state_dicts advance it by this)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+
+    # ---- the weights by fused name
+    @property
+    def device(self) -> torch.device:
+        return self.forwards.device
+
+    def parameter(self, name: str) -> torch.nn.Parameter:
+        """The fused parameter ``name`` (a fused weight of ``spec``)."""
+        return self.module.parameter(name)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.module.buffer(name)
+
+    def onnx_state(self) -> dict[str, torch.Tensor]:
+        """Every fused parameter and buffer by its fused name."""
+        return self.module.onnx_state()
+
+    # ---- running
+    def forward(self, *inputs, **named):
+        if len(inputs) > len(self.input_names):
+            raise TypeError(f"the array takes {len(self.input_names)} input(s) ({', '.join(self.input_names)}), "
+                            f"got {len(inputs)}")
+        feeds = dict(zip(self.input_names, inputs))
+        for name, value in named.items():
+            if name not in self.input_names:
+                raise TypeError(f"the array has no input '{name}'; its inputs: {', '.join(self.input_names)}")
+            feeds[name] = value
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise TypeError(f"missing input '{missing[0]}'; the array takes {', '.join(self.input_names)}")
+        for name in self.per_model_inputs:
+            x = feeds[name]
+            if x.dim() == 0 or x.shape[0] != self.B:
+                raise DataError(f"input '{name}' is per model: it needs a leading model axis of B={self.B}, "
+                                f"got shape {list(x.shape)}")
+        if self.training:
+            self.forwards.add_(1)
+        out = self.module(**feeds)
+        return out[0] if len(out) == 1 else out
+
+    def program(self, model: onnx.ModelProto, outputs: Sequence[str] | None = None,
+                options: TorchOptions | None = None) -> ArrayProgram:
+        """``model`` (a graph over this array's fused weights: the fused graph with passes applied) run with this
+        array's tensors as its weights."""
+        return ArrayProgram(self, model, outputs, options)
+
+    # ---- per-model state
+    @torch.no_grad()
+    def state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """B state_dicts of torch tensors on the array's device, every key the source module has (``split``'s),
+        for ``module.load_state_dict(sd, strict=True)``: trained weights unpacked, BatchNorm's
+        ``num_batches_tracked`` advanced by the training forwards, other state as exported."""
+        fused = {n: t.detach() for n, t in self.onnx_state().items()}
+        device = self.device
+        dicts = split_weights(self.spec, fused, int(self.forwards))
+        return [{k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)).to(device)
+                 for k, v in d.items()} for d in dicts]
+
+    def load_into(self, modules: Sequence[torch.nn.Module]) -> None:
+        """Copy each model's state into ``modules[b]`` (``load_state_dict(strict=True)``)."""
+        modules = list(modules)
+        if len(modules) != self.B:
+            raise ConfigError(f"load_into: {len(modules)} modules for an array of B={self.B} models")
+        for b, (m, sd) in enumerate(zip(modules, self.state_dicts())):
+            try:
+                m.load_state_dict(sd, strict=True)
+            except RuntimeError as e:
+                first = " ".join(str(e).split())[:300]
+                raise ConfigError(f"load_into: module {b} ({type(m).__name__}) is not model {b}'s architecture: "
+                                  f"{first}") from e
+
+    def save(self, out_dir: str | os.PathLike, overwrite: bool = False) -> str:
+        """Write an array folder (``onnxfuse fuse``'s) holding the array as it is now: the CLI trains, splits and
+        sweeps it from these weights (``onnxfuse train DIR``). The optimizer's state is not part of it."""
+        if not self._sources:
+            raise ConfigError("this FusedArray has no source graphs to save (it was made from a FusedGraph without "
+                              "them); make it with onnxfuse.fuse")
+        model = copy.deepcopy(self._graph)
+        state = {n: t.detach().cpu().numpy() for n, t in self.onnx_state().items()}
+        for init in model.graph.initializer:
+            if init.name in state:
+                init.CopyFrom(numpy_helper.from_array(state[init.name].astype(
+                    numpy_helper.to_array(init).dtype, copy=False), init.name))
+        spec = copy.deepcopy(self.spec)
+        steps = int(self.forwards)
+        for extra in spec.extra_state:
+            for e in extra.values():
+                if e.get("kind") == "bn_counter":
+                    e["value"] = [int(v) + steps for v in e["value"]]
+        return save_array(FusedGraph(model, spec, self._sources), out_dir, overwrite)
+
+    def extra_repr(self) -> str:
+        return f"B={self.B}, inputs={self.input_names}, outputs={self.output_names}"
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if example_inputs is None:
+        return ()
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def _names(given: Sequence[str] | None, n: int, stem: str) -> list[str]:
+    if given is not None:
+        given = [given] if isinstance(given, str) else list(given)
+        if len(given) != n:
+            raise ConfigError(f"fuse: {len(given)} {stem} names for {n} {stem}(s)")
+        return given
+    return [stem] if n == 1 else [f"{stem}_{k}" for k in range(n)]
+
+
+def _count_outputs(module: torch.nn.Module, example: tuple) -> int:
+    """How many tensors ``module`` returns (one eval-mode forward: no running statistic moves)."""
+    was = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            out = module(*example)
+    finally:
+        module.train(was)
+    return len(out) if isinstance(out, (tuple, list)) else 1
+
+
+def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Sequence[str | int] = (),
+         strategy: str = "default", input_names: Sequence[str] | None = None,
+         output_names: Sequence[str] | None = None, strict: bool = False, opset: int = DEFAULT_OPSET) -> FusedArray:
+    """Fuse B models into a :class:`FusedArray`, in memory: torch modules (exported with ``example_inputs``, one
+    model's inputs: a tensor or a tuple), ONNX files or ``onnx.ModelProto``s (as ``onnxfuse fuse`` reads them).
+    ``per_model_inputs``: the inputs (names, or positions) each model is given its own of (``[B, ...]`` when
+    called); ``strategy``: the fused form of nodes offering several (``onnxfuse fuse --strategy``). The models must
+    be one architecture up to weights (``NotFusibleError`` says where they differ). The array is on the device of
+    the first module's parameters (CPU for files)."""
+    models = list(modules)
+    if not models:
+        raise ConfigError("fuse: no models given; pass a list of torch modules, ONNX files or ModelProtos")
+    example = _as_tuple(example_inputs)
+    torch_modules = [m for m in models if isinstance(m, torch.nn.Module)]
+    if torch_modules and not example:
+        raise ConfigError("fuse: torch modules need example_inputs (one model's inputs, e.g. torch.randn(1, 3, 32, "
+                          "32)) to be exported")
+    in_names = _names(input_names, len(example), "input") if torch_modules else None
+    out_names = _names(output_names, _count_outputs(torch_modules[0], example), "output") if torch_modules else None
+    protos, labels = [], []
+    for b, m in enumerate(models):
+        if isinstance(m, torch.nn.Module):
+            protos.append(export_module(m, None, example_inputs=example, input_names=in_names,
+                                        output_names=out_names, opset=opset))
+            labels.append(f"model {b} ({type(m).__name__})")
+        elif isinstance(m, (str, os.PathLike, onnx.ModelProto)):
+            protos.append(m)
+            labels.append(f"model {b} ({os.path.basename(os.fspath(m))})" if not isinstance(m, onnx.ModelProto)
+                          else f"model {b}")
+        else:
+            raise ConfigError(f"fuse: model {b} is a {type(m).__name__}; give torch modules, ONNX files or "
+                              "onnx.ModelProtos")
+    names = _input_names(protos[0], in_names)
+    chosen = []
+    for p in per_model_inputs:
+        if isinstance(p, int) and not isinstance(p, bool):
+            if not 0 <= p < len(names):
+                raise ConfigError(f"fuse: per_model_inputs position {p} is not an input (the models take "
+                                  f"{len(names)}: {', '.join(names)})")
+            chosen.append(names[p])
+        else:
+            chosen.append(p)
+    graph = fuse_models(protos, labels, strict=strict, per_model_inputs=chosen, strategy=strategy)
+    arr = FusedArray(graph)
+    device = next((p.device for m in torch_modules for p in m.parameters()), None)
+    return arr.to(device) if device is not None else arr
+
+
+def _input_names(model, exported: list[str] | None) -> list[str]:
+    """The graph inputs of the first model, in order (initializers aside)."""
+    if exported is not None:
+        return list(exported)
+    from onnxfuse.core.source import load_source
+
+    src = load_source(model, "model 0")
+    return [vi.name for vi in src.inputs]
