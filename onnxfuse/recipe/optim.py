@@ -414,20 +414,20 @@ def optimizer_config(kind: str, hyper: Mapping[str, tuple], clip: Sequence[float
     return OptimizerConfig(kind, dict(hyper), max_norm=[math.inf if c is None else float(c) for c in clip])
 
 
-def make_optimizer(kind: str, B: int, max_norm=None, **hyper) -> OptimizerConfig:
+def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_optimizer", **hyper) -> OptimizerConfig:
     """The optimizer ``kind`` for B models (the Python API's): each hyper-parameter a scalar for all models or one
     per model (None or absent: torch.optim's default, see the registrations above), checked as a config file's
     ``optimizer`` section is (``normalize_config``: one hyper-parameter ``kind`` does not take is an error).
-    ``max_norm``: clip_grad_norm_ per model (None or inf: off)."""
+    ``max_norm``: clip_grad_norm_ per model (None or inf: off). ``caller`` names the function in messages."""
     from onnxfuse.recipe.config import expand_per_model
     from onnxfuse.recipe.settings import Origins, normalize_config
 
     unknown = sorted(set(hyper) - set(hyper_params()))
     if unknown:
-        raise TypeError(f"make_optimizer() got an unexpected keyword argument '{unknown[0]}'")
+        raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown[0]}'")
     given = {k: v for k, v in hyper.items() if v is not None}
-    named = {f"optimizer.{k}": f"make_optimizer({k}=...)" for k in given}
-    named.update({"optimizer.name": "make_optimizer(kind)", "clip_grad_norm": "make_optimizer(max_norm=...)"})
+    named = {f"optimizer.{k}": f"{caller}({k}=...)" for k in given}
+    named.update({"optimizer.name": f"{caller}(kind)", "clip_grad_norm": f"{caller}(max_norm=...)"})
     raw = {"steps": 1, "optimizer": {"name": kind, **given}, "clip_grad_norm": max_norm}
     cfg = expand_per_model(normalize_config(raw, source="", named=named, with_data=False), B, Origins("", named))
     opt = cfg["optimizer"]

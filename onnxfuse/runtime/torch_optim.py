@@ -146,11 +146,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     kind: ClassVar[str] = ""
 
     def __init__(self, array, max_norm=None, **hyper):
-        try:
-            config = make_optimizer(self.kind, array.B, max_norm=max_norm, **hyper)
-        except TypeError as e:  # an unknown keyword: as torch.optim's classes say it
-            raise TypeError(str(e).replace("make_optimizer()", f"{type(self).__name__}()")) from None
-        self._setup(array, config)
+        self._setup(array, make_optimizer(self.kind, array.B, max_norm=max_norm, caller=type(self).__name__, **hyper))
 
     @classmethod
     def _from_config(cls, array, config: OptimizerConfig) -> "FusedOptimizer":
