@@ -21,6 +21,7 @@ from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.split import final_states
 from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -315,9 +316,17 @@ def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_
             assert rel_err(got[b][k], v) < 1e-5, (b, k)
 
 
-def test_epochs_and_torch_dataset(tmp_path):
+def test_epochs_of_a_torch_dataset_and_of_a_dataloader(tmp_path):
+    """A Dataset is read once and batched by onnxfuse (--batch-size, the last partial batch skipped); a DataLoader
+    is drawn from, in its own batches (the last partial one kept): an epoch is len(loader) steps. A batch size given
+    that is not the loader's is one line (tests/test_dataloader.py has the rest)."""
     arr, _ = make_array(tmp_path, 2)
     ds = torch.utils.data.TensorDataset(torch.randn(50, *SHAPE[1:]), torch.randint(0, 10, (50,)))
-    res = train_array(arr, torch.utils.data.DataLoader(ds, batch_size=7), TrainConfig(batch_size=16, epochs=3),
-                      progress=False)
+    res = train_array(arr, ds, TrainConfig(batch_size=16, epochs=3), progress=False)
     assert res.steps == 3 * (50 // 16)
+    loader = torch.utils.data.DataLoader(ds, batch_size=7)
+    res = train_array(arr, loader, TrainConfig(epochs=3), progress=False)
+    assert res.steps == 3 * len(loader) == 3 * 8
+    with pytest.raises(ConfigError, match=r"DataLoader \(TensorDataset\) has batch size 7 but the run's batch size "
+                                          r".* is 16: .* set batch_size=7"):
+        train_array(arr, loader, TrainConfig(batch_size=16, epochs=3), progress=False)

@@ -15,8 +15,8 @@ from onnxfuse.core.errors import ConfigError, DataError
 
 from onnxfuse.recipe.losses import LABELS
 
-__all__ = ["NAMED_DATASETS", "load_named", "is_named", "reshape_for_input", "from_torch_dataset", "split_holdout",
-           "shard"]
+__all__ = ["NAMED_DATASETS", "load_named", "is_named", "is_data_factory", "reshape_for_input", "from_torch_dataset",
+           "split_holdout", "shard"]
 
 # name -> (scikit-learn loader, description); all ship with scikit-learn, nothing is downloaded
 NAMED_DATASETS = {
@@ -31,6 +31,16 @@ PROGRESS_ABOVE = 10_000  # from_torch_dataset shows a progress bar for more samp
 def is_named(spec: str) -> bool:
     """Whether ``spec`` names a bundled data set (``sklearn:...``) rather than a file."""
     return isinstance(spec, str) and spec.startswith("sklearn:")
+
+
+def is_data_factory(spec) -> bool:
+    """Whether ``spec`` names a function that makes the data, ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``
+    (called with no arguments; it returns a torch DataLoader, a torch Dataset or a dict of arrays), rather than
+    a file or a bundled data set."""
+    if not isinstance(spec, str) or is_named(spec) or spec.endswith(".npz"):
+        return False
+    module, sep, function = spec.rpartition(":")
+    return bool(sep and module) and function.isidentifier()
 
 
 def load_named(spec: str) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import onnx
@@ -124,29 +124,40 @@ def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: st
     return cls(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads)
 
 
-def evaluate(trainer: Runtime, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
+def _with_sizes(trainer: Runtime, data: Dataset | Iterable[dict], batch_size: int) -> Iterator[tuple[dict, int]]:
+    """(batch, its samples per model): a Dataset's slices of ``batch_size``, or the batches given (their size on
+    the first graph input's sample axis: axis 1 of a per-model one)."""
+    if isinstance(data, Dataset):
+        n = len(data)
+        for start in range(0, n, batch_size):
+            yield data.batch(slice(start, start + batch_size)), min(n, start + batch_size) - start
+        return
+    first = trainer.spec.inputs[0]
+    for batch in data:
+        yield batch, int(np.shape(batch[first["name"]])[1 if first.get("per_model") else 0])
+
+
+def evaluate(trainer: Runtime, data: Dataset | Iterable[dict], batch_size: int = 256) -> dict[str, np.ndarray]:
     """Per-model mean loss over ``data`` in inference mode (BatchNorm on running statistics, Dropout off), and
     for cross-entropy / nll the accuracy: the fraction of labels (every labelled element for [N, C, d...] or
-    class-axis -1 outputs) whose argmax class is right, ignored labels left out, as the loss does."""
+    class-axis -1 outputs) whose argmax class is right, ignored labels left out, as the loss does. ``data``: a
+    Dataset, read in batches of ``batch_size``, or the batches themselves (e.g. a DataLoader's, converted)."""
     B, loss = trainer.spec.B, trainer.loss
-    n = len(data)
     loss_sum, weight = np.zeros(B), np.zeros(B)
     correct, counted = np.zeros(B), np.zeros(B)
     axis = loss.resolved_class_axis(trainer.spec.outputs[0]["shape"]) + 1 if loss.classification else None
-    for start in range(0, n, batch_size):
-        stop = min(n, start + batch_size)
-        batch = data.batch(slice(start, stop))
+    for batch, size in _with_sizes(trainer, data, batch_size):
         per_model, scores = trainer.eval_batch(batch)
         if loss.classification:
             # the loss of a batch is a mean over its kept labels: weight it by their count
-            labels = np.broadcast_to(batch[LABELS], scores.shape[:axis] + scores.shape[axis + 1:])
+            labels = np.broadcast_to(np.asarray(batch[LABELS]), scores.shape[:axis] + scores.shape[axis + 1:])
             keep = (labels != loss.ignore_index).reshape(B, -1)
             hits = (scores.argmax(axis) == labels).reshape(B, -1) & keep
             correct += hits.sum(1)
             w = keep.sum(1).astype(np.float64)
             counted += w
         else:
-            w = np.full(B, float(stop - start))
+            w = np.full(B, float(size))
         loss_sum += np.where(w > 0, per_model * w, 0.0)
         weight += w
     with np.errstate(invalid="ignore", divide="ignore"):

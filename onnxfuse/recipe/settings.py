@@ -37,7 +37,7 @@ from pydantic_core import PydanticCustomError
 
 from onnxfuse.core.errors import ConfigError
 
-from onnxfuse.recipe.datasets import NAMED_DATASETS, is_named
+from onnxfuse.recipe.datasets import NAMED_DATASETS, is_data_factory, is_named
 from onnxfuse.recipe.device import DEVICE_TAKES, Device
 from onnxfuse.recipe.losses import LOSSES
 from onnxfuse.recipe.runtimes import RUNTIME_CHOICES, RUNTIMES
@@ -711,8 +711,11 @@ def _data_source(at: Origins, key: str, v: Any) -> str | None:
             raise _fail(f"{where}{key} = {_show(v)} is not a bundled data set; choose one of: "
                         f"{', '.join(NAMED_DATASETS)}")
         return v
+    if isinstance(v, str) and is_data_factory(v):  # a function that returns a DataLoader, Dataset or arrays
+        return resolve_factory(v, at.base(key))
     if not isinstance(v, str) or not v.endswith(".npz"):
-        raise _fail(f"{where}{key} = {_show(v)} must be a .npz file or one of: {', '.join(NAMED_DATASETS)}")
+        raise _fail(f"{where}{key} = {_show(v)} must be a .npz file, MODULE:FUNCTION (a function returning a "
+                    f"DataLoader, a Dataset or arrays) or one of: {', '.join(NAMED_DATASETS)}")
     return _resolve(v, at.base(key))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config, per_model
 from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, check_held_out, flag_of, flat_default, flat_settings,
-                                      hyper_params, merge_raw, normalize_config, raw_from_flat, raw_key)
+                                      get_dotted, hyper_params, merge_raw, normalize_config, raw_from_flat, raw_key)
 
 __all__ = ["TrainConfig", "RunPlan", "run_config"]
 
@@ -99,7 +99,8 @@ class TrainConfig:
         settings = {**{k: v for k, v in settings.items() if k != "extra"}, **(settings.get("extra") or {})}
         named = _named(settings, lambda name: f"TrainConfig({name}=...)")
         cfg = normalize_config(raw_from_flat(settings), source="", named=named, with_data=False)
-        self._set(settings, cfg, Origins("", named), None)
+        explicit = {k for k, v in settings.items() if v is not None}
+        self._set(settings, cfg, Origins("", named), None, explicit=explicit)
 
     # ---- the other ways to make one
     @classmethod
@@ -107,12 +108,14 @@ class TrainConfig:
         return cls(**d)
 
     @classmethod
-    def from_normalized(cls, cfg: dict, B: int | None = None, where: Origins | None = None) -> "TrainConfig":
+    def from_normalized(cls, cfg: dict, B: int | None = None, where: Origins | None = None,
+                        explicit: Iterable[str] | None = None) -> "TrainConfig":
         """The settings of a config validated already (``normalize_config``: a file, flags merged over it);
         ``B``: its per-model values are expanded to B already (``expand_per_model``; a grid needs it). ``where``
-        says where its values came from, for the messages of a later expansion."""
+        says where its values came from, for the messages of a later expansion; ``explicit``: the settings the
+        config sets (None: not known, each counts as set; see :meth:`given`)."""
         self = object.__new__(cls)
-        self._set(flat_settings(cfg), cfg, where or Origins(), B, held_out=True)
+        self._set(flat_settings(cfg), cfg, where or Origins(), B, held_out=True, explicit=explicit)
         return self
 
     @classmethod
@@ -129,11 +132,11 @@ class TrainConfig:
                         raw_from_flat(overrides))
         cfg = normalize_config(raw, source=where.source, named=named, with_data=False)
         self = object.__new__(cls)
-        self._set({**own, **overrides}, cfg, where, None)
+        self._set({**own, **overrides}, cfg, where, None, explicit=overrides)
         return self
 
     def _set(self, given: Mapping[str, Any], cfg: dict, where: Origins, B: int | None,
-             held_out: bool = False) -> None:
+             held_out: bool = False, explicit: Iterable[str] | None = None) -> None:
         values = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
                   for f in fields(self) if f.name != "extra"}
         extra = {name: flat_default(name) for name in hyper_params() if name not in values}
@@ -149,6 +152,7 @@ class TrainConfig:
         object.__setattr__(self, "_where", where)
         object.__setattr__(self, "_B", B)
         object.__setattr__(self, "_held_out", held_out)
+        object.__setattr__(self, "_explicit", None if explicit is None else frozenset(explicit))
 
     def __getattr__(self, name: str) -> Any:  # a later-registered optimizer's hyper-parameter
         extra = self.__dict__.get("extra") or {}
@@ -157,6 +161,12 @@ class TrainConfig:
         raise AttributeError(f"'TrainConfig' object has no attribute '{name}'")
 
     # ---- what a run reads
+    def given(self, name: str) -> bool:
+        """Whether setting ``name`` was given (an argument, a flag, a config file's key, a resumed run's override)
+        rather than left at its default: a run whose DataLoader has its own batch size takes that one when
+        ``batch_size`` was not given. True when not known (settings made from a normalized config alone)."""
+        return self._explicit is None or name in self._explicit
+
     def as_dict(self) -> dict:
         """Every setting by name, as given (what a checkpoint records and the settings hash reads)."""
         return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}, **self.extra}
@@ -191,10 +201,12 @@ def run_config(array_dir: str | os.PathLike, given: Mapping | None = None, named
         where = Origins(config_file, named, os.path.dirname(os.path.abspath(config_file)))
     cfg = normalize_config(raw, where.source, where.base_dir, named)
     if cfg["data"]["train"] is None:  # before an array is built
-        raise ConfigError("--data is required (a .npz file or sklearn:<name>), or data.train in --config")
+        raise ConfigError("--data is required (a .npz file, sklearn:<name> or MODULE:FUNCTION returning a "
+                          "DataLoader), or data.train in --config")
     B = array_size(cfg, array_dir)
     cfg = expand_per_model(cfg, B, where)
-    return TrainConfig.from_normalized(cfg, B, where), cfg["data"]["train"], cfg["data"]["eval"]
+    explicit = [s.name for s in RUN_SETTINGS if get_dotted(raw, s.path) is not None]
+    return TrainConfig.from_normalized(cfg, B, where, explicit), cfg["data"]["train"], cfg["data"]["eval"]
 
 
 def _named(settings: Mapping[str, Any], label) -> dict[str, str]:

@@ -138,14 +138,17 @@ def _shutdown() -> None:
 
 
 def _data_ref(source):
-    """A data source as a task can use it anywhere: sklearn names as they are, a .npz file's arrays in Ray's object
-    store (read once, here)."""
+    """A data source as a task can use it anywhere: sklearn names and data factories (``MODULE:FUNCTION``, called
+    by each array's task: a DataLoader draws its batches where the array trains) as they are, a .npz file's arrays
+    in Ray's object store (read once, here)."""
     import ray
 
     from onnxfuse.recipe.data import load_npz
-    from onnxfuse.recipe.datasets import is_named
+    from onnxfuse.recipe.datasets import is_data_factory, is_named
 
-    return source if source is None or is_named(source) else ray.put(load_npz(source))
+    if source is None or is_named(source) or is_data_factory(source):
+        return source
+    return ray.put(load_npz(source))
 
 
 STATES = ("done", "running", "queued", "failed")  # an array's in status.json (and "stopped": _record_stop)

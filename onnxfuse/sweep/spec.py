@@ -342,7 +342,8 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
         spec.halving, spec.halving_keep = list(cfg["halving"]), cfg["halving_keep"]
         spec.run = {k: v for k, v in run.items() if k not in ("halving", "halving_keep")}
     if cfg["data"]["train"] is None:
-        raise ConfigError(f"{where}data.train is required (a .npz file or sklearn:<name>)")
+        raise ConfigError(f"{where}data.train is required (a .npz file, sklearn:<name>, or MODULE:FUNCTION "
+                          "returning a DataLoader, a Dataset or arrays)")
     if cfg["data"]["order"] != "shared":
         raise ConfigError(f"{where}data.order {cfg['data']['order']}: a sweep trains every trial on the shared "
                           "batch order (per-model orders would tie a trial's batches to its place in an array)")

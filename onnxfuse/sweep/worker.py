@@ -22,6 +22,7 @@ import numpy as np
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.array import ArrayDir, model_file, model_weights_file
+from onnxfuse.recipe.batches import same_position
 from onnxfuse.training.run import METRICS_HEADER
 from onnxfuse.sweep.folder import TRIAL_ONNX, TRIAL_WEIGHTS
 
@@ -102,7 +103,7 @@ def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp:
         protos.append(proto)
         optimizer.append(src.optimizer[place])
         status.append(src.status.get(place))
-    if any(s.record["sampler"] != template["sampler"] or s.record["step"] != template["step"]
+    if any(not same_position(s.record["sampler"], template["sampler"]) or s.record["step"] != template["step"]
            for s in sources.values()):
         raise RuntimeError(f"array {job['id']}: its trials' arrays stopped at different steps or batches")
     save_array(fuse_models(protos, labels=job["trials"], per_model_inputs=job["per_model_inputs"]), array_dir)

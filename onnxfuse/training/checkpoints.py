@@ -20,7 +20,8 @@ from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError, DataError, InputFileError
 from onnxfuse.core.passes import fuse_models, fused_initial_weights
 from onnxfuse.core.split import split_weights
-from onnxfuse.recipe.data import BatchSampler, Dataset
+from onnxfuse.recipe.batches import BatchSource
+from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.optim import STATE_PREFIX
 from onnxfuse.recipe.settings import RESUMABLE
 from onnxfuse.runtime.ort_runtime import FusedTrainer
@@ -123,12 +124,17 @@ def settings_hash(config: TrainConfig | RunPlan) -> str:
     return hashlib.sha256(json.dumps(_trajectory(config.as_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def data_hash(*datasets: Dataset | None) -> str:
-    """The training and evaluation data as the run reads them (after the held-out split and sharding)."""
+def data_hash(*sources) -> str:
+    """The training and evaluation data as the run reads them (after the held-out split and sharding): arrays by
+    their bytes; a DataLoader by what it says of itself (``LoaderBatches.identity``: its contents are not read)."""
     h = hashlib.blake2b(digest_size=16)
-    for ds in datasets:
+    for src in sources:
+        ds = getattr(src, "data", src)  # ArrayBatches -> its Dataset
         if ds is None:
             h.update(b"none;")
+            continue
+        if not isinstance(ds, Dataset):
+            h.update(f"{src.identity()};".encode())
             continue
         for name in sorted(ds.arrays):
             a = np.ascontiguousarray(ds.arrays[name])
@@ -163,7 +169,7 @@ def check_resumable(ckpt: str, st: dict, config: TrainConfig | RunPlan, identity
     return record
 
 
-def restore(run: RunState, path: str, st: dict, sampler: BatchSampler) -> float:
+def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
     fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
     weights, opt_state, dropped = ArrayDir.read_state(path, fix, run.array.load_spec(),
                                                       [STATE_PREFIX + s for s in run.opt.state_names()])
@@ -184,20 +190,21 @@ def restore(run: RunState, path: str, st: dict, sampler: BatchSampler) -> float:
     run.status = {int(k): v for k, v in st["status"].items()}
     run.dropped = dropped
     run.schedules.advance(st["step"])
-    sampler.load_state_dict(st["sampler"])
-    if sampler.per_model is not None and sampler.per_model != len(models):
+    source.load_state_dict(st["sampler"])
+    streams = getattr(source, "streams", None)  # the per-model data order's index streams
+    if streams is not None and streams != len(models):
         raise InputFileError(f"checkpoint '{path}' does not match the data order; resume with the same settings")
     log.info("resumed from %s (step %d)", path, run.step)
     return float(st["elapsed_s"])
 
 
-def write_checkpoint(run: RunState, sampler: BatchSampler, elapsed: float) -> None:
+def write_checkpoint(run: RunState, source: BatchSource, elapsed: float) -> None:
     """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints
     (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first)."""
     path = run.array.checkpoint_path(run.step)
     with atomic_dir(path, overwrite=True, command="train") as tmp:
         _save_state(run, tmp)
-        ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": sampler.state_dict(), "elapsed_s": elapsed,
+        ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": source.state_dict(), "elapsed_s": elapsed,
                                                "config": jsonable(run.config_record), "run": run.run_record})
     run.array.prune_checkpoints(run.config.keep_checkpoints)
     log.info("checkpoint at step %d: %s", run.step, path)

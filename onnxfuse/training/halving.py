@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from onnxfuse.recipe.data import BatchSampler
+from onnxfuse.recipe.batches import BatchSource
 from onnxfuse.training.metrics import Metrics
 from onnxfuse.training.run_state import RunState
 
@@ -26,10 +26,10 @@ def halve(run: RunState, ev: dict) -> list[int]:
     return keep
 
 
-def halving_rung(run: RunState, ev: dict, sampler: BatchSampler, metrics: Metrics, elapsed: float) -> None:
+def halving_rung(run: RunState, ev: dict, source: BatchSource, metrics: Metrics, elapsed: float) -> None:
     """A rung at this step: halve the array by ``ev`` (this step's evaluation), draw batches for the survivors
     only, and record the dropped models in metrics.csv."""
     before = list(run.models)
-    sampler.keep(halve(run, ev))
+    source.keep(halve(run, ev))
     metrics.write([{"step": run.step, "model": b, "split": "train", "loss": "", "accuracy": "", "lr": "",
                     "elapsed_s": f"{elapsed:.4f}", "status": "dropped"} for b in before if b not in run.models])

@@ -8,6 +8,7 @@ from onnxfuse.core._io import atomic_file
 from onnxfuse.core.array import complete_lines
 from onnxfuse.core.errors import as_user_error
 from onnxfuse.recipe.data import Dataset
+from onnxfuse.recipe.runtimes import evaluate as evaluate_batches
 from onnxfuse.training.run_state import RunState, model_view
 
 
@@ -54,10 +55,15 @@ def fmt(v) -> str:
     return "" if v is None else f"{v:.7g}"
 
 
-def evaluate(run: RunState, data: Dataset | None, metrics: Metrics, elapsed: float) -> dict:
+def evaluate(run: RunState, data, metrics: Metrics, elapsed: float) -> dict:
+    """Evaluate the models still in the array on ``data`` (a Dataset in batches of ``eval_batch_size``, or a
+    DataLoader's ``LoaderBatches``: one pass over the loader, in its own batches) and write the rows."""
     if data is None:
         return {}
-    ev = run.trainer.evaluate(model_view(data, run), run.config.eval_batch_size)
+    if isinstance(data, Dataset):
+        ev = run.trainer.evaluate(model_view(data, run), run.config.eval_batch_size)
+    else:
+        ev = evaluate_batches(run.trainer, data.each(run.models))
     lrs = run.schedules.values(run.active).lr
     metrics.write([{"step": run.step, "model": b, "split": "eval", "loss": fmt(ev["loss"][i]),
                     "accuracy": fmt(ev["accuracy"][i]) if "accuracy" in ev else "", "lr": fmt(lrs[i]),

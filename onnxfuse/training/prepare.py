@@ -1,19 +1,27 @@
 """A run's inputs, checked before anything is read or written: the settings against the array (one clear line per
-problem), the data loaded, held out, sharded and checked, and the number of steps."""
+problem), the data loaded, held out, sharded and checked (or a DataLoader opened and its first batches checked),
+and the number of steps."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
-from onnxfuse.core.errors import ConfigError, DataError
+from onnxfuse.core.errors import ConfigError, DataError, OnnxFuseError
 from onnxfuse.core.weights import ArraySpec
+from onnxfuse.recipe.batches import ArrayBatches, BatchSource
 from onnxfuse.recipe.data import BatchSampler, Dataset, check_finite, load_npz, make_dataset
+from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import LABELS, LossSpec
 from onnxfuse.recipe.settings import check_halving
 from onnxfuse.recipe.runtimes import resolve_runtime
 from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+
+
+log = logging.getLogger("onnxfuse.train")
 
 
 def validate(config: TrainConfig, spec: ArraySpec, has_eval: bool) -> RunPlan:
@@ -29,8 +37,11 @@ def validate(config: TrainConfig, spec: ArraySpec, has_eval: bool) -> RunPlan:
     return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device))
 
 
-def _load_arrays(data, spec: ArraySpec, what: str) -> tuple[dict, str]:
-    """A .npz path, "sklearn:<name>", a dict of arrays or a torch Dataset -> (arrays, a name for messages)."""
+def _load_source(data, spec: ArraySpec, what: str) -> tuple[dict | Any, str]:
+    """A .npz path, "sklearn:<name>", a data factory ("MODULE:FUNCTION"), a dict of arrays, a torch Dataset or a
+    torch DataLoader -> (arrays, or the DataLoader as it is; a name for messages). A Dataset is read into memory
+    once (its ``__getitem__`` runs once per sample: augmentation in it is drawn once); a DataLoader draws fresh
+    batches every step (``recipe/loader.py``)."""
     if data is None:
         raise ConfigError(f"no {what} data given (--data)")
     if isinstance(data, dict):
@@ -43,27 +54,55 @@ def _load_arrays(data, spec: ArraySpec, what: str) -> tuple[dict, str]:
             arrays = datasets.load_named(text)
             shapes = {i["name"]: i["shape"] for i in spec.inputs}
             return {k: datasets.reshape_for_input(v, shapes[k]) if k in shapes else v for k, v in arrays.items()}, text
+        if is_data_factory(text):
+            made = _call_factory(text, what)
+            if isinstance(made, (str, os.PathLike)):
+                raise ConfigError(f"{what} data factory {text} returned {made!r}, a path; it must return a "
+                                  "DataLoader, a torch Dataset or a dict of arrays")
+            arrays, name = _load_source(made, spec, what)
+            return arrays, f"{name} from {text}"
         return load_npz(text), text
     try:
         import torch
 
-        if isinstance(data, torch.utils.data.DataLoader):
-            # onnxfuse batches itself (--batch-size, --seed), so that a resumed run draws the same batches: the
-            # loader's dataset is what is used
-            data = data.dataset
+        from onnxfuse.recipe.loader import is_loader
+
+        if is_loader(data):
+            return data, f"the {what} DataLoader ({type(data.dataset).__name__})"
         if isinstance(data, torch.utils.data.Dataset):
             from onnxfuse.recipe import datasets
 
+            log.info("%s data: %s is read into memory once (%s samples; what its __getitem__ returns is fixed for "
+                     "the run); a DataLoader over it draws fresh batches every step", what, type(data).__name__,
+                     len(data) if hasattr(data, "__len__") else "?")
             return datasets.from_torch_dataset(data, [i["name"] for i in spec.inputs]), what
     except ImportError:  # pragma: no cover
         pass
-    raise ConfigError(f"{what} data must be a .npz path, 'sklearn:<name>', a dict of arrays or a torch Dataset, "
-                      f"got {type(data).__name__}")
+    raise ConfigError(f"{what} data must be a .npz path, 'sklearn:<name>', MODULE:FUNCTION, a dict of arrays, a torch "
+                      f"Dataset or a torch DataLoader, got {type(data).__name__}")
 
 
-def _datasets(data, eval_data, config: RunPlan, spec: ArraySpec, loss: LossSpec) -> tuple[Dataset, Dataset | None]:
-    arrays, source = _load_arrays(data, spec, "training")
-    eval_arrays, eval_source = (None, None) if eval_data is None else _load_arrays(eval_data, spec, "evaluation")
+def _call_factory(text: str, what: str) -> Any:
+    """What the data factory ``text`` (``MODULE:FUNCTION``) returns, called with no arguments."""
+    from onnxfuse.exporters.torch_export import load_factory
+
+    module = text.rpartition(":")[0]
+    if module.endswith(".py") and not os.path.exists(module):
+        raise ConfigError(f"{what} data factory file '{module}' does not exist")
+    factory = load_factory(text)
+    try:
+        return factory()
+    except OnnxFuseError:
+        raise
+    except Exception as e:
+        raise DataError(f"{what} data factory {text}() failed: {type(e).__name__}: {e}") from e
+
+
+def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_source: str | None, config: RunPlan,
+              spec: ArraySpec, loss: LossSpec) -> tuple[Dataset | None, Dataset | None]:
+    """The arrays of the training and evaluation data (None where a DataLoader gives them) as Datasets: checked
+    for NaN and inf, sharded and held out as the settings say, and checked against the graph."""
+    arrays, eval_arrays = train, evaluation
     if not config.allow_nonfinite_data:  # before any split or shard: indices as in the file
         dtypes = {i["name"]: i["dtype"] for i in spec.inputs}
         if loss.label_dtype is not None:
@@ -72,14 +111,14 @@ def _datasets(data, eval_data, config: RunPlan, spec: ArraySpec, loss: LossSpec)
             if a is not None:
                 check_finite(a, dtypes, src)
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")}
-    if config.data_order == "shards":
+    if config.data_order == "shards" and arrays is not None:
         from onnxfuse.recipe import datasets
 
         arrays = datasets.shard(arrays, spec.B, set())
         per_model_arrays = set(arrays)
     else:
         per_model_arrays = per_model | ({LABELS} if config.per_model_labels else set())
-    if eval_arrays is None and config.eval_fraction > 0:
+    if eval_arrays is None and eval_source is None and config.eval_fraction > 0 and arrays is not None:
         from onnxfuse.recipe import datasets
 
         arrays, eval_arrays = datasets.split_holdout(arrays, config.eval_fraction, config.seed, per_model_arrays)
@@ -100,9 +139,46 @@ def _datasets(data, eval_data, config: RunPlan, spec: ArraySpec, loss: LossSpec)
         _check_labels(ds, loss, out_shape, src)
         return ds
 
-    train = build(arrays, source, config.data_order == "shards")
-    evaluation = None if eval_arrays is None else build(eval_arrays, eval_source, config.data_order == "shards")
-    return train, evaluation
+    sharded = config.data_order == "shards"
+    return (None if arrays is None else build(arrays, source, sharded),
+            None if eval_arrays is None else build(eval_arrays, eval_source, sharded))
+
+
+def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: LossSpec):
+    """A DataLoader as the run's batches (``recipe/loader.py``), its first batch checked as arrays are."""
+    from onnxfuse.recipe.loader import LoaderBatches
+
+    if config.data_order != "shared":
+        raise ConfigError(f"{name}: --data-order {config.data_order} gives every model other samples, but a "
+                          "DataLoader gives every model the same batches; use --data-order shared (data_order: "
+                          "shared), or give the data as arrays")
+    out_shape = spec.outputs[0]["shape"]
+    wanted = [dict(i) for i in spec.inputs]
+    if loss.label_dtype is not None:
+        wanted.append({"name": LABELS, "dtype": np.dtype(loss.label_dtype).name,
+                       "per_model": loss.per_model_labels})
+
+    def check_first(arrays: dict[str, np.ndarray], where: str) -> None:
+        ds = make_dataset(arrays, spec.inputs, loss.label_dtype, loss.label_shape(out_shape), source=where,
+                          B=spec.B, per_model_labels=loss.per_model_labels)
+        _check_labels(ds, loss, out_shape, where)
+
+    return LoaderBatches(loader, wanted, spec.B, name, check_first, tensors=config.runtime == "torch",
+                         check_nonfinite=not config.allow_nonfinite_data)
+
+
+def _check_batch_size(train, config: RunPlan, given: bool) -> RunPlan:
+    """The run's batch size is the training DataLoader's: a different one given is one line; none given, the
+    loader's is the run's (and what its record says)."""
+    first = train.peek(1)[0]
+    N = train.batch_size if train.batch_size is not None else train.samples(first)
+    if N == config.batch_size:
+        return config
+    if given:
+        raise ConfigError(f"{train.name} has batch size {N} but the run's batch size (--batch-size, batch_size) is "
+                          f"{config.batch_size}: a step trains on the loader's batches; set batch_size={N} "
+                          f"(--batch-size {N}), or give the DataLoader batch_size={config.batch_size}")
+    return replace(config, batch_size=N, record={**config.record, "batch_size": N})
 
 
 def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
@@ -122,23 +198,46 @@ class Prepared:
 
     config: RunPlan
     loss: LossSpec
-    train: Dataset
-    eval: Dataset | None
-    sampler: BatchSampler
+    train: BatchSource  # the batches the steps train on
+    eval: Dataset | Any | None  # evaluation data: a Dataset, a LoaderBatches (evaluated by one pass), or none
     total: int
 
 
 def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data) -> Prepared:
-    """Validate the settings against the array, load the data, and count the run's steps."""
+    """Validate the settings against the array, load (or open) the data, check it, and count the run's steps."""
     if config is None:
         raise ConfigError("no training configuration given")
     if len(spec.outputs) != 1:
         raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
+    batch_size_given = config.given("batch_size")
     config = validate(config, spec, eval_data is not None)
     loss = config.loss_spec()
-    train_ds, eval_ds = _datasets(data, eval_data, config, spec, loss)
-    sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
-                           per_model=spec.B if config.data_order == "per-model" else None)
-    total = config.steps if config.steps is not None else config.epochs * sampler.batches_per_epoch
+    from onnxfuse.recipe.loader import is_loader
+
+    train, source = _load_source(data, spec, "training")
+    evaluation, eval_source = (None, None) if eval_data is None else _load_source(eval_data, spec, "evaluation")
+    if is_loader(train) and config.eval_fraction > 0:
+        raise ConfigError(f"--eval-fraction holds out part of arrays, but {source} cannot be split; give evaluation "
+                          "data instead (eval_data=, --eval-data: a DataLoader or arrays)")
+    train_ds, eval_ds = _datasets(None if is_loader(train) else train, source,
+                                  None if is_loader(evaluation) else evaluation, eval_source, config, spec, loss)
+    if is_loader(evaluation):
+        eval_ds = _loader_batches(evaluation, eval_source, config, spec, loss)
+        eval_ds.check()
+    if is_loader(train):
+        batches = _loader_batches(train, source, config, spec, loss)
+        config = _check_batch_size(batches, config, batch_size_given)
+        per_epoch = batches.batches_per_epoch
+        if config.steps is None and per_epoch is None:
+            raise ConfigError(f"{source} has no length (an iterable-style dataset), so --epochs cannot say how many "
+                              "steps to train: give --steps (steps=...) instead")
+    else:
+        sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
+                               per_model=spec.B if config.data_order == "per-model" else None)
+        batches = ArrayBatches(train_ds, sampler, spec.B, source)
+        per_epoch = sampler.batches_per_epoch
+    total = config.steps if config.steps is not None else config.epochs * per_epoch
     check_halving(config.halving, total)
-    return Prepared(config, loss, train_ds, eval_ds, sampler, total)
+    if is_loader(train):  # the verified first steps' batches, drawn (and checked) before anything is written
+        batches.peek(max(1, min(config.verify_steps, total)))
+    return Prepared(config, loss, batches, eval_ds, total)

@@ -44,7 +44,7 @@ from onnxfuse.core.errors import (ConfigError, OnnxFuseError, OutOfMemoryError, 
 from onnxfuse.core.passes import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.core.weights import ArraySpec
-from onnxfuse.recipe.data import BatchSampler, Dataset
+from onnxfuse.recipe.batches import BatchSource
 from onnxfuse.recipe.optim import StepValues
 from onnxfuse.recipe.runtimes import Runtime, make_trainer
 from onnxfuse.recipe.settings import RESUMABLE
@@ -56,7 +56,7 @@ from onnxfuse.training.checkpoints import (CheckpointModels, check_resumable, ch
 from onnxfuse.training.halving import halving_rung
 from onnxfuse.training.metrics import METRICS_HEADER, Metrics, evaluate, fmt
 from onnxfuse.training.prepare import Prepared, prepare
-from onnxfuse.training.run_state import RunState, full_batch, mark_diverged, model_batch, optimizer_and_schedules
+from onnxfuse.training.run_state import RunState, mark_diverged, optimizer_and_schedules
 from onnxfuse.training.verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
 __all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER",
@@ -83,12 +83,11 @@ class TrainResult:
     run_id: str = ""
 
 
-def _first_steps(ds: Dataset, sampler: BatchSampler, config: RunPlan, B: int, total: int, K: int
+def _first_steps(source: BatchSource, config: RunPlan, B: int, total: int, K: int
                  ) -> tuple[list[dict[str, np.ndarray]], list[StepValues]]:
-    """The batches and per-model step values of a fresh run's first K steps, drawn without moving ``sampler``."""
-    position = sampler.state_dict()
-    batches = [full_batch(ds, sampler.next()) for _ in range(K)]
-    sampler.load_state_dict(position)
+    """The batches and per-model step values of a fresh run's first K steps, without moving ``source``: the
+    steps then train on these same batches (a DataLoader's are drawn once, and kept)."""
+    batches = source.peek(K)
     _, schedules = optimizer_and_schedules(config, B, total)
     values = []
     for _ in range(K):
@@ -97,8 +96,8 @@ def _first_steps(ds: Dataset, sampler: BatchSampler, config: RunPlan, B: int, to
     return batches, values
 
 
-def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Runtime | None, ds: Dataset,
-            sampler: BatchSampler, config: RunPlan, total: int, K: int) -> VerifyReport:
+def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Runtime | None, source: BatchSource,
+            config: RunPlan, total: int, K: int) -> VerifyReport:
     """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
@@ -110,7 +109,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
         trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
                                config.loss_spec(), opt, config.device, threads=config.threads or None)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
-    batches, values = _first_steps(ds, sampler, config, spec.B, total, K)
+    batches, values = _first_steps(source, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
     # the time includes the reference's fusion and, with Dropout, the check's own trainer
     return replace(report, seconds=watch.seconds, dropout_off=dropout_off)
@@ -128,8 +127,7 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
         p = prepare(spec, config, data, eval_data)
         if p.config.verify_steps < 1:
             raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
-        return _verify(array_dir, fused, spec, None, p.train, p.sampler, p.config, p.total,
-                       min(p.config.verify_steps, p.total))
+        return _verify(array_dir, fused, spec, None, p.train, p.config, p.total, min(p.config.verify_steps, p.total))
 
 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
@@ -169,12 +167,12 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     with atomic_dir(trained, overwrite=True, command="train") as tmp:  # removed again if anything below fails
         run = RunState(array_dir, p.config, fused, spec, p.loss, p.total, ArrayDir.scratch_path(tmp))
         run.run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
-        elapsed0 = restore(run, ckpt, saved, p.sampler) if ckpt is not None else 0.0
+        elapsed0 = restore(run, ckpt, saved, p.train) if ckpt is not None else 0.0
         if run.step > p.total:
             raise ConfigError(f"--resume: run {record['id']}'s newest checkpoint is at step {run.step}, past the "
                               f"{p.total} steps asked for; resume with more --steps (or --epochs)")
         if ckpt is None and p.config.verify_steps:  # before anything is written
-            report = _verify(array_dir, fused, spec, run.trainer, p.train, p.sampler, p.config, p.total,
+            report = _verify(array_dir, fused, spec, run.trainer, p.train, p.config, p.total,
                              min(p.config.verify_steps, p.total))
             log.info("%s", report.summary())
             if not report.ok:
@@ -236,7 +234,7 @@ class _Loop:
                 evaluate(run, self.p.eval, self.metrics, self._elapsed())
             if stop_at is not None and not self.stopped and run.step < total and \
                     not os.path.isdir(run.array.checkpoint_path(run.step)):  # where a resumed run continues
-                write_checkpoint(run, self.p.sampler, self._elapsed())
+                write_checkpoint(run, self.p.train, self._elapsed())
         except Exception as e:
             user = _as_run_error(e, run.array_dir, self.record["id"], self.metrics is not None)
             if user is None:
@@ -250,10 +248,11 @@ class _Loop:
 
     def _step(self) -> bool:
         """One step and what follows it; False when the run stops here (a model diverged, --on-diverge stop)."""
-        run, config, sampler = self.run, self.p.config, self.p.sampler
+        run, config, source = self.run, self.p.config, self.p.train
         run.step += 1
         values = run.schedules.values(run.active)
-        losses = run.trainer.step(model_batch(self.p.train, sampler.next(), run), values)
+        feeds = source.draw(run.models)
+        losses = run.trainer.step(feeds, values)
         if self.metrics is None:  # this run is now the folder's run; the previous one's outputs move aside
             moved = run.array.move_previous_run()
             if moved:
@@ -261,7 +260,7 @@ class _Loop:
             run.array.write_run(self.record)
             self.metrics = Metrics(run.array.metrics_path, self.record["id"], None)
         run.schedules.advance()
-        self.samples += len(run.models) * config.batch_size
+        self.samples += len(run.models) * source.samples(feeds)  # a loader's last batch of an epoch may be partial
         run.last_loss = losses
         events = mark_diverged(run, run.trainer.last_ok, losses)
         el = self._elapsed()
@@ -276,10 +275,10 @@ class _Loop:
         if self.p.eval is not None and config.eval_every and run.step % config.eval_every == 0:
             ev = evaluate(run, self.p.eval, self.metrics, el)
         if config.halving and run.step in config.halving:
-            halving_rung(run, ev if ev is not None else evaluate(run, self.p.eval, self.metrics, el), sampler,
+            halving_rung(run, ev if ev is not None else evaluate(run, self.p.eval, self.metrics, el), source,
                          self.metrics, el)
         if config.checkpoint_every and run.step % config.checkpoint_every == 0:
-            write_checkpoint(run, sampler, el)
+            write_checkpoint(run, source, el)
         return True
 
     def _elapsed(self) -> float:

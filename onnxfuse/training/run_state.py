@@ -1,5 +1,5 @@
-"""The mutable state of one run (``RunState``): the current array, possibly shrunk by halving, its trainer, per-model
-status and the batches each step gives the models still in it."""
+"""The mutable state of one run (``RunState``): the current array, possibly shrunk by halving, its trainer and
+per-model status (the batches each step gives the models still in it: ``recipe/batches.py``)."""
 from __future__ import annotations
 
 import logging
@@ -22,21 +22,6 @@ from onnxfuse.recipe.train_config import RunPlan
 
 
 log = logging.getLogger("onnxfuse.train")
-
-
-def full_batch(ds: Dataset, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """The step's arrays for every model of the array."""
-    if idx.ndim == 2:  # per-model order: [B, N] indices into shared arrays -> [B, N, ...]
-        return {k: v[idx] for k, v in ds.arrays.items()}
-    return ds.batch(idx)
-
-
-def model_batch(ds: Dataset, idx: np.ndarray, run: "RunState") -> dict[str, np.ndarray]:
-    """The step's arrays for the models still in the array."""
-    if idx.ndim == 2 or len(run.models) == run.spec0.B:
-        return full_batch(ds, idx)
-    rows = np.asarray(run.models)[:, None]  # per-model arrays: the surviving models' rows only
-    return {k: (v[rows, idx[None, :]] if k in ds.per_model else v[idx]) for k, v in ds.arrays.items()}
 
 
 class RunState:
