@@ -37,7 +37,6 @@ from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
 from onnxfuse.core.split import split_weights
-from onnxfuse.exporters.torch_export import DEFAULT_OPSET, export_module
 from onnxfuse.runtime.ort_artifacts import weights_as_inputs_pass
 from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
 
@@ -202,13 +201,16 @@ def _count_outputs(module: torch.nn.Module, example: tuple) -> int:
 
 def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Sequence[str | int] = (),
          strategy: str = "default", input_names: Sequence[str] | None = None,
-         output_names: Sequence[str] | None = None, strict: bool = False, opset: int = DEFAULT_OPSET) -> FusedArray:
+         output_names: Sequence[str] | None = None, strict: bool = False, opset: int | None = None) -> FusedArray:
     """Fuse B models into a :class:`FusedArray`, in memory: torch modules (exported with ``example_inputs``, one
     model's inputs: a tensor or a tuple), ONNX files or ``onnx.ModelProto``s (as ``onnxfuse fuse`` reads them).
     ``per_model_inputs``: the inputs (names, or positions) each model is given its own of (``[B, ...]`` when
-    called); ``strategy``: the fused form of nodes offering several (``onnxfuse fuse --strategy``). The models must
+    called); ``strategy``: the fused form of nodes offering several (``onnxfuse fuse --strategy``); ``opset``: the
+    export's (default ``DEFAULT_OPSET``, the CLI's). The models must
     be one architecture up to weights (``NotFusibleError`` says where they differ). The array is on the device of
     the first module's parameters (CPU for files)."""
+    from onnxfuse.exporters.torch_export import DEFAULT_OPSET, export_module  # torch.onnx: imported when exporting
+
     models = list(modules)
     if not models:
         raise ConfigError("fuse: no models given; pass a list of torch modules, ONNX files or ModelProtos")
@@ -223,7 +225,7 @@ def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Seque
     for b, m in enumerate(models):
         if isinstance(m, torch.nn.Module):
             protos.append(export_module(m, None, example_inputs=example, input_names=in_names,
-                                        output_names=out_names, opset=opset))
+                                        output_names=out_names, opset=opset or DEFAULT_OPSET))
             labels.append(f"model {b} ({type(m).__name__})")
         elif isinstance(m, (str, os.PathLike, onnx.ModelProto)):
             protos.append(m)
