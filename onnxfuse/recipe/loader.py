@@ -250,7 +250,9 @@ class LoaderBatches:
         restored = st["start"] is not None and self._restore(st["start"])
         self._epoch = epoch - 1
         for _ in range(index):  # the batches trained on before the checkpoint: drawn again and dropped
-            self._next_raw()
+            raw = self._next_raw()[2]
+            if self._shapes is None:  # the first one checked, as a fresh run checks its first
+                self._convert(raw)
         for _ in range(st["ahead"]):
             self._ahead.append(self._fetch())
         self.position = (epoch, index)

@@ -56,9 +56,6 @@ def _load_source(data, spec: ArraySpec, what: str) -> tuple[dict | Any, str]:
             return {k: datasets.reshape_for_input(v, shapes[k]) if k in shapes else v for k, v in arrays.items()}, text
         if is_data_factory(text):
             made = _call_factory(text, what)
-            if isinstance(made, (str, os.PathLike)):
-                raise ConfigError(f"{what} data factory {text} returned {made!r}, a path; it must return a "
-                                  "DataLoader, a torch Dataset or a dict of arrays")
             arrays, name = _load_source(made, spec, what)
             return arrays, f"{name} from {text}"
         return load_npz(text), text
@@ -91,11 +88,17 @@ def _call_factory(text: str, what: str) -> Any:
         raise ConfigError(f"{what} data factory file '{module}' does not exist")
     factory = load_factory(text)
     try:
-        return factory()
+        made = factory()
     except OnnxFuseError:
         raise
     except Exception as e:
         raise DataError(f"{what} data factory {text}() failed: {type(e).__name__}: {e}") from e
+    import torch
+
+    if not isinstance(made, (dict, torch.utils.data.DataLoader, torch.utils.data.Dataset)):
+        raise ConfigError(f"{what} data factory {text}() returned {type(made).__name__}; it must return a torch "
+                          "DataLoader, a torch Dataset or a dict of arrays")
+    return made
 
 
 def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_source: str | None, config: RunPlan,
@@ -170,8 +173,7 @@ def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: L
 def _check_batch_size(train, config: RunPlan, given: bool) -> RunPlan:
     """The run's batch size is the training DataLoader's: a different one given is one line; none given, the
     loader's is the run's (and what its record says)."""
-    first = train.peek(1)[0]
-    N = train.batch_size if train.batch_size is not None else train.samples(first)
+    N = train.batch_size if train.batch_size is not None else train.samples(train.peek(1)[0])
     if N == config.batch_size:
         return config
     if given:
@@ -203,8 +205,10 @@ class Prepared:
     total: int
 
 
-def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data) -> Prepared:
-    """Validate the settings against the array, load (or open) the data, check it, and count the run's steps."""
+def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resuming: bool = False) -> Prepared:
+    """Validate the settings against the array, load (or open) the data, check it, and count the run's steps.
+    A DataLoader's first batches (those a fresh run verifies) are drawn and checked here; ``resuming``: not here,
+    the resumed position's are (``LoaderBatches.load_state_dict``)."""
     if config is None:
         raise ConfigError("no training configuration given")
     if len(spec.outputs) != 1:
@@ -238,6 +242,6 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data) -> Pre
         per_epoch = sampler.batches_per_epoch
     total = config.steps if config.steps is not None else config.epochs * per_epoch
     check_halving(config.halving, total)
-    if is_loader(train):  # the verified first steps' batches, drawn (and checked) before anything is written
+    if is_loader(train) and not resuming:  # the verified first steps' batches, drawn and checked now
         batches.peek(max(1, min(config.verify_steps, total)))
     return Prepared(config, loss, batches, eval_ds, total)

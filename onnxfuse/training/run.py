@@ -160,7 +160,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     ckpt, saved = resume_point(array_dir) if resume else (None, None)
     if ckpt is not None:
         data, eval_data, config = _resumed_inputs(saved, data, eval_data, config, overrides)
-    p = prepare(spec, config, data, eval_data)
+    p = prepare(spec, config, data, eval_data, resuming=ckpt is not None)
     identity = {"settings_hash": settings_hash(p.config), "data_hash": data_hash(p.train, p.eval)}
     record = check_resumable(ckpt, saved, p.config, identity, data) if ckpt is not None else new_run(identity)
     trained = ArrayDir(array_dir).trained_path
