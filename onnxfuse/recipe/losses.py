@@ -21,7 +21,8 @@ Abs, Relu, Exp, Log and arithmetic.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -31,7 +32,8 @@ from onnxfuse.core.errors import ConfigError
 
 from onnxfuse.core._builder import GraphBuilder
 
-__all__ = ["LOSSES", "LOSS_OPTIONS", "LossKind", "LossSpec", "get_loss", "add_loss", "LABELS"]
+__all__ = ["LOSSES", "LOSS_OPTIONS", "LossKind", "LossSpec", "PythonLoss", "python_loss", "get_loss", "add_loss",
+           "LABELS", "AS_GIVEN"]
 
 LABELS = "labels"
 LOSS_OPTIONS = ("label_smoothing", "ignore_index", "class_axis")  # what `TrainConfig.loss_options` may set
@@ -119,6 +121,49 @@ class LossSpec:
         if self.classification and self.num_classes(out_shape) is None:
             raise ConfigError(f"{self.name}: the class axis {self.class_axis} of output '{output}' (shape "
                               f"{out_shape}) must have a static size")
+
+
+AS_GIVEN = "as given"  # a label dtype: the data's own (integers as int64, other numbers as float32)
+
+
+@dataclass(frozen=True)
+class PythonLoss(LossSpec):
+    """A loss written in Python, for the torch runtime: ``fn(output, batch) -> [M]``. ``output`` is the array's
+    output stacked ``[M, N, ...]`` (M the models of the call: B, 1 while verification trains a model alone, fewer
+    after successive halving); ``batch`` the step's arrays by name (graph inputs and, when the data has them,
+    ``labels``) as torch tensors on the device; it returns each model's loss, ``[M]``, each a function of that
+    model's output alone (the sum over models is what is differentiated, so each gradient stays its model's).
+    Labels are taken as the data gives them (integers as int64, other numbers as float32), shared ``[N, ...]`` or
+    per model ``[M, N, ...]`` (``per_model_labels``). Evaluation reports the loss only (no accuracy)."""
+
+    fn: Callable | None = field(default=None, compare=False)
+
+    @property
+    def kind(self) -> LossKind:
+        return LossKind("python", AS_GIVEN, f"the Python function {self.label}")  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        """The function's name, as a run records it."""
+        return f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__qualname__', type(self.fn).__name__)}"
+
+    @property
+    def classification(self) -> bool:
+        return False
+
+    def label_shape(self, out_shape: list) -> list | None:
+        return None  # any: the function reads them
+
+    def check_output(self, out_shape: list, output: str = "output") -> None:
+        pass
+
+
+def python_loss(fn: Callable, per_model_labels: bool = False) -> PythonLoss:
+    """``fn`` (see :class:`PythonLoss`) as a run's loss; a callable is checked here, once."""
+    if not callable(fn):
+        raise ConfigError(f"loss= takes a loss name or a Python function (output, batch) -> [B] losses, got "
+                          f"{type(fn).__name__}")
+    return PythonLoss("python", per_model_labels=bool(per_model_labels), fn=fn)
 
 
 def get_loss(name: str | LossSpec, label_smoothing: float = 0.0, ignore_index: int = -100, class_axis: int = 1,

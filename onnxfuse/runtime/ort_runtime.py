@@ -19,7 +19,7 @@ from onnxfuse.core.weights import ArraySpec
 from onnxfuse.runtime.ort_artifacts import build_artifacts, ort_failure
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import Device
-from onnxfuse.recipe.losses import LABELS, LossSpec, get_loss
+from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, StepValues
 from onnxfuse.recipe.runtimes import check_feeds, evaluate
 
@@ -76,6 +76,9 @@ class FusedTrainer:
         if optimizer.B != spec.B:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
         self.spec, self.opt, self.loss = spec, optimizer, get_loss(loss)
+        if isinstance(self.loss, PythonLoss):
+            raise ConfigError(f"the loss {self.loss.label} is a Python function, which the ort runtime cannot run "
+                              "(its training graph is ONNX); train with --runtime torch")
         self.device = check_device(device)
         if workdir is None:  # a folder of our own: removed with the trainer
             workdir = tempfile.mkdtemp(prefix="onnxfuse-artifacts-")

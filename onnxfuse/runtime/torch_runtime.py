@@ -25,11 +25,12 @@ import onnx
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.passes import FusedGraph
+from onnxfuse.core.split import to_inference
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.runtime.ort_artifacts import add_loss_pass, inference_loss_pass
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import Device
-from onnxfuse.recipe.losses import LABELS, LossSpec, get_loss
+from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import STATE_PREFIX, OptimizerConfig, StepValues
 from onnxfuse.recipe.runtimes import check_feeds, evaluate, parameter_names
 
@@ -115,13 +116,22 @@ class TorchTrainer:
         # it applies
         train = copy.deepcopy(fused)
         self.stats, stat_outputs = _batchnorm_outputs(train, set(self.buffers))
-        train, _ = add_loss_pass(train, spec, self.loss)
-        self._train = self.array.program(train, outputs=["loss", "per_model_loss"] + stat_outputs,
-                                         options=TorchOptions(update_stats=False))
-        # eval graph: inference mode + loss (outputs per_model_loss, the model's output)
-        self._eval = self.array.program(inference_loss_pass(fused, spec, self.loss)).eval()
+        self.graph_inputs = [i["name"] for i in spec.inputs]
+        self.python = self.loss if isinstance(self.loss, PythonLoss) else None
+        options = TorchOptions(update_stats=False)
+        if self.python is None:
+            train, _ = add_loss_pass(train, spec, self.loss)
+            self._train = self.array.program(train, outputs=["loss", "per_model_loss"] + stat_outputs,
+                                             options=options)
+            # eval graph: inference mode + loss (outputs per_model_loss, the model's output)
+            self._eval = self.array.program(inference_loss_pass(fused, spec, self.loss)).eval()
+            self.inputs = self.graph_inputs + ([LABELS] if self.loss.has_labels else [])
+        else:  # the graph's output; the Python function computes the per-model losses from it
+            output = spec.outputs[0]["name"]
+            self._train = self.array.program(train, outputs=[output] + stat_outputs, options=options)
+            self._eval = self.array.program(to_inference(copy.deepcopy(fused)), outputs=[output]).eval()
+            self.inputs = self.graph_inputs
         self.optimizer_state_names = [STATE_PREFIX + s for s in optimizer.state_names()]
-        self.inputs = [i["name"] for i in spec.inputs] + ([LABELS] if self.loss.has_labels else [])
 
     unavailable = staticmethod(_device_available)
 
@@ -146,18 +156,37 @@ class TorchTrainer:
 
     # ---- steps
     def _feed(self, feeds: dict[str, np.ndarray]) -> dict:
+        """The step's tensors on the device: what the graph reads (and the labels), or for a Python loss every
+        array of the batch (the function reads any of them)."""
         import torch
 
-        arrays = check_feeds(self.inputs, feeds)
+        names = self.inputs if self.python is None else self.inputs + [n for n in feeds if n not in self.inputs]
+        arrays = check_feeds(names, feeds)
         return {n: (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))).to(
-            self.torch_device, non_blocking=True) for n, a in zip(self.inputs, arrays)}
+            self.torch_device, non_blocking=True) for n, a in zip(names, arrays)}
+
+    def _forward(self, program, batch: dict) -> tuple:
+        """(summed loss, per-model losses [B], the rest of the program's outputs)."""
+        if self.python is None:
+            loss, per_model, *rest = program(**batch)
+            return loss, per_model, rest
+        output, *rest = program(**{n: batch[n] for n in self.graph_inputs})
+        per_model = self.python.fn(output, batch)
+        B = self.spec.B
+        if not hasattr(per_model, "shape") or tuple(per_model.shape) != (B,):
+            shape = list(per_model.shape) if hasattr(per_model, "shape") else type(per_model).__name__
+            raise ConfigError(f"loss {self.python.label} returned {shape}; it must return one loss per model, a "
+                              f"tensor of shape [{B}] (the output it reads is [{B}, N, ...])")
+        return per_model.sum(), per_model, [output] + rest
 
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray:
         """One training step of every model; returns the per-model losses [B] (see ``FusedTrainer.step``)."""
         opt = self.optimizer
         opt.set_step_values(values if values is not None else
                             StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B))
-        loss, per_model, *stat_values = self._train(**self._feed(feeds))
+        loss, per_model, stat_values = self._forward(self._train, self._feed(feeds))
+        if self.python is not None:
+            stat_values = stat_values[1:]
         opt.zero_grad()
         loss.backward()
         opt.step(per_model_loss=per_model.detach(), buffers=dict(zip(self.stats, stat_values)))
@@ -169,8 +198,11 @@ class TorchTrainer:
         import torch
 
         with torch.no_grad():
-            per_model, scores = self._eval(**self._feed(feeds))
-        return per_model.cpu().numpy(), scores.cpu().numpy()
+            if self.python is None:
+                per_model, scores = self._eval(**self._feed(feeds))
+            else:
+                _, per_model, (scores,) = self._forward(self._eval, self._feed(feeds))
+        return per_model.float().cpu().numpy(), scores.float().cpu().numpy()
 
     def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
         """See :func:`training.runtime.evaluate`."""
