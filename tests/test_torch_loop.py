@@ -297,6 +297,9 @@ def test_fuse_says_in_one_line_what_is_wrong(digits):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="example_inputs"):
         onnxfuse.fuse([DigitsMLP(), DigitsMLP()])
+    with pytest.raises(ConfigError, match=r"^fuse_models: model 0 is a DigitsMLP, not an ONNX file or ModelProto; "
+                                          r"fuse torch modules with onnxfuse.fuse\(modules, example_inputs\)$"):
+        onnxfuse.fuse_models([DigitsMLP(), DigitsMLP()])
     with pytest.raises(ConfigError, match="model 1 is a int; give torch modules, ONNX files"):
         onnxfuse.fuse([DigitsMLP(), 42], x[:2])
     arr = onnxfuse.fuse([DigitsMLP(), DigitsMLP()], x[:2])

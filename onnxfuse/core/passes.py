@@ -70,6 +70,12 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
     """
     if isinstance(strategy, str):
         strategy = None if strategy == "default" else fixed_strategy(strategy)
+    models = list(models)
+    for k, m in enumerate(models):
+        if not isinstance(m, (str, os.PathLike, onnx.ModelProto)):
+            module = hasattr(m, "state_dict") and hasattr(m, "forward")  # a torch module, without importing torch
+            raise ConfigError(f"fuse_models: model {k} is a {type(m).__name__}, not an ONNX file or ModelProto"
+                              + ("; fuse torch modules with onnxfuse.fuse(modules, example_inputs)" if module else ""))
     if labels is None:
         labels = _labels(models)
     sources = [load_source(m, labels[k]) for k, m in enumerate(models)]
