@@ -293,6 +293,39 @@ def test_resume_says_when_the_data_order_cannot_be_the_same(array):
     assert load_file(os.path.join(array, "trained", "weights.safetensors"))
 
 
+def test_every_kind_of_generator_resumes_where_it_was():
+    """The states a checkpoint records (JSON) put every kind of generator a loader or dataset may hold back where
+    it was: the next draws are the same."""
+    import json
+    import random
+
+    from onnxfuse.recipe.loader import _get_state, _set_state
+
+    rngs = ["torch", "numpy", "random", torch.Generator().manual_seed(1), np.random.default_rng(2),
+            np.random.RandomState(3), random.Random(4)]
+
+    def draw(r):
+        if r == "torch":
+            return torch.rand(3).tolist()
+        if r == "numpy":
+            return np.random.rand(3).tolist()
+        if r == "random":
+            return [random.random() for _ in range(3)]
+        if isinstance(r, torch.Generator):
+            return torch.rand(3, generator=r).tolist()
+        if isinstance(r, (np.random.Generator, np.random.RandomState)):
+            return r.standard_normal(3).tolist()  # RandomState: a cached Gaussian is part of the state
+        return [r.gauss(0, 1) for _ in range(3)]
+
+    for r in rngs:
+        draw(r)
+        state = json.loads(json.dumps(_get_state(r)))
+        first = draw(r)
+        draw(r)
+        _set_state(r, state)
+        assert draw(r) == first, r
+
+
 # -------------------------------------------------------------------------------- evaluation, per-model, halving
 def test_an_eval_dataloader_evaluates_as_arrays_do(array):
     """Evaluation data given as a DataLoader (its own batch size, a partial last batch) gives the losses and

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from onnxfuse.recipe.losses import LABELS, LossSpec
 from onnxfuse.recipe.settings import check_halving
 from onnxfuse.recipe.runtimes import resolve_runtime
 from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+
+if TYPE_CHECKING:  # torch is imported when a DataLoader is given
+    from onnxfuse.recipe.loader import LoaderBatches
 
 
 log = logging.getLogger("onnxfuse.train")
@@ -77,6 +80,11 @@ def _load_source(data, spec: ArraySpec, what: str) -> tuple[dict | Any, str]:
         pass
     raise ConfigError(f"{what} data must be a .npz path, 'sklearn:<name>', MODULE:FUNCTION, a dict of arrays, a torch "
                       f"Dataset or a torch DataLoader, got {type(data).__name__}")
+
+
+def _is_loader(source) -> bool:
+    """Whether what ``_load_source`` gave is a DataLoader (else arrays, a dict, or no data)."""
+    return source is not None and not isinstance(source, dict)
 
 
 def _call_factory(text: str, what: str) -> Any:
@@ -147,14 +155,10 @@ def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_sou
             None if eval_arrays is None else build(eval_arrays, eval_source, sharded))
 
 
-def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: LossSpec):
+def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: LossSpec) -> LoaderBatches:
     """A DataLoader as the run's batches (``recipe/loader.py``), its first batch checked as arrays are."""
     from onnxfuse.recipe.loader import LoaderBatches
 
-    if config.data_order != "shared":
-        raise ConfigError(f"{name}: --data-order {config.data_order} gives every model other samples, but a "
-                          "DataLoader gives every model the same batches; use --data-order shared (data_order: "
-                          "shared), or give the data as arrays")
     out_shape = spec.outputs[0]["shape"]
     wanted = [dict(i) for i in spec.inputs]
     if loss.label_dtype is not None:
@@ -170,7 +174,7 @@ def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: L
                          check_nonfinite=not config.allow_nonfinite_data)
 
 
-def _check_batch_size(train, config: RunPlan, given: bool) -> RunPlan:
+def _check_batch_size(train: LoaderBatches, config: RunPlan, given: bool) -> RunPlan:
     """The run's batch size is the training DataLoader's: a different one given is one line; none given, the
     loader's is the run's (and what its record says)."""
     N = train.batch_size if train.batch_size is not None else train.samples(train.peek(1)[0])
@@ -201,7 +205,7 @@ class Prepared:
     config: RunPlan
     loss: LossSpec
     train: BatchSource  # the batches the steps train on
-    eval: Dataset | Any | None  # evaluation data: a Dataset, a LoaderBatches (evaluated by one pass), or none
+    eval: Dataset | LoaderBatches | None  # evaluation data; a DataLoader's is evaluated by one pass over it
     total: int
 
 
@@ -216,19 +220,22 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
     batch_size_given = config.given("batch_size")
     config = validate(config, spec, eval_data is not None)
     loss = config.loss_spec()
-    from onnxfuse.recipe.loader import is_loader
-
     train, source = _load_source(data, spec, "training")
     evaluation, eval_source = (None, None) if eval_data is None else _load_source(eval_data, spec, "evaluation")
-    if is_loader(train) and config.eval_fraction > 0:
+    loader = next((name for d, name in ((train, source), (evaluation, eval_source)) if _is_loader(d)), None)
+    if loader is not None and config.data_order != "shared":
+        raise ConfigError(f"{loader}: --data-order {config.data_order} gives every model other samples, but a "
+                          "DataLoader gives every model the same batches; use --data-order shared (data_order: "
+                          "shared), or give the data as arrays")
+    if _is_loader(train) and config.eval_fraction > 0:
         raise ConfigError(f"--eval-fraction holds out part of arrays, but {source} cannot be split; give evaluation "
                           "data instead (eval_data=, --eval-data: a DataLoader or arrays)")
-    train_ds, eval_ds = _datasets(None if is_loader(train) else train, source,
-                                  None if is_loader(evaluation) else evaluation, eval_source, config, spec, loss)
-    if is_loader(evaluation):
+    train_ds, eval_ds = _datasets(None if _is_loader(train) else train, source,
+                                  None if _is_loader(evaluation) else evaluation, eval_source, config, spec, loss)
+    if _is_loader(evaluation):
         eval_ds = _loader_batches(evaluation, eval_source, config, spec, loss)
         eval_ds.check()
-    if is_loader(train):
+    if _is_loader(train):
         batches = _loader_batches(train, source, config, spec, loss)
         config = _check_batch_size(batches, config, batch_size_given)
         per_epoch = batches.batches_per_epoch
@@ -242,6 +249,6 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
         per_epoch = sampler.batches_per_epoch
     total = config.steps if config.steps is not None else config.epochs * per_epoch
     check_halving(config.halving, total)
-    if is_loader(train) and not resuming:  # the verified first steps' batches, drawn and checked now
+    if _is_loader(train) and not resuming:  # the verified first steps' batches, drawn and checked now
         batches.peek(max(1, min(config.verify_steps, total)))
     return Prepared(config, loss, batches, eval_ds, total)
