@@ -402,3 +402,64 @@ def test_a_sweep_whose_data_factory_returns_a_loader(tmp_path):
         got = load_file(out.trial_file(row["trial"], "model.safetensors"))
         for k, v in mod.state_dict().items():
             assert rel_err(got[k], v.detach().numpy()) < 1e-5, (row["trial"], k)
+
+
+# ---------------------------------------------------------------------------------------------- a Python loss
+def smoothed(output, batch):
+    """A Python loss: label-smoothed cross-entropy per model over the stacked output [M, N, 10] -> [M]."""
+    logp = output.log_softmax(-1)
+    y = batch["labels"].expand(output.shape[0], -1)
+    return (0.9 * -logp.gather(-1, y[..., None]).squeeze(-1) - 0.1 * logp.mean(-1)).mean(-1)
+
+
+def test_a_python_loss_trains_each_model_as_torch_trains_it_alone(array, tmp_path):
+    """train_array(..., loss=fn) with a DataLoader: each model's weights are what torch.optim.SGD gives the model
+    alone with the same function on the same batches; the run's verification passed on the way."""
+    ds = NoisyDigits(n=96)
+    res = train_array(array, loader_of(ds, seed=3),
+                      TrainConfig(steps=6, lr=LR, optimizer="sgd", verify_steps=2, runtime="torch"),
+                      progress=False, loss=smoothed)
+    assert len(ds.calls) == 6 * N
+    alone = mlps()
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in alone]
+    replay = NoisyDigits(n=96)
+    for x, y in loader_of(replay, seed=3):
+        for m, o in zip(alone, opts):
+            smoothed(m.train()(x)[None], {"labels": y})[0].backward()
+            o.step()
+            o.zero_grad()
+        if len(replay.calls) == 6 * N:
+            break
+    for b, (got, m) in enumerate(zip(states(array), alone)):
+        for k, v in m.state_dict().items():
+            assert rel_err(got[k], v.detach().numpy()) < 1e-5, (b, k)
+    assert res.steps == 6 and np.isfinite(res.final_loss).all()
+
+
+def test_a_python_loss_reads_labels_as_given_and_is_refused_where_it_cannot_run(array, tmp_path):
+    float_targets = {"input": DIGITS["input"][:64], "labels": DIGITS["input"][:64].reshape(64, -1)[:, :10] * 1.0}
+
+    def mse(output, batch):  # float targets [N, 10]: the data's dtype, no class check
+        assert batch["labels"].dtype == torch.float32
+        return ((output - batch["labels"]) ** 2).mean(dim=(1, 2))
+
+    train_array(array, float_targets, TrainConfig(steps=2, batch_size=16, runtime="torch"), progress=False, loss=mse)
+    with pytest.raises(ConfigError, match="only the torch runtime runs; train with runtime='torch'"):
+        train_array(array, float_targets, TrainConfig(steps=2, batch_size=16, runtime="ort"), progress=False,
+                    loss=mse)
+    with pytest.raises(ConfigError, match=r"returned \[16\]; it must return one loss per model, a tensor of shape "
+                                          r"\[2\]"):
+        train_array(array, float_targets, TrainConfig(steps=2, batch_size=16, runtime="torch"), progress=False,
+                    loss=lambda output, batch: output.mean(dim=(0, 2)))
+    with pytest.raises(ConfigError, match="loss= takes a loss name or a Python function"):
+        train_array(array, float_targets, TrainConfig(steps=2, batch_size=16), progress=False, loss=3)
+
+
+def test_a_run_with_a_python_loss_resumes_only_given_it(array):
+    cfg = TrainConfig(steps=4, batch_size=16, checkpoint_every=2, runtime="torch")
+    data = {"input": DIGITS["input"][:64], "labels": DIGITS["labels"][:64]}
+    train_array(array, data, cfg, progress=False, loss=smoothed, stop_at=2)
+    with pytest.raises(ConfigError, match=r"was trained with the Python loss test_dataloader.smoothed, not the "
+                                          r"settings loss; resume it with train_array\(..., loss=smoothed"):
+        train_array(array, data, progress=False, resume=True)
+    assert train_array(array, data, progress=False, resume=True, loss=smoothed).steps == 4

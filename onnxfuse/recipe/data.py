@@ -14,9 +14,9 @@ import numpy as np
 
 from onnxfuse.core.errors import DataError, InputFileError
 
-from onnxfuse.recipe.losses import LABELS
+from onnxfuse.recipe.losses import AS_GIVEN, LABELS
 
-__all__ = ["Dataset", "load_npz", "make_dataset", "check_kind", "check_finite", "batches", "BatchSampler"]
+__all__ = ["Dataset", "load_npz", "make_dataset", "resolved_label_dtype", "check_kind", "check_finite", "batches", "BatchSampler"]
 
 
 @dataclass
@@ -81,6 +81,7 @@ def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype,
     ``label_dtype`` None means the loss takes no labels. Per-model arrays (and labels with ``per_model_labels``)
     must be ``[B, n, ...]``."""
     wanted = [dict(i) for i in inputs]
+    label_dtype = resolved_label_dtype(label_dtype, arrays.get(LABELS))
     if label_dtype is not None:
         wanted.append({"name": LABELS, "shape": label_shape, "dtype": np.dtype(label_dtype).name,
                        "per_model": per_model_labels})
@@ -92,6 +93,8 @@ def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype,
             what = "the loss needs it" if name == LABELS else "a graph input"
             raise DataError(f"{source} has no array '{name}' ({what}); it holds: {have}")
         a = np.asarray(arrays[name])
+        if spec["shape"] is None:  # labels a Python loss reads: any shape [n, ...] ([B, n, ...] per model)
+            spec["shape"] = [None] * (a.ndim - (1 if pm else 0))
         want = list(spec["shape"] or [])
         if pm:
             if B is None:
@@ -113,6 +116,21 @@ def make_dataset(arrays: dict[str, np.ndarray], inputs: list[dict], label_dtype,
         raise DataError(f"{source}: arrays have different numbers of samples {n}; every array needs one row per "
                         "sample (axis 1 for per-model arrays)")
     return Dataset(out, frozenset(per_model))
+
+
+def resolved_label_dtype(wanted, labels) -> str | None:
+    """The dtype a loss's labels are trained with: ``wanted`` (the loss's ``label_dtype``; None: it takes none),
+    or for a loss that takes labels as the data gives them (``AS_GIVEN``, a Python loss) the data's own: integers
+    as int64, other numbers as float32; None when the data has no labels. ``labels``: the data's (an array or a
+    torch tensor), or None."""
+    if wanted != AS_GIVEN:
+        return None if wanted is None else np.dtype(wanted).name
+    if labels is None:
+        return None
+    kind = getattr(labels, "dtype", np.asarray(labels).dtype)
+    integer = (not kind.is_floating_point and not kind.is_complex and str(kind) != "torch.bool") \
+        if hasattr(kind, "is_floating_point") else np.dtype(kind).kind in "iu"
+    return "int64" if integer else "float32"
 
 
 _KIND = {"c": "complex numbers", "U": "text", "S": "bytes", "O": "Python objects", "M": "dates", "m": "time spans",

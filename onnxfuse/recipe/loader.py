@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from onnxfuse.core.errors import ConfigError, DataError
-from onnxfuse.recipe.data import check_finite
-from onnxfuse.recipe.losses import LABELS
+from onnxfuse.recipe.data import check_finite, resolved_label_dtype
+from onnxfuse.recipe.losses import AS_GIVEN, LABELS
 
 __all__ = ["LoaderBatches", "is_loader", "loader_batch_size"]
 
@@ -328,6 +328,8 @@ class LoaderBatches:
         out, first = {}, {}
         for w in self.wanted:
             name = w["name"]
+            if name not in parts and w.get("dtype") == AS_GIVEN:
+                continue  # a Python loss's labels: optional
             if name not in parts:
                 have = ", ".join(sorted(parts)) or "nothing"
                 what = "the loss needs it" if name == LABELS else "a graph input"
@@ -347,7 +349,9 @@ class LoaderBatches:
             self._shapes = {n: self._body(n, t.shape) for n, t in out.items()}
         self._check_shapes(out, where)
         for w in self.wanted:
-            name, dtype = w["name"], np.dtype(w["dtype"])
+            if w["name"] not in out:
+                continue
+            name, dtype = w["name"], np.dtype(resolved_label_dtype(w["dtype"], out[w["name"]]))
             raw_value = out[name]
             t = raw_value.to(getattr(torch, dtype.name))
             if self.check_nonfinite and dtype.kind == "f" and not bool(torch.isfinite(t).all()):

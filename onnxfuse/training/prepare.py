@@ -13,9 +13,9 @@ import numpy as np
 from onnxfuse.core.errors import ConfigError, DataError, OnnxFuseError
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.batches import ArrayBatches, BatchSource
-from onnxfuse.recipe.data import BatchSampler, Dataset, check_finite, load_npz, make_dataset
+from onnxfuse.recipe.data import BatchSampler, Dataset, check_finite, load_npz, make_dataset, resolved_label_dtype
 from onnxfuse.recipe.datasets import is_data_factory
-from onnxfuse.recipe.losses import LABELS, LossSpec
+from onnxfuse.recipe.losses import AS_GIVEN, LABELS, LossSpec, PythonLoss, python_loss
 from onnxfuse.recipe.settings import check_halving
 from onnxfuse.recipe.runtimes import resolve_runtime
 from onnxfuse.recipe.train_config import RunPlan, TrainConfig
@@ -116,11 +116,10 @@ def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_sou
     arrays, eval_arrays = train, evaluation
     if not config.allow_nonfinite_data:  # before any split or shard: indices as in the file
         dtypes = {i["name"]: i["dtype"] for i in spec.inputs}
-        if loss.label_dtype is not None:
-            dtypes[LABELS] = np.dtype(loss.label_dtype).name
         for a, src in ((arrays, source), (eval_arrays, eval_source)):
             if a is not None:
-                check_finite(a, dtypes, src)
+                labels = resolved_label_dtype(loss.label_dtype, a.get(LABELS))
+                check_finite(a, {**dtypes, **({LABELS: labels} if labels else {})}, src)
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")}
     if config.data_order == "shards" and arrays is not None:
         from onnxfuse.recipe import datasets
@@ -161,9 +160,9 @@ def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: L
 
     out_shape = spec.outputs[0]["shape"]
     wanted = [dict(i) for i in spec.inputs]
-    if loss.label_dtype is not None:
-        wanted.append({"name": LABELS, "dtype": np.dtype(loss.label_dtype).name,
-                       "per_model": loss.per_model_labels})
+    if loss.label_dtype is not None:  # AS_GIVEN (a Python loss): the loader's own, when its batches have labels
+        wanted.append({"name": LABELS, "per_model": loss.per_model_labels,
+                       "dtype": loss.label_dtype if loss.label_dtype == AS_GIVEN else np.dtype(loss.label_dtype).name})
 
     def check_first(arrays: dict[str, np.ndarray], where: str) -> None:
         ds = make_dataset(arrays, spec.inputs, loss.label_dtype, loss.label_shape(out_shape), source=where,
@@ -185,6 +184,17 @@ def _check_batch_size(train: LoaderBatches, config: RunPlan, given: bool) -> Run
                           f"{config.batch_size}: a step trains on the loader's batches; set batch_size={N} "
                           f"(--batch-size {N}), or give the DataLoader batch_size={config.batch_size}")
     return replace(config, batch_size=N, record={**config.record, "batch_size": N})
+
+
+def _loss(config: RunPlan, given) -> LossSpec:
+    """The run's loss: the settings', or ``given`` (a Python function, or a LossSpec) in its place."""
+    if given is None:
+        return config.loss_spec()
+    loss = given if isinstance(given, LossSpec) else python_loss(given, config.loss_spec().per_model_labels)
+    if isinstance(loss, PythonLoss) and config.runtime != "torch":
+        raise ConfigError(f"the loss {loss.label} is a Python function, which only the torch runtime runs; train "
+                          f"with runtime='torch' (--runtime torch), not {config.runtime}")
+    return loss
 
 
 def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
@@ -209,17 +219,19 @@ class Prepared:
     total: int
 
 
-def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resuming: bool = False) -> Prepared:
+def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resuming: bool = False,
+            loss=None) -> Prepared:
     """Validate the settings against the array, load (or open) the data, check it, and count the run's steps.
     A DataLoader's first batches (those a fresh run verifies) are drawn and checked here; ``resuming``: not here,
-    the resumed position's are (``LoaderBatches.load_state_dict``)."""
+    the resumed position's are (``LoaderBatches.load_state_dict``). ``loss``: a Python function (``PythonLoss``)
+    instead of the settings' loss, for the torch runtime."""
     if config is None:
         raise ConfigError("no training configuration given")
     if len(spec.outputs) != 1:
         raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
     batch_size_given = config.given("batch_size")
     config = validate(config, spec, eval_data is not None)
-    loss = config.loss_spec()
+    loss = _loss(config, loss)
     train, source = _load_source(data, spec, "training")
     evaluation, eval_source = (None, None) if eval_data is None else _load_source(eval_data, spec, "evaluation")
     loader = next((name for d, name in ((train, source), (evaluation, eval_source)) if _is_loader(d)), None)

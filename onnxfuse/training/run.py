@@ -45,6 +45,7 @@ from onnxfuse.core.passes import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.batches import BatchSource
+from onnxfuse.recipe.losses import LossSpec, PythonLoss
 from onnxfuse.recipe.optim import StepValues
 from onnxfuse.recipe.runtimes import Runtime, make_trainer
 from onnxfuse.recipe.settings import RESUMABLE
@@ -97,7 +98,7 @@ def _first_steps(source: BatchSource, config: RunPlan, B: int, total: int, K: in
 
 
 def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Runtime | None, source: BatchSource,
-            config: RunPlan, total: int, K: int) -> VerifyReport:
+            config: RunPlan, total: int, K: int, loss: LossSpec) -> VerifyReport:
     """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
@@ -107,7 +108,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     if trainer is None or dropout_off:
         opt, _ = optimizer_and_schedules(config, spec.B, total)
         trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
-                               config.loss_spec(), opt, config.device, threads=config.threads or None)
+                               loss, opt, config.device, threads=config.threads or None)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(source, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
@@ -116,7 +117,7 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
 
 
 def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None,
-                 eval_data=None) -> VerifyReport:
+                 eval_data=None, loss=None) -> VerifyReport:
     """The check a fresh ``train_array`` makes before it trains (see ``verify.py``), on demand: the first
     ``config.verify_steps`` steps of every model of the array in ``array_dir`` against the model trained alone,
     with the run's data, batches, loss and hyper-parameters. Nothing is written to ``array_dir``; the report says
@@ -124,15 +125,17 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("check"):
-        p = prepare(spec, config, data, eval_data)
+        p = prepare(spec, config, data, eval_data, loss=loss)
         if p.config.verify_steps < 1:
             raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
-        return _verify(array_dir, fused, spec, None, p.train, p.config, p.total, min(p.config.verify_steps, p.total))
+        return _verify(array_dir, fused, spec, None, p.train, p.config, p.total, min(p.config.verify_steps, p.total),
+                       p.loss)
 
 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
                 eval_data=None, resume: bool = False, overrides: dict | None = None,
-                on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None) -> TrainResult:
+                on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
+                loss=None) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
     there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
@@ -146,21 +149,27 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     after every step (a sweep reports progress with it).
 
     ``stop_at`` ends the run at that step with a checkpoint there (its schedules still span every step, so
-    ``resume`` continues exactly): a sweep's successive halving stops every array at each rung."""
+    ``resume`` continues exactly): a sweep's successive halving stops every array at each rung.
+
+    ``loss``: a Python function ``(output [B, N, ...], batch) -> [B]`` in place of the settings' loss (the torch
+    runtime; see ``onnxfuse.recipe.losses.PythonLoss``); a run trained with one resumes only given it again."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("train"):
         return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step,
-                      stop_at)
+                      stop_at, loss)
 
 
 def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config: TrainConfig | None,
            progress: bool, eval_data, resume: bool, overrides: dict | None,
-           on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None) -> TrainResult:
+           on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
+           loss=None) -> TrainResult:
     ckpt, saved = resume_point(array_dir) if resume else (None, None)
     if ckpt is not None:
         data, eval_data, config = _resumed_inputs(saved, data, eval_data, config, overrides)
-    p = prepare(spec, config, data, eval_data, resuming=ckpt is not None)
+    p = prepare(spec, config, data, eval_data, resuming=ckpt is not None, loss=loss)
+    if ckpt is not None:
+        _check_resumed_loss(saved, p.loss)
     identity = {"settings_hash": settings_hash(p.config), "data_hash": data_hash(p.train, p.eval)}
     record = check_resumable(ckpt, saved, p.config, identity, data) if ckpt is not None else new_run(identity)
     trained = ArrayDir(array_dir).trained_path
@@ -173,13 +182,14 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                               f"{p.total} steps asked for; resume with more --steps (or --epochs)")
         if ckpt is None and p.config.verify_steps:  # before anything is written
             report = _verify(array_dir, fused, spec, run.trainer, p.train, p.config, p.total,
-                             min(p.config.verify_steps, p.total))
+                             min(p.config.verify_steps, p.total), p.loss)
             log.info("%s", report.summary())
             if not report.ok:
                 raise report.error()
         # what a checkpoint needs to resume by itself
         run.config_record = {**p.config.as_dict(), **{k: os.fspath(v) if isinstance(v, (str, os.PathLike)) else None
-                                                      for k, v in (("_data", data), ("_eval_data", eval_data))}}
+                                                      for k, v in (("_data", data), ("_eval_data", eval_data))},
+                             "_loss": p.loss.label if isinstance(p.loss, PythonLoss) else None}
         loop = _Loop(run, p, record, resumed=ckpt is not None, elapsed0=elapsed0)
         loop.train(stop_at, progress, on_step)
         write_trained(run, tmp, loop.elapsed, loop.stopped)
@@ -193,6 +203,19 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                        samples_per_s=loop.samples / max(loop.elapsed - elapsed0, 1e-9),
                        metrics_path=run.array.metrics_path, trained_dir=trained,
                        status=dict(run.status), eval=run.last_eval, survivors=list(run.models), run_id=record["id"])
+
+
+def _check_resumed_loss(saved: dict, loss: LossSpec) -> None:
+    """A run trained with a Python loss resumes with that function given again (its name is what the run
+    recorded), and only such a run takes one."""
+    was = saved["config"].get("_loss")
+    now = loss.label if isinstance(loss, PythonLoss) else None
+    if was != now:
+        what = f"the Python loss {was}" if was else "its settings' loss"
+        fix = (f"resume it with train_array(..., loss={was.rsplit('.', 1)[-1]}, resume=True)" if was else
+               "resume it without loss=")
+        raise ConfigError(f"--resume: the run was trained with {what}, not "
+                          f"{'the Python loss ' + now if now else 'the settings loss'}; {fix}")
 
 
 def _resumed_inputs(saved: dict, data, eval_data, config: TrainConfig | None, overrides: dict | None):
