@@ -272,7 +272,7 @@ class OptimizerConfig:
 
     @property
     def clips(self) -> bool:
-        return any(np.isfinite(m) for m in self.max_norm)
+        return any(math.isfinite(m) for m in self.max_norm)
 
     def uses(self, name: str) -> bool:
         """Whether some model's ``name`` is non-zero / true: the update graph then has that term."""

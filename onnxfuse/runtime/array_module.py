@@ -85,14 +85,22 @@ class FusedArray(torch.nn.Module):
 
     def parameter(self, name: str) -> torch.nn.Parameter:
         """The fused parameter ``name`` (a fused weight of ``spec``)."""
-        return self.module.parameter(name)
+        return self.onnx_state()[name]
 
     def buffer(self, name: str) -> torch.Tensor:
-        return self.module.buffer(name)
+        return self.onnx_state()[name]
 
     def onnx_state(self) -> dict[str, torch.Tensor]:
-        """Every fused parameter and buffer by its fused name."""
-        return self.module.onnx_state()
+        """Every fused parameter and buffer by its fused name (one dict, kept until the tensors are replaced:
+        ``.to()``; read at every step, so not rebuilt there)."""
+        state = self.__dict__.get("_state")
+        if state is None:
+            state = self.__dict__["_state"] = self.module.onnx_state()
+        return state
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_state", None)
+        return super()._apply(fn, *args, **kwargs)
 
     # ---- running
     def forward(self, *inputs, **named):

@@ -168,7 +168,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.active = [True] * self.B  # a model not active keeps its state at every step (the run loop's halving)
         self.last_ok = torch.ones(self.B, dtype=torch.bool, device=array.device)
         self._views: dict[int, ModelOptimizer] = {}
-        self._program, self._key = None, None
+        self._program, self._key, self._values = None, None, None
 
     # ---- torch.optim.Optimizer
     def add_param_group(self, param_group: dict) -> None:
@@ -178,7 +178,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.array.parameters():
+        for p in self._parameters():
             if p.grad is None:
                 continue
             if set_to_none:
@@ -196,7 +196,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for b, view in self._views.items():  # load_state_dict replaces the group dicts
             view.param_groups = [self.param_groups[b]]
             view.state = self.state
-        self._key = None
+        self._key = self._values = None
 
     def model(self, b: int) -> ModelOptimizer:
         """Model b's view, for a torch ``lr_scheduler`` of its own (the same object at every call)."""
@@ -207,6 +207,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._views[b]
 
     # ---- the step
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        state = self.array.onnx_state()
+        return [state[n] for n in self.array.trainable]
+
     def config(self) -> OptimizerConfig:
         """The optimizer as the groups now say (a scheduler or the user may have changed any value)."""
         groups = self.param_groups
@@ -250,7 +254,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         shapes = [(n, list(arr.buffer(n).shape)) for n in buffers]
         model, writes = update_graph(config, params, shapes, arr.opset)
         self._program = _module(model, arr.device)
-        self._writes = writes
+        self._writes, self._targets = writes, None
         P = sum(int(np.prod(s)) for _, s in params) // self.B
         for s in config.state_names():
             if s not in self.state:
@@ -266,23 +270,35 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.update(per_model_loss, buffers)
+        return loss
+
+    @torch.no_grad()
+    def update(self, per_model_loss: torch.Tensor | None = None, buffers: dict[str, torch.Tensor] | None = None
+               ) -> None:
+        """The step without torch.optim's step hooks and profiler range around it (the run loop's call)."""
         arr = self.array
         buffers = buffers or {}
-        config = self.config()
-        graph = self._graph_config(config)
-        key = (tuple(graph.state_names()), tuple(n for n in self.hyper_names if graph.uses(n)), graph.clips,
-               tuple(buffers), arr.device)
-        if key != self._key:
-            self._build(graph, list(buffers))
-            self._key = key
+        # the groups' values as they are now: the configuration and its graph are rebuilt only when they changed
+        names = self.hyper_names + ["max_norm"]
+        values_now = (tuple(tuple(g[n] for n in names) for g in self.param_groups), tuple(buffers), arr.device)
+        if values_now != self._values:
+            config = self.config()
+            graph = self._graph_config(config)
+            key = (tuple(graph.state_names()), tuple(n for n in self.hyper_names if graph.uses(n)), graph.clips,
+                   tuple(buffers), arr.device)
+            if key != self._key:
+                self._build(graph, list(buffers))
+                self._key = key
+            self._values, self._configs = values_now, (config, graph)
+        config, graph = self._configs
         step = self.state["step"] + 1
         device = arr.device
         values = StepValues(list(config.lr), config.cycled(), list(self.active))
         inputs = {HYPER_INPUT: torch.from_numpy(config.coefficients(step, values)).to(device, non_blocking=True),
                   "per_model_loss": (torch.zeros(self.B, device=device) if per_model_loss is None
                                      else per_model_loss.detach().float().reshape(self.B))}
-        for name in arr.trainable:
-            p = arr.parameter(name)
+        for name, p in zip(arr.trainable, self._parameters()):
             inputs[name] = p.detach()
             inputs[f"{name}_grad"] = torch.zeros_like(p) if p.grad is None else p.grad
         for name, value in buffers.items():
@@ -291,13 +307,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         for s in graph.state_names():
             inputs[STATE_PREFIX + s] = self.state[s]
         *new, ok = self._program(**inputs)
-        targets = [self._target(t) for t in self._writes]
-        torch._foreach_copy_(targets, new)
+        if self._targets is None:  # what the update writes, found once per graph
+            self._targets = [self._target(t) for t in self._writes]
+        torch._foreach_copy_(self._targets, new)
         self.state["step"] = step
         self.last_ok = ok.reshape(-1)
         for view in self._views.values():
             view._opt_called = True  # what torch's schedulers check before their first step
-        return loss
 
     def _target(self, name: str) -> torch.Tensor:
         if name.startswith(STATE_PREFIX) and name[len(STATE_PREFIX):] in self.state:

@@ -189,7 +189,7 @@ class TorchTrainer:
             stat_values = stat_values[1:]
         opt.zero_grad()
         loss.backward()
-        opt.step(per_model_loss=per_model.detach(), buffers=dict(zip(self.stats, stat_values)))
+        opt.update(per_model_loss=per_model.detach(), buffers=dict(zip(self.stats, stat_values)))
         opt.zero_grad()
         self.last_ok = opt.last_ok.cpu().numpy().astype(bool)
         return per_model.detach().cpu().numpy()
