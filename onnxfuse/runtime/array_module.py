@@ -166,8 +166,8 @@ class FusedArray(torch.nn.Module):
         state = {n: t.detach().cpu().numpy() for n, t in self.onnx_state().items()}
         for init in model.graph.initializer:
             if init.name in state:
-                init.CopyFrom(numpy_helper.from_array(state[init.name].astype(
-                    numpy_helper.to_array(init).dtype, copy=False), init.name))
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+                init.CopyFrom(numpy_helper.from_array(state[init.name].astype(dtype, copy=False), init.name))
         spec = copy.deepcopy(self.spec)
         steps = int(self.forwards)
         for extra in spec.extra_state:
