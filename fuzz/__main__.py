@@ -1,8 +1,9 @@
-"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out] [--runtime ort|torch|both]``
-(``make fuzz N=500 SEED=0 RUNTIME=both``).
+"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out] [--runtime ort|torch|loop|all]``
+(``make fuzz N=500 SEED=0 RUNTIME=all``).
 
 Generates N random models (seeds SEED .. SEED+N-1), checks each at B = 1, 2, 3 against torch on each runtime
-asked for (default both: onnxruntime-training and PyTorch train the fused array in turn), shrinks every
+asked for (default all: onnxruntime-training, PyTorch, and a user's own torch loop on the array as a module train
+the fused array in turn; ``both``: the first two), shrinks every
 failure to a minimal model, and prints a summary: tried, passed, sensitive to rounding, refused with a clear error,
 ONNX Runtime alone differs from torch the same way (runtime), invalid (torch could not run the generated model),
 failed by cause, each cause with its minimal model's source.
@@ -30,14 +31,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--out", default="fuzz-out", help="folder for report.json and the minimal failing models")
     ap.add_argument("--no-shrink", action="store_true", help="report failures as generated")
-    ap.add_argument("--runtime", choices=RUNTIMES + ("both",), default="both",
-                    help="what trains the fused array: ort, torch, or both (each model checked on each)")
+    ap.add_argument("--runtime", choices=RUNTIMES + ("both", "all"), default="all",
+                    help="what trains the fused array: ort, torch, loop (FusedArray and onnxfuse.optim in a torch "
+                         "loop), both (ort and torch) or all (each model checked on each)")
     from onnxfuse.core.passes import FORMS
 
     ap.add_argument("--strategy", choices=("default",) + FORMS, default="default",
                     help="the fused form of nodes that offer several (every form must be exact)")
     args = ap.parse_args(argv)
-    runtimes = RUNTIMES if args.runtime == "both" else (args.runtime,)
+    runtimes = {"all": RUNTIMES, "both": RUNTIMES[:2]}.get(args.runtime, (args.runtime,))
 
     from tqdm import tqdm
 

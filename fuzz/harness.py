@@ -1,5 +1,6 @@
 """Differential check of one generated model: fused by onnxfuse and trained by one of its runtimes (``ort``:
-onnxruntime-training, ``torch``: PyTorch autograd), against torch.
+onnxruntime-training, ``torch``: PyTorch autograd) or in a user's own torch loop (``loop``: ``FusedArray`` and
+``onnxfuse.optim``, torch's loss per model), against torch.
 
 For each B: B instances of the model with different weights are exported, fused, and compared with torch on each
 model alone: the forward pass (train mode), a few SGD-momentum steps (every split tensor) and a few AdamW steps
@@ -45,7 +46,9 @@ from .native import native_output_to
 
 __all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err", "RUNTIMES"]
 
-RUNTIMES = ("ort", "torch")  # onnxfuse/recipe/runtimes.py's RUNTIMES, named here without importing a runtime
+# onnxfuse/recipe/runtimes.py's RUNTIMES, named here without importing a runtime, and ``loop``: the user's own torch
+# loop on the array as a module (``FusedArray``, ``onnxfuse.optim``, a torch loss per model, ``backward``)
+RUNTIMES = ("ort", "torch", "loop")
 STEPS = 3
 FORWARD_TOL, SGD_TOL, STAT_TOL, ADAMW_TOL = 1e-4, 1e-4, 1e-5, 1e-3
 
@@ -289,9 +292,13 @@ def _run_fused(fa, x: np.ndarray, runtime: str) -> np.ndarray:
     """The fused graph's train-mode forward as ``runtime`` computes it."""
     if runtime == "ort":
         return _run_onnx(fa.model, x)
-    from onnxfuse.runtime.torch_graph import OnnxModule
-
     with torch.no_grad():
+        if runtime == "loop":
+            from onnxfuse.runtime.array_module import FusedArray
+
+            return FusedArray(fa).train()(torch.from_numpy(x)).numpy()
+        from onnxfuse.runtime.torch_graph import OnnxModule
+
         return OnnxModule.from_array(fa.model, fa.spec).train()(input=torch.from_numpy(x))[0].numpy()
 
 
@@ -366,16 +373,31 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str) -> Outcome | Non
 
     case, B = sub.case, sub.B
     lrs = LRS[kind][:B]
-    opt = make_optimizer(kind, B, lr=lrs, **HYPER[kind])
-    loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
-    trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind))
     batches = [(sub.inputs(), case.targets()) for _ in range(STEPS)]
     fused_losses = []
-    for x, y in batches:
-        feeds = {"input": x.numpy()}
-        feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
-        fused_losses.append(trainer.step(feeds))
-    states = split_weights(fa.spec, trainer.weights(), steps=STEPS)
+    if runtime == "loop":  # the user's loop: the array as a module, onnxfuse.optim, torch's loss per model
+        import onnxfuse
+        from onnxfuse.runtime.array_module import FusedArray
+
+        arr = FusedArray(fa)
+        fused_opt = onnxfuse.optim.optimizer_class(kind)(arr, lr=lrs, **HYPER[kind])
+        for x, y in batches:
+            out = arr(x)
+            losses = torch.stack([case.loss(out[b], y) for b in range(B)])
+            fused_opt.zero_grad()
+            losses.sum().backward()
+            fused_opt.step()
+            fused_losses.append(losses.detach().numpy())
+        states = [{k: v.numpy() for k, v in sd.items()} for sd in arr.state_dicts()]
+    else:
+        opt = make_optimizer(kind, B, lr=lrs, **HYPER[kind])
+        loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
+        trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind))
+        for x, y in batches:
+            feeds = {"input": x.numpy()}
+            feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
+            fused_losses.append(trainer.step(feeds))
+        states = split_weights(fa.spec, trainer.weights(), steps=STEPS)
     for b in range(B):
         def alone(dtype=torch.float32, nudge=0.0):
             m = _nudged(sub.mods[b], nudge) if nudge else copy.deepcopy(sub.mods[b])

@@ -31,6 +31,20 @@ def test_fused_model_trains_like_torch(seed, runtime, worker):
         f"(python -m fuzz --n 1 --seed {seed} --runtime {runtime} shrinks it)")
 
 
+LOOP_SEEDS = [0, 3, 48, 91, 151, 224, 361]  # image, token and per-model-input models, BatchNorm, attention
+
+
+@pytest.mark.parametrize("seed", LOOP_SEEDS)
+def test_fused_model_trains_like_torch_in_a_users_loop(seed, worker):
+    """The array as a torch module in a plain loop (``FusedArray``, ``onnxfuse.optim``, torch's loss per model)
+    trains each generated model as torch.optim trains it alone."""
+    spec = generate(seed)
+    out = worker.check(spec, runtime="loop")
+    assert out.status in ("pass", "sensitive"), (
+        f"seed {seed} at B={out.B}, {out.stage}: {out.message}\n{render(spec).source}\n"
+        f"(python -m fuzz --n 1 --seed {seed} --runtime loop shrinks it)")
+
+
 def test_the_grammar_covers_every_layer_kind():
     """The fixed seeds exercise every kind of layer the grammar has (a kind no seed reaches is never tested)."""
     from fuzz.grammar import KINDS
