@@ -172,15 +172,21 @@ def test_fused_outputs_are_each_models_stacked_and_eval_mode_uses_running_statis
 
 
 def test_torch_compile_gives_the_outputs_of_the_array(digits):
-    x, _ = digits
+    """A training-mode forward and backward of the compiled array equal the array's own: outputs, gradients and
+    the BatchNorm statistics it updates in place."""
+    x, y = digits
     torch.manual_seed(2)
-    arr = onnxfuse.fuse([DigitsMLP() for _ in range(B)], x[:2])
-    compiled = torch.compile(arr)
-    want = arr(x[:32])
-    got = compiled(x[:32])
+    mods = [DigitsCNN() for _ in range(B)]
+    arr, twin = onnxfuse.fuse(mods, x[:2]), onnxfuse.fuse(mods, x[:2])
+    want, got = arr(x[:32]), torch.compile(twin)(x[:32])
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    got.sum().backward()  # gradients flow through the compiled program to the fused parameters
-    assert all(p.grad is not None for p in arr.parameters())
+    smoothed_loss(want, y[:32]).sum().backward()
+    smoothed_loss(got, y[:32]).sum().backward()
+    for p, q in zip(arr.parameters(), twin.parameters()):
+        assert q.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for a, b in zip(arr.state_dicts(), twin.state_dicts()):
+        for k in a:
+            assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-7), k
 
 
 def test_autocast_runs_the_array_as_it_runs_each_model(digits):
