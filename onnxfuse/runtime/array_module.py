@@ -61,9 +61,10 @@ class ArrayProgram(torch.nn.Module):
 
 class FusedArray(torch.nn.Module):
     """B same-architecture models as one torch module (see the module docstring). Made by :func:`fuse`, or from a
-    :class:`~onnxfuse.core.passes.FusedGraph` (what ``fuse_models`` returns)."""
+    :class:`~onnxfuse.core.passes.FusedGraph` (what ``fuse_models`` returns). ``lazy``: convert the graph for
+    ``arr(...)`` at its first call (the torch runtime runs programs of its own over the weights)."""
 
-    def __init__(self, graph: FusedGraph):
+    def __init__(self, graph: FusedGraph, lazy: bool = False):
         super().__init__()
         self.spec = graph.spec
         self.B = graph.spec.B
@@ -71,7 +72,7 @@ class FusedArray(torch.nn.Module):
         self.opset = onnx_opset(graph.model)
         self.trainable, self.buffer_names = graph.spec.parameter_names()
         self.param_names = list(self.trainable)
-        self.module = OnnxModule.from_array(graph.model, graph.spec)
+        self.module = OnnxModule.from_array(graph.model, graph.spec, lazy=lazy)
         self.input_names = [i["name"] for i in graph.spec.inputs]
         self.per_model_inputs = [i["name"] for i in graph.spec.inputs if i.get("per_model")]
         self.output_names = [o["name"] for o in graph.spec.outputs]

@@ -106,12 +106,14 @@ class OnnxModule(torch.nn.Module):
     module state but not trained (default: metadata, else the BatchNorm running statistics). ``outputs``: the tensor
     names ``forward`` returns (default: the graph outputs; any tensor of the graph may be named, e.g. a
     BatchNorm's running-statistic outputs). ``forward`` takes the graph inputs by name (keywords) or in graph order
-    and returns a tuple in ``output_names`` order (host-side shape values come back as CPU tensors).
+    and returns a tuple in ``output_names`` order (host-side shape values come back as CPU tensors). ``lazy``: build
+    each mode's program at its first call, not now (a module whose state other programs read, and that may never
+    run itself).
     """
 
     def __init__(self, model: onnx.ModelProto, trainable: Collection[str] | None = None,
                  buffers: Collection[str] | None = None, outputs: Sequence[str] | None = None,
-                 options: TorchOptions | None = None):
+                 options: TorchOptions | None = None, lazy: bool = False):
         super().__init__()
         g = model.graph
         self.opset = _opset(model)
@@ -149,7 +151,8 @@ class OnnxModule(torch.nn.Module):
         constants = {n: _tensor(t) for n, t in inits.items() if n not in self.param_keys and n not in self.buffer_keys}
         self._const_keys: dict[str, str] = {}
         self._const_taken: set[str] = set()
-        self._programs = {mode: self._compile(g, constants, mode) for mode in (True, False)}
+        self._source = (g, constants) if lazy else None
+        self._programs = {} if lazy else {mode: self._compile(g, constants, mode) for mode in (True, False)}
 
     @classmethod
     def from_array(cls, model: onnx.ModelProto, spec, **kw) -> "OnnxModule":
@@ -178,7 +181,7 @@ class OnnxModule(torch.nn.Module):
 
     # ---- running
     def forward(self, *args, **inputs) -> tuple:
-        p = self._programs[self.training]
+        p = self._programs.get(self.training) or self._lazy_program(self.training)
         env = list(p.template)
         for slot, store, key in p.fills:
             env[slot] = store[key]
@@ -201,11 +204,21 @@ class OnnxModule(torch.nn.Module):
         return tuple(env[s] for s in p.output_slots)
 
     # ---- building
+    def _lazy_program(self, training: bool) -> _Program:
+        """A ``lazy`` module's program of one mode, built at its first call."""
+        if self._source is None:
+            raise KeyError(training)
+        g, constants = self._source
+        self._programs[training] = self._compile(g, constants, training)
+        if len(self._programs) == 2:
+            self._source = None
+        return self._programs[training]
+
     def _const_slot_key(self, name: str, value: torch.Tensor) -> str:
         """The buffer key of constant ``name`` on the module's device (registered once, shared by both programs)."""
         if name not in self._const_keys:
             key = _sanitize(name, self._const_taken, self.consts)
-            self.consts.register_buffer(key, value, persistent=False)
+            self.consts.register_buffer(key, value.to(self._device.device), persistent=False)
             self._const_keys[name] = key
         return self._const_keys[name]
 

@@ -108,7 +108,7 @@ class TorchTrainer:
         if missing:
             raise ConfigError(f"the fused graph has no initializer '{missing[0]}' that array.json names; re-run "
                               "`onnxfuse fuse`")
-        self.array = FusedArray(FusedGraph(fused, spec, [])).to(self.torch_device)
+        self.array = FusedArray(FusedGraph(fused, spec, []), lazy=True).to(self.torch_device)
         self.optimizer = from_config(self.array, optimizer)
 
         # train graph: fused + loss; training-mode BatchNorms return their new running statistics (torch's rule,
