@@ -51,7 +51,7 @@ class ArrayProgram(torch.nn.Module):
                  options: TorchOptions | None):
         super().__init__()
         object.__setattr__(self, "_array", array)  # not a submodule: the array's state is the array's
-        self.held = array.param_names + array.buffer_names
+        self.held = array.trainable + array.buffer_names
         self.onnx = OnnxModule(weights_as_inputs_pass(copy.deepcopy(model), self.held), trainable=[], buffers=[],
                                outputs=outputs, options=options).to(array.device)
 
@@ -71,7 +71,6 @@ class FusedArray(torch.nn.Module):
         self._graph, self._sources = graph.model, list(graph.sources)
         self.opset = onnx_opset(graph.model)
         self.trainable, self.buffer_names = graph.spec.parameter_names()
-        self.param_names = list(self.trainable)
         self.module = OnnxModule.from_array(graph.model, graph.spec, lazy=lazy)
         self.input_names = [i["name"] for i in graph.spec.inputs]
         self.per_model_inputs = [i["name"] for i in graph.spec.inputs if i.get("per_model")]
@@ -243,10 +242,10 @@ def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Seque
         else:
             raise ConfigError(f"fuse: model {b} is a {type(m).__name__}; give torch modules, ONNX files or "
                               "onnx.ModelProtos")
-    names = _input_names(protos[0], in_names)
-    chosen = []
+    chosen, names = [], None
     for p in per_model_inputs:
         if isinstance(p, int) and not isinstance(p, bool):
+            names = names or _input_names(protos[0], in_names)
             if not 0 <= p < len(names):
                 raise ConfigError(f"fuse: per_model_inputs position {p} is not an input (the models take "
                                   f"{len(names)}: {', '.join(names)})")

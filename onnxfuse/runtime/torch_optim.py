@@ -255,8 +255,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         model, writes = update_graph(config, params, shapes, arr.opset)
         self._program = _module(model, arr.device)
         self._writes, self._targets = writes, None
-        P = sum(int(np.prod(s)) for _, s in params) // self.B
-        for s in config.state_names():
+        self.ensure_state(config.state_names())
+
+    def ensure_state(self, names: Sequence[str]) -> None:
+        """The state buffers ``names`` exist: each one missing starts at zero, ``[B, P]`` on the array's device (a
+        checkpoint of step 0 holds them too)."""
+        arr = self.array
+        P = sum(arr.parameter(n).numel() for n in arr.trainable) // self.B
+        for s in names:
             if s not in self.state:
                 self.state[s] = torch.zeros(self.B, P, device=arr.device)
 
@@ -319,7 +325,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if name.startswith(STATE_PREFIX) and name[len(STATE_PREFIX):] in self.state:
             return self.state[name[len(STATE_PREFIX):]]
         arr = self.array
-        return arr.parameter(name) if name in arr.param_names else arr.buffer(name)
+        return arr.onnx_state()[name]
 
 
 _CLASSES: dict[str, type[FusedOptimizer]] = {}

@@ -213,22 +213,13 @@ class TorchTrainer:
         return {n: t.detach().cpu().numpy().copy() for n, t in self.array.onnx_state().items()}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
-        self._ensure_state()
+        self.optimizer.ensure_state(self.opt.state_names())
         return {STATE_PREFIX + s: self.optimizer.state[s].cpu().numpy().copy() for s in self.opt.state_names()}
-
-    def _ensure_state(self) -> None:
-        """The configured state buffers exist from step 0 on (zero), as a checkpoint of step 0 holds them."""
-        import torch
-
-        B, P = self.spec.optimizer_shape()
-        for s in self.opt.state_names():
-            if s not in self.optimizer.state:
-                self.optimizer.state[s] = torch.zeros(B, P, device=self.torch_device)
 
     def load(self, tensors: dict[str, np.ndarray]) -> None:
         import torch
 
-        self._ensure_state()
+        self.optimizer.ensure_state(self.opt.state_names())
         state = self.array.onnx_state()
         with torch.no_grad():
             for name, value in tensors.items():
