@@ -20,6 +20,14 @@ from onnxfuse.exporters import export_module, zoo
 
 ort.set_default_logger_severity(3)
 
+# onnxfuse's compile cache (inductor's code, and the compile times --compile auto decides by) is this session's
+# own: what a developer compiled before changes neither the decisions nor the timings the tests see. Subprocesses
+# inherit it.
+if "ONNXFUSE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["ONNXFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="onnxfuse-test-cache-")
+
 # name -> (factory, example input shape)
 MODELS = {
     "lenet": (lambda: zoo.LeNet(), (8, 1, 28, 28)),

@@ -104,7 +104,10 @@ def test_resume_continues_the_folders_own_run_never_an_earlier_one(runtime, work
     runs/<A>/. A killed run's temporary folders are gone after the next command (case 8). Resuming with other
     settings or other data is refused."""
     arr, data = work / "array", work / "data.npz"
-    common = ["--data", data, "--batch-size", "16", "--checkpoint-every", "5", "--runtime", runtime, "-q"]
+    # eager steps (a long run would compile with --compile auto): the compiled resume is
+    # test_torch_compile.py's
+    common = ["--data", data, "--batch-size", "16", "--checkpoint-every", "5", "--runtime", runtime, "-q",
+              "--compile", "off"]
     assert cli(capsys, "train", arr, *common, "--lr", "0.05", "--momentum", "0.9", "--steps", "40")[0] == 0
     run_a = read_json(arr / "run.json")["id"]
     p = start_train(arr, *common, "--lr", "0.001", "--steps", "100000")
@@ -239,7 +242,7 @@ def test_one_command_at_a_time_per_array_folder_and_a_killed_holder_is_taken_ove
     was killed leaves no trained weights to split (case 4)."""
     arr, data = work / "array", work / "data.npz"
     p = start_train(arr, "--data", data, "--batch-size", 16, "--steps", 100000, "--checkpoint-every", 5, "--lr",
-                    "0.01", "-q")
+                    "0.01", "-q", "--compile", "off")
     wait_until(p, lambda: checkpoints(arr))  # training: it holds the lock
     holder = read_json(arr / ".onnxfuse.lock")
     assert holder["pid"] == p.pid and holder["command"] == "train"
@@ -407,7 +410,7 @@ def test_full_disk_is_one_error_line_and_leaves_no_half_written_state(work):
     """A run on a disk that fills up (a small tmpfs; without namespaces, a file size limit): one error line that
     says so and how to continue, no temporary folder left, and split then refuses the unfinished run (case 4)."""
     arr, data = work / "array", work / "data.npz"
-    args = ["--data", str(data), "--batch-size", "16", "--steps", "100000", "-q"]
+    args = ["--data", str(data), "--batch-size", "16", "--steps", "100000", "-q", "--compile", "off"]
     if have_userns():
         args += ["--checkpoint-every", "1", "--keep-checkpoints", "100000"]  # filling the disk
         disk = work / "disk"

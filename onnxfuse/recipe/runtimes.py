@@ -11,7 +11,14 @@ and keeps the same state under the same names whichever it is, so a checkpoint w
 ``step(feeds, values)`` trains all B models on one batch with this step's per-model coefficients
 (:meth:`OptimizerConfig.coefficients`) and returns the per-model losses; ``last_ok`` then says which models' steps
 were applied (fault isolation: a model whose loss, gradient, new parameters or new buffers are not finite keeps
-its whole state). ``eval_batch(feeds)`` returns the per-model losses and the fused output in inference mode.
+its whole state, and is frozen from then on: a rejected model is not stepped again until ``steps`` is set, e.g.
+by a resume). ``launch(feeds, values)`` is the same step without reading anything back to the host (the run
+loop's: on a GPU the next step is queued while this one runs); ``observe()`` reads the last step's losses, applied
+steps and the optimizer step at which each model was first rejected (:class:`Observed`). ``eval_batch(feeds)``
+returns the per-model losses and the fused output in inference mode.
+
+``compile`` (:data:`COMPILE_CHOICES`): whether a runtime that can (``RuntimeInfo.compiles``) captures its step
+whole; ``auto`` decides from the run's length (``total_steps``).
 """
 from __future__ import annotations
 
@@ -32,8 +39,27 @@ from onnxfuse.recipe.losses import LABELS, LossSpec
 if TYPE_CHECKING:  # optim reads the settings, which read this module's table
     from onnxfuse.recipe.optim import OptimizerConfig, StepValues
 
-__all__ = ["Runtime", "RuntimeInfo", "RUNTIMES", "RUNTIME_CHOICES", "resolve_runtime", "make_trainer", "evaluate",
-           "parameter_names", "check_feeds"]
+__all__ = ["Runtime", "RuntimeInfo", "RUNTIMES", "RUNTIME_CHOICES", "COMPILE_CHOICES", "resolve_runtime",
+           "make_trainer", "evaluate", "parameter_names", "check_feeds", "Observed", "check_compile"]
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def check_compile(value: str, where: str = "--compile") -> str:
+    if value not in COMPILE_CHOICES:
+        raise ConfigError(f"{where} must be one of {', '.join(COMPILE_CHOICES)}, got {value!r}")
+    return value
+
+
+@dataclass
+class Observed:
+    """A runtime's last step as read on the host: per-model losses [B], which models' steps were applied [B], and
+    the optimizer step at which each model was first rejected (0: never) since its step count was last set."""
+
+    losses: np.ndarray
+    ok: np.ndarray
+    failed_at: np.ndarray
+    failed_loss: np.ndarray  # each rejected model's loss at that step
 
 
 class Runtime(Protocol):
@@ -45,8 +71,14 @@ class Runtime(Protocol):
     last_ok: np.ndarray
     trainable: list[str]
     buffers: list[str]
+    compile: str
+    compiled: bool | None  # the step is captured (None: compile="auto" has not decided yet); settable
 
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray: ...
+
+    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> None: ...
+
+    def observe(self) -> Observed: ...
 
     def eval_batch(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
 
@@ -69,6 +101,7 @@ class RuntimeInfo:
     name: str
     target: str
     help: str
+    compiles: bool = False  # takes compile= and total_steps= (captures its whole step)
 
     def load(self) -> type:
         module, cls = self.target.split(":")
@@ -80,7 +113,7 @@ class RuntimeInfo:
 # reaches a current GPU stack.
 RUNTIMES: dict[str, RuntimeInfo] = {r.name: r for r in (
     RuntimeInfo("torch", "onnxfuse.runtime.torch_runtime:TorchTrainer",
-                "PyTorch: the fused graph as a torch module, autograd, any device torch supports"),
+                "PyTorch: the fused graph as a torch module, autograd, any device torch supports", compiles=True),
     RuntimeInfo("ort", "onnxfuse.runtime.ort_runtime:FusedTrainer",
                 "onnxruntime-training 1.19: CPU, or CUDA 11.8 with the onnxruntime-training GPU build"),
 )}
@@ -117,11 +150,19 @@ def resolve_runtime(runtime: str, device: Device | str) -> str:
 
 def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
                  optimizer: OptimizerConfig, device: Device | str = "cpu", workdir: str | None = None,
-                 threads: int | None = None) -> Runtime:
-    """A trainer of ``fused`` on ``runtime`` (a name or ``auto``)."""
+                 threads: int | None = None, compile: str = "off", total_steps: int = 0) -> Runtime:
+    """A trainer of ``fused`` on ``runtime`` (a name or ``auto``); ``compile``: capture the step whole (``on``),
+    not (``off``), or decide from ``total_steps`` (``auto``; a runtime that cannot compile does not)."""
     device = Device.of(device)
-    cls = RUNTIMES[resolve_runtime(runtime, device)].load()
-    return cls(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads)
+    info = RUNTIMES[resolve_runtime(runtime, device)]
+    if not info.compiles:
+        if check_compile(compile) == "on":
+            capable = ", ".join(r.name for r in RUNTIMES.values() if r.compiles)
+            raise ConfigError(f"--compile on: the {info.name} runtime does not compile its step; use --runtime "
+                              f"{capable}, or --compile auto / off")
+        return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads)
+    return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads,
+                       compile=compile, total_steps=total_steps)
 
 
 def _with_sizes(trainer: Runtime, data: Dataset | Iterable[dict], batch_size: int) -> Iterator[tuple[dict, int]]:

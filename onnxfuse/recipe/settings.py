@@ -40,7 +40,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.datasets import NAMED_DATASETS, is_data_factory, is_named
 from onnxfuse.recipe.device import DEVICE_TAKES, Device
 from onnxfuse.recipe.losses import LOSSES
-from onnxfuse.recipe.runtimes import RUNTIME_CHOICES, RUNTIMES
+from onnxfuse.recipe.runtimes import COMPILE_CHOICES, RUNTIME_CHOICES, RUNTIMES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
            "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
@@ -406,7 +406,11 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("threads", _NONNEG, 0, "CPU threads of the runtime (0: 1 for torch, whose OpenMP threads slow "
                   "down many-fold when another process holds a core; onnxruntime's default for ort); not resumable: the "
                   "thread count can change how reductions round"), "threads"),
-    Setting(Param("log_every", _POS, 1, "write training metrics every K steps"), "log_every", resumable=True),
+    Setting(Param("compile", choice(COMPILE_CHOICES), "auto", "capture the torch runtime's whole step with "
+                  "torch.compile: on, off, or auto (compile when the run is long enough for the measured compile "
+                  "time to pay off; it says what it decided)"), "compile", resumable=True),
+    Setting(Param("log_every", _POS, 1, "write training metrics (and read the losses back from the device) every K "
+                  "steps"), "log_every", resumable=True),
     Setting(Param("verify_steps", _NONNEG, 1, "before training, check the first K steps of every model against "
                   "the model trained alone on the same runtime (0: skip; a resumed run skips it)"), "verify_steps",
             resumable=True),

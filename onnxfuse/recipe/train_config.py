@@ -257,6 +257,7 @@ class RunPlan:
     device: Device
     runtime: str
     threads: int
+    compile: str
     log_every: int
     verify_steps: int
     allow_nonfinite_data: bool

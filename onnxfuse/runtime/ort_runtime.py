@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, StepValues
-from onnxfuse.recipe.runtimes import check_feeds, evaluate
+from onnxfuse.recipe.runtimes import Observed, check_feeds, evaluate
 
 __all__ = ["FusedTrainer", "load_array", "check_device"]
 
@@ -105,6 +106,8 @@ class FusedTrainer:
                               graphs=_readable(self.art.training_model)) from e
         self.module.train()
         self.steps = 0
+        self.compile, self.compiled = "off", False  # the step is the session's: nothing to capture
+        self.last_ok, self._losses = np.ones(spec.B, dtype=bool), np.full(spec.B, np.nan, dtype=np.float32)
         # what the graphs take each step, in order (the 'model' loss has no labels input)
         self.inputs = [n for n in self.art.eval_inputs if n != LABELS or self.loss.has_labels]
 
@@ -126,12 +129,38 @@ class FusedTrainer:
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray:
         """One training step of every model; returns the per-model losses [B]. ``values``: this step's per-model
         lr / momentum (or beta1) / active flags (default: the configured constants). ``last_ok`` then holds which
-        models' steps were applied (False: inactive, or a non-finite loss, gradient or update)."""
+        models' steps were applied (False: inactive, or a non-finite loss, gradient or update); a model rejected
+        while active is not stepped again until ``steps`` is set (see ``runtimes``)."""
         self.steps += 1
-        arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps, values)]
+        values = values if values is not None else StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B)
+        active = np.asarray(values.active, dtype=bool) & self._alive
+        arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps, replace(values, active=active.tolist()))]
         _, per_model, _, ok = self.module(*self._args(arrays))
-        self.last_ok = self._np(ok).astype(bool)
-        return self._np(per_model)
+        self.last_ok = self._np(ok).reshape(-1).astype(bool)
+        self._losses = self._np(per_model).copy()
+        first = active & ~self.last_ok & (self._failed_at == 0)
+        self._failed_at[first] = self.steps
+        self._failed_loss[first] = self._losses[first]
+        self._alive &= ~(active & ~self.last_ok)
+        return self._losses
+
+    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> None:
+        """``step`` (this runtime's step reads its results back anyway)."""
+        self.step(feeds, values)
+
+    def observe(self) -> Observed:
+        return Observed(self._losses.copy(), self.last_ok.copy(), self._failed_at.copy(), self._failed_loss.copy())
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        """The state is now at optimizer step ``value`` (a resume, a restored state): every model steps again."""
+        B = self.spec.B
+        self._steps, self._alive = int(value), np.ones(B, dtype=bool)
+        self._failed_at, self._failed_loss = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.float32)
 
     def eval_batch(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Per-model losses [B] and the fused output of one batch with the eval graph (BatchNorm on running

@@ -254,7 +254,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         shapes = [(n, list(arr.buffer(n).shape)) for n in buffers]
         model, writes = update_graph(config, params, shapes, arr.opset)
         self._program = _module(model, arr.device)
-        self._writes, self._targets = writes, None
+        self._writes = writes
         self.ensure_state(config.state_names())
 
     def ensure_state(self, names: Sequence[str]) -> None:
@@ -283,9 +283,18 @@ class FusedOptimizer(torch.optim.Optimizer):
     def update(self, per_model_loss: torch.Tensor | None = None, buffers: dict[str, torch.Tensor] | None = None
                ) -> None:
         """The step without torch.optim's step hooks and profiler range around it (the run loop's call)."""
-        arr = self.array
         buffers = buffers or {}
-        # the groups' values as they are now: the configuration and its graph are rebuilt only when they changed
+        hyper = torch.from_numpy(self.prepare(list(buffers))).to(self.array.device, non_blocking=True)
+        params = self._parameters()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        self.last_ok = self.apply(params, grads, hyper, per_model_loss, buffers)
+        self.finish()
+
+    def prepare(self, buffers: Sequence[str] = ()) -> np.ndarray:
+        """The host half of a step: the update graph for the groups' values as they are now (rebuilt only when a
+        term changes) and this step's coefficients, ``[K, B, 1]`` float32 (``OptimizerConfig.coefficients``).
+        ``buffers``: the fused buffers whose new values the step writes (BatchNorm statistics)."""
+        arr = self.array
         names = self.hyper_names + ["max_norm"]
         values_now = (tuple(tuple(g[n] for n in names) for g in self.param_groups), tuple(buffers), arr.device)
         if values_now != self._values:
@@ -297,27 +306,40 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._build(graph, list(buffers))
                 self._key = key
             self._values, self._configs = values_now, (config, graph)
-        config, graph = self._configs
-        step = self.state["step"] + 1
-        device = arr.device
-        values = StepValues(list(config.lr), config.cycled(), list(self.active))
-        inputs = {HYPER_INPUT: torch.from_numpy(config.coefficients(step, values)).to(device, non_blocking=True),
-                  "per_model_loss": (torch.zeros(self.B, device=device) if per_model_loss is None
+        config, _ = self._configs
+        return config.coefficients(self.state["step"] + 1, StepValues(list(config.lr), config.cycled(),
+                                                                      list(self.active)))
+
+    def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], hyper: torch.Tensor,
+              per_model_loss: torch.Tensor | None = None, buffers: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:
+        """The device half of a step (after :meth:`prepare`), no host read: the update graph over ``params`` (the
+        array's trainable tensors, in ``array.trainable`` order), their ``grads`` and the coefficients
+        ``hyper``; the new parameters, state and ``buffers`` (fused buffer name: its new value) are written in
+        place (into ``params`` and the state tensors). Returns ``ok`` [B]: the models whose step was applied. A
+        captured step (``train_step.TrainStep``) calls it inside its graph."""
+        arr = self.array
+        _, graph = self._configs
+        inputs = {HYPER_INPUT: hyper,
+                  "per_model_loss": (torch.zeros(self.B, device=hyper.device) if per_model_loss is None
                                      else per_model_loss.detach().float().reshape(self.B))}
-        for name, p in zip(arr.trainable, self._parameters()):
+        for name, p, g in zip(arr.trainable, params, grads):
             inputs[name] = p.detach()
-            inputs[f"{name}_grad"] = torch.zeros_like(p) if p.grad is None else p.grad
-        for name, value in buffers.items():
+            inputs[f"{name}_grad"] = g
+        for name, value in (buffers or {}).items():
             inputs[name] = arr.buffer(name)
             inputs[f"{name}_new"] = value
         for s in graph.state_names():
             inputs[STATE_PREFIX + s] = self.state[s]
         *new, ok = self._program(**inputs)
-        if self._targets is None:  # what the update writes, found once per graph
-            self._targets = [self._target(t) for t in self._writes]
-        torch._foreach_copy_(self._targets, new)
-        self.state["step"] = step
-        self.last_ok = ok.reshape(-1)
+        by_name = dict(zip(arr.trainable, params))
+        targets = [by_name[t].detach() if t in by_name else self._target(t) for t in self._writes]
+        torch._foreach_copy_(targets, new)
+        return ok.reshape(-1)
+
+    def finish(self) -> None:
+        """The host bookkeeping after a step: the step count, and what torch's schedulers check."""
+        self.state["step"] += 1
         for view in self._views.values():
             view._opt_called = True  # what torch's schedulers check before their first step
 

@@ -73,12 +73,15 @@ class TorchTrainer:
     name = "torch"
 
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
-                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None):
+                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None,
+                 compile: str = "off", total_steps: int = 0):
         import torch
 
         from onnxfuse.runtime.array_module import FusedArray
         from onnxfuse.runtime.torch_graph import TorchOptions
         from onnxfuse.runtime.torch_optim import from_config
+        from onnxfuse.recipe.runtimes import check_compile
+        from onnxfuse.runtime.train_step import TrainStep, graph_key
 
         if optimizer.B != spec.B:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
@@ -132,6 +135,11 @@ class TorchTrainer:
             self._eval = self.array.program(to_inference(copy.deepcopy(fused)), outputs=[output]).eval()
             self.inputs = self.graph_inputs
         self.optimizer_state_names = [STATE_PREFIX + s for s in optimizer.state_names()]
+        key = graph_key(fused.SerializeToString(), self.loss.label if self.python else repr(self.loss), optimizer.kind,
+                        str(device)) if check_compile(compile) == "auto" else ""
+        self.compile = compile
+        self.stepper = TrainStep(self.optimizer, self._loss_forward, self.stats, compile, key, total_steps)
+        self._eval_compiled = None
 
     unavailable = staticmethod(_device_available)
 
@@ -146,13 +154,28 @@ class TorchTrainer:
         self.optimizer.set_config(config)
 
     @property
+    def compiled(self) -> bool | None:
+        """Whether the step is captured (None: ``auto`` has not decided yet)."""
+        decision = self.stepper.decision
+        return None if decision is None else decision.compile
+
+    @compiled.setter
+    def compiled(self, value: bool) -> None:
+        """Take a decision made before (a resumed run's, the array's before halving re-fused it)."""
+        from onnxfuse.runtime.train_step import Decision
+
+        self.stepper.decision = Decision(bool(value), "the run's decision before")
+
+    @property
     def steps(self) -> int:
         """The optimizer steps taken (the optimizer's count, which its coefficients use)."""
         return self.optimizer.state["step"]
 
     @steps.setter
     def steps(self, value: int) -> None:
+        """The state is now at optimizer step ``value`` (a resume, a restored state): every model steps again."""
         self.optimizer.state["step"] = int(value)
+        self.stepper.restart()
 
     # ---- steps
     def _feed(self, feeds: dict[str, np.ndarray]) -> dict:
@@ -165,12 +188,14 @@ class TorchTrainer:
         return {n: (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))).to(
             self.torch_device, non_blocking=True) for n, a in zip(names, arrays)}
 
-    def _forward(self, program, batch: dict) -> tuple:
-        """(summed loss, per-model losses [B], the rest of the program's outputs)."""
+    def _forward(self, program, batch: dict, weights: dict | None = None) -> tuple:
+        """(summed loss, per-model losses [B], the rest of the program's outputs); ``weights``: the fused tensors
+        to run with (the step's, which it differentiates), else the array's."""
+        run = program if weights is None else (lambda **f: program.onnx(**f, **weights))
         if self.python is None:
-            loss, per_model, *rest = program(**batch)
+            loss, per_model, *rest = run(**{n: batch[n] for n in self.inputs})
             return loss, per_model, rest
-        output, *rest = program(**{n: batch[n] for n in self.graph_inputs})
+        output, *rest = run(**{n: batch[n] for n in self.graph_inputs})
         per_model = self.python.fn(output, batch)
         B = self.spec.B
         if not hasattr(per_model, "shape") or tuple(per_model.shape) != (B,):
@@ -179,30 +204,59 @@ class TorchTrainer:
                               f"tensor of shape [{B}] (the output it reads is [{B}, N, ...])")
         return per_model.sum(), per_model, [output] + rest
 
+    def _loss_forward(self, weights: dict, batch: dict) -> tuple:
+        """The step's forward (``TrainStep``): loss, per-model losses and the new BatchNorm statistics."""
+        loss, per_model, rest = self._forward(self._train, batch, weights)
+        return loss, per_model, rest[1:] if self.python is not None else rest
+
+    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> None:
+        """One training step of every model, with no host read (``observe`` reads its results)."""
+        self.optimizer.set_step_values(values if values is not None else
+                                       StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B))
+        self.stepper(self._feed(feeds))
+
+    def observe(self):
+        """The last step's per-model losses, which models' steps were applied (``last_ok``) and the optimizer step
+        at which each model was first rejected (0: never), read from the device."""
+        seen = self.stepper.observe()
+        self.last_ok = seen.ok.astype(bool)
+        return seen
+
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray:
         """One training step of every model; returns the per-model losses [B] (see ``FusedTrainer.step``)."""
-        opt = self.optimizer
-        opt.set_step_values(values if values is not None else
-                            StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B))
-        loss, per_model, stat_values = self._forward(self._train, self._feed(feeds))
-        if self.python is not None:
-            stat_values = stat_values[1:]
-        opt.zero_grad()
-        loss.backward()
-        opt.update(per_model_loss=per_model.detach(), buffers=dict(zip(self.stats, stat_values)))
-        opt.zero_grad()
-        self.last_ok = opt.last_ok.cpu().numpy().astype(bool)
-        return per_model.detach().cpu().numpy()
+        self.launch(feeds, values)
+        return self.observe().losses
 
     def eval_batch(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         with torch.no_grad():
-            if self.python is None:
-                per_model, scores = self._eval(**self._feed(feeds))
-            else:
-                _, per_model, (scores,) = self._forward(self._eval, self._feed(feeds))
+            per_model, scores = self._eval_step()(self._feed(feeds))
         return per_model.float().cpu().numpy(), scores.float().cpu().numpy()
+
+    def _eval_batch(self, batch: dict) -> tuple:
+        if self.python is None:
+            return self._eval(**batch)
+        _, per_model, (scores,) = self._forward(self._eval, batch)
+        return per_model, scores
+
+    def _eval_step(self):
+        """The eval step: captured too when the training step is (its own graph; a batch of another shape than
+        the first, the last partial one, runs eagerly)."""
+        import torch
+
+        decision = self.stepper.decision
+        if decision is None or not decision.compile:
+            return self._eval_batch
+        if self._eval_compiled is None:
+            compiled, first = torch.compile(self._eval_batch, dynamic=False), {}
+
+            def run(batch: dict):
+                shapes = {n: (tuple(t.shape), t.dtype) for n, t in batch.items()}
+                first.setdefault("shapes", shapes)
+                return compiled(batch) if shapes == first["shapes"] else self._eval_batch(batch)
+            self._eval_compiled = run
+        return self._eval_compiled
 
     def evaluate(self, data: Dataset, batch_size: int = 256) -> dict[str, np.ndarray]:
         """See :func:`training.runtime.evaluate`."""

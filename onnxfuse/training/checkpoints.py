@@ -185,6 +185,7 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
         run.last_loss = np.full(len(models), np.nan)
     run.load(weights, opt_state)
     run.trainer.steps = st["trainer_steps"]
+    run.keep_decision(st.get("compiled"))
     run.step = st["step"]
     run.active = st["active"]
     run.status = {int(k): v for k, v in st["status"].items()}
@@ -246,7 +247,7 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
     record = new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]})
     run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
     st = {k: template[k] for k in ("step", "trainer_steps", "sampler", "elapsed_s")}
-    st.update(models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
+    st.update(compiled=template.get("compiled"), models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
               status={str(b): s for b, s in enumerate(status) if s}, config=jsonable(config.as_dict()),
               run=run_record)
     with atomic_dir(array.checkpoint_path(st["step"]), command="train") as tmp:

@@ -197,6 +197,16 @@ def _loss(config: RunPlan, given) -> LossSpec:
     return loss
 
 
+def _check_compile(config: RunPlan) -> None:
+    from onnxfuse.recipe.runtimes import RUNTIMES
+
+    info = RUNTIMES.get(config.runtime)
+    if config.compile == "on" and info is not None and not info.compiles:
+        capable = ", ".join(r.name for r in RUNTIMES.values() if r.compiles)
+        raise ConfigError(f"--compile on: the {config.runtime} runtime does not compile its step; train with "
+                          f"--runtime {capable}, or --compile auto / off")
+
+
 def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
     K = loss.num_classes(out_shape)
     if K is None or LABELS not in ds.arrays:
@@ -232,6 +242,7 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
     batch_size_given = config.given("batch_size")
     config = validate(config, spec, eval_data is not None)
     loss = _loss(config, loss)
+    _check_compile(config)
     train, source = _load_source(data, spec, "training")
     evaluation, eval_source = (None, None) if eval_data is None else _load_source(eval_data, spec, "evaluation")
     loader = next((name for d, name in ((train, source), (evaluation, eval_source)) if _is_loader(d)), None)

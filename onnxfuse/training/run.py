@@ -108,7 +108,8 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     if trainer is None or dropout_off:
         opt, _ = optimizer_and_schedules(config, spec.B, total)
         trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
-                               loss, opt, config.device, threads=config.threads or None)
+                               loss, opt, config.device, threads=config.threads or None, compile=config.compile,
+                               total_steps=K)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(source, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
@@ -239,17 +240,20 @@ class _Loop:
         self.metrics = Metrics(run.array.metrics_path, record["id"], run.step) if resumed else None
         self.samples, self.stopped, self.elapsed = 0, None, 0.0
         self.watch = Stopwatch()  # this process's part of the run; elapsed0 before it
+        self.unread: dict[int, tuple[list, float]] = {}  # steps since the last read: their lr and elapsed time
+        self.end = p.total
 
     def train(self, stop_at: int | None, progress: bool, on_step: Callable[[int, int], None] | None) -> None:
         from tqdm import tqdm
 
         run, total = self.run, self.p.total
-        end = total if stop_at is None else min(stop_at, total)
+        end = self.end = total if stop_at is None else min(stop_at, total)
         bar = tqdm(total=total, initial=run.step, unit="step", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True, desc=f"training {run.spec0.B} model{'s' if run.spec0.B != 1 else ''}")
         try:
             while run.step < end and self._step():
-                bar.set_postfix_str(self._postfix())
+                if not self.unread:  # read at this step: the losses are new
+                    bar.set_postfix_str(self._postfix(), refresh=False)
                 bar.update(1)
                 if on_step is not None:
                     on_step(run.step, total)
@@ -270,12 +274,17 @@ class _Loop:
         self.elapsed = self._elapsed()
 
     def _step(self) -> bool:
-        """One step and what follows it; False when the run stops here (a model diverged, --on-diverge stop)."""
+        """One step and what follows it; False when the run stops here (a model diverged, --on-diverge stop).
+
+        The step is launched without a host read; the losses and any divergence are read (``observe``) only
+        where something uses them: every ``log_every`` steps, before an evaluation, a halving rung or a
+        checkpoint, at the last step, and at every step with --on-diverge stop. A divergence found there is
+        recorded at the step it happened (its metrics row too: the steps between reads are remembered)."""
         run, config, source = self.run, self.p.config, self.p.train
         run.step += 1
         values = run.schedules.values(run.active)
         feeds = source.draw(run.models)
-        losses = run.trainer.step(feeds, values)
+        run.trainer.launch(feeds, values)
         if self.metrics is None:  # this run is now the folder's run; the previous one's outputs move aside
             moved = run.array.move_previous_run()
             if moved:
@@ -284,25 +293,48 @@ class _Loop:
             self.metrics = Metrics(run.array.metrics_path, self.record["id"], None)
         run.schedules.advance()
         self.samples += len(run.models) * source.samples(feeds)  # a loader's last batch of an epoch may be partial
-        run.last_loss = losses
-        events = mark_diverged(run, run.trainer.last_ok, losses)
         el = self._elapsed()
-        if run.step % config.log_every == 0 or run.step == self.p.total or events:
-            self.metrics.write([{"step": run.step, "model": b, "split": "train", "loss": fmt(losses[i]),
-                                 "accuracy": "", "lr": fmt(values.lr[i]), "elapsed_s": f"{el:.4f}",
-                                 "status": events.get(b, "")} for i, b in enumerate(run.models)])
+        self.unread[run.step] = (values.lr, el)
+        evaluating = bool(self.p.eval is not None and config.eval_every and run.step % config.eval_every == 0)
+        halving = bool(config.halving and run.step in config.halving)
+        checkpoint = bool(config.checkpoint_every and run.step % config.checkpoint_every == 0)
+        logged = run.step % config.log_every == 0 or run.step == self.p.total
+        if not (logged or evaluating or halving or checkpoint or config.on_diverge == "stop" or run.step == self.end):
+            return True
+        events = self._read()
+        if logged or run.step in events.values():
+            lr = self.unread[run.step][0]
+            self.metrics.write([{"step": run.step, "model": b, "split": "train", "loss": fmt(run.last_loss[i]),
+                                 "accuracy": "", "lr": fmt(lr[i]), "elapsed_s": f"{el:.4f}",
+                                 "status": "diverged" if events.get(b) == run.step else ""}
+                                for i, b in enumerate(run.models)])
+        self.unread.clear()
         if events and config.on_diverge == "stop":
             self.stopped = f"model(s) {sorted(events)} diverged at step {run.step} (--on-diverge stop)"
             return False
-        ev = None
-        if self.p.eval is not None and config.eval_every and run.step % config.eval_every == 0:
-            ev = evaluate(run, self.p.eval, self.metrics, el)
-        if config.halving and run.step in config.halving:
+        ev = evaluate(run, self.p.eval, self.metrics, el) if evaluating else None
+        if halving:
             halving_rung(run, ev if ev is not None else evaluate(run, self.p.eval, self.metrics, el), source,
                          self.metrics, el)
-        if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+        if checkpoint:
             write_checkpoint(run, source, el)
         return True
+
+    def _read(self) -> dict[int, int]:
+        """The host read: the last step's losses, and the models that diverged since the last read ({original
+        model: the step}); a divergence at an earlier step than this one gets its own metrics row there."""
+        run = self.run
+        seen = run.trainer.observe()
+        run.last_loss = seen.losses
+        events = mark_diverged(run, seen)
+        for b, (step, loss) in sorted(events.items(), key=lambda e: e[1][0]):
+            if step != run.step:
+                lr, el = self.unread.get(step, (None, self._elapsed()))
+                i = run.models.index(b)
+                self.metrics.write([{"step": step, "model": b, "split": "train", "loss": fmt(loss), "accuracy": "",
+                                     "lr": fmt(lr[i]) if lr is not None else "", "elapsed_s": f"{el:.4f}",
+                                     "status": "diverged"}])
+        return {b: step for b, (step, _) in events.items()}
 
     def _elapsed(self) -> float:
         """Seconds of the run so far, a resumed run's earlier ones included."""

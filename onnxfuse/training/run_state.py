@@ -17,7 +17,7 @@ from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.losses import LossSpec
 from onnxfuse.recipe.optim import OptimizerConfig
 from onnxfuse.recipe.schedules import PerModelSchedules
-from onnxfuse.recipe.runtimes import Runtime, make_trainer
+from onnxfuse.recipe.runtimes import Observed, Runtime, make_trainer
 from onnxfuse.recipe.train_config import RunPlan
 
 
@@ -52,17 +52,24 @@ class RunState:
         os.makedirs(self.workdir, exist_ok=True)
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
         return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
-                            workdir=folder, threads=self.config.threads or None)
+                            workdir=folder, threads=self.config.threads or None, compile=self.config.compile,
+                            total_steps=self.total)
 
     # ---- state
     def state(self) -> dict:
         return {"step": self.step, "models": self.models, "active": self.active, "trainer_steps": self.trainer.steps,
-                "status": {str(k): v for k, v in self.status.items()}}
+                "status": {str(k): v for k, v in self.status.items()}, "compiled": self.trainer.compiled}
 
     def per_model_states(self) -> list[dict[str, np.ndarray]]:
         # num_batches_tracked counts the steps each model took: a diverged model's stopped with it
         steps = [model_steps(self.status.get(b), self.trainer.steps) for b in self.models]
         return split_weights(self.spec, self.trainer.weights(), steps=steps)
+
+    def keep_decision(self, compiled: bool | None) -> None:
+        """A run with ``--compile auto`` keeps the decision it made (a resumed run, a re-fused array): compiled and
+        eager steps round differently, and a resumed run goes on as the uninterrupted one would."""
+        if compiled is not None and self.config.compile == "auto":
+            self.trainer.compiled = compiled
 
     def load(self, weights: dict, opt_state: dict) -> None:
         self.trainer.load({**weights, **opt_state})
@@ -84,9 +91,10 @@ class RunState:
         self.fused, self.spec = self.array.refuse(survivors, [states[i] for i in positions], fuse_models)
         self.opt = self.opt.select(positions)
         self.schedules = self.schedules.select(positions)
-        steps = self.trainer.steps
+        steps, compiled = self.trainer.steps, self.trainer.compiled
         self.trainer = self._trainer()
         self.trainer.steps = steps
+        self.keep_decision(compiled)
         self.load({}, {k: v[positions] for k, v in opt_state.items()})
         self.active = [self.active[i] for i in positions]
         self.models = survivors
@@ -109,14 +117,17 @@ def model_view(data: Dataset, run: RunState) -> Dataset:
     return Dataset({k: (v[run.models] if k in data.per_model else v) for k, v in data.arrays.items()}, data.per_model)
 
 
-def mark_diverged(run: RunState, ok: np.ndarray, losses: np.ndarray) -> dict[int, str]:
-    """Models whose step was rejected although active: diverged now, frozen from here on."""
+def mark_diverged(run: RunState, seen: Observed) -> dict[int, tuple[int, float]]:
+    """Models the trainer rejected although active, read at ``run.step`` (``seen``: the trainer's ``observe()``):
+    diverged at the run step they were rejected at, frozen from there on. Returns {original model: (that step, its
+    loss there)} for the models newly found."""
     events = {}
+    offset = run.step - run.trainer.steps  # run steps and optimizer steps advance together between reads
     for i, b in enumerate(run.models):
-        if run.active[i] and not ok[i]:
+        if run.active[i] and seen.failed_at[i] > 0:
+            step, loss = int(seen.failed_at[i]) + offset, float(seen.failed_loss[i])
             run.active[i] = False
-            run.status[b] = {"status": "diverged", "step": run.step}
-            events[b] = "diverged"
-            log.warning("model %d diverged at step %d (loss %s); it is frozen at its last finite state", b,
-                        run.step, losses[i])
+            run.status[b] = {"status": "diverged", "step": step}
+            events[b] = (step, loss)
+            log.warning("model %d diverged at step %d (loss %s); it is frozen at its last finite state", b, step, loss)
     return events

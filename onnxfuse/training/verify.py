@@ -440,7 +440,10 @@ def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
     spec = trainer.spec
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")} | (
         {LABELS} if trainer.loss.per_model_labels else set())
-    reference = type(trainer)(*one_model, trainer.loss, reference_optimizer(trainer.opt), device=trainer.device)
+    # like with like: a compiled array is checked against a compiled reference ("auto" decides each alone; its
+    # first steps, the ones checked, are eager)
+    kw = {"compile": trainer.compile} if trainer.compile != "off" else {}
+    reference = type(trainer)(*one_model, trainer.loss, reference_optimizer(trainer.opt), device=trainer.device, **kw)
     saved = (trainer.weights(), trainer.optimizer_state())
     saved_steps = trainer.steps
     checks: list[ModelCheck] = []

@@ -1,0 +1,269 @@
+"""One training step of a FusedArray and its ``onnxfuse.optim`` optimizer as one function: forward, loss,
+gradients, fault isolation, the per-model update and every write (weights, optimizer state, BatchNorm
+statistics), with no host read. ``compile`` captures it whole with ``torch.compile`` (inductor):
+
+    step = TrainStep(opt, forward, compile="on")     # forward(weights, batch) -> (loss, per_model [B], new buffers)
+    step(batch, values)                              # no host read: losses, ok and failures stay on the device
+    seen = step.observe()                            # the host read, when the caller wants one (log_every...)
+
+The step is the same function compiled or not (``_body``): ``torch.func.grad`` of the summed loss over the
+trainable tensors, the optimizer's update graph (``FusedOptimizer.apply``), then the bookkeeping on the device:
+
+    active      the host's activity row (the run loop's schedules) AND ``alive``
+    alive [B]   models not rejected since this step object began: a model whose step is rejected (a non-finite
+                loss, gradient, update or buffer) is frozen in the graph from that step on, as the run loop froze
+                it after reading ``ok``, without the read
+    failed_at   the optimizer step at which each model was first rejected (0: never), and its loss there
+    losses, ok  the last step's per-model losses and applied steps
+
+The coefficients of each step are computed on the host from the optimizer's groups (a few dozen floats:
+``FusedOptimizer.prepare``) and written into a persistent device buffer; the batch is copied in by the caller.
+A batch of another shape than the one compiled for (a loader's last partial batch) runs the same body eagerly:
+it never triggers a recompile. Eager and compiled steps differ by float rounding only (README, "Compiled
+steps").
+
+``compile="auto"`` (the run loop's default) decides from the run's length: see :func:`auto_decision`.
+Compiled code is cached by inductor under the user's cache folder (:func:`cache_dir`), so a second run of the
+same array compiles in seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from onnxfuse.core._io import atomic_write_bytes
+from onnxfuse.recipe.runtimes import Observed, check_compile
+
+__all__ = ["TrainStep", "cache_dir", "auto_decision", "graph_key"]
+
+log = logging.getLogger("onnxfuse.train")
+
+# auto's rule (see auto_decision): the speed-up a compiled step is assumed to give before one was measured, and
+# the compile time assumed when none was (the issue's measurements on a 2-core CPU: 1.5-2.2x, 18-96 s cold)
+ASSUMED_SPEEDUP = 1.5
+ASSUMED_COMPILE_S = 60.0
+EAGER_PROBE_STEPS = 3  # auto times this many eager steps before deciding
+
+
+def cache_dir() -> str:
+    """The folder of onnxfuse's compile cache: ``$ONNXFUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/onnxfuse``, else
+    ``~/.cache/onnxfuse``; inductor's cache is its ``inductor/`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is set)."""
+    root = os.environ.get("ONNXFUSE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "onnxfuse")
+    return root
+
+
+def _use_cache() -> None:
+    """Inductor's cache in ours, unless the user named one (torch sets the variable to its default, a folder under
+    /tmp, the first time it looks: that one is replaced)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor")
+
+
+# ---- compile times measured before, for auto
+def _times_path() -> str:
+    return os.path.join(cache_dir(), "compile-times.json")
+
+
+def _read_times() -> dict:
+    try:
+        with open(_times_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_time(key: str, **values: float) -> None:
+    times = _read_times()
+    times[key] = {**times.get(key, {}), **{k: round(v, 6) for k, v in values.items()}}
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        atomic_write_bytes(_times_path(), json.dumps(times, indent=1, sort_keys=True).encode())
+    except OSError as e:  # a cache that cannot be written only costs auto its memory
+        log.debug("could not record compile time in %s: %s", _times_path(), e)
+
+
+@dataclass(frozen=True)
+class Decision:
+    compile: bool
+    why: str
+
+
+def auto_decision(remaining_steps: int, eager_step_s: float, known: dict | None) -> Decision:
+    """``--compile auto``: compile when the time the remaining steps save pays for the compilation,
+
+        remaining_steps * eager_step_s * (1 - 1 / speedup)  >  compile_s
+
+    with ``compile_s`` and ``speedup`` (eager / compiled step time) this array's last measured ones on this machine
+    (the cache's ``compile-times.json``: a cached compile is the warm one), else the assumed
+    ``ASSUMED_COMPILE_S`` and ``ASSUMED_SPEEDUP``."""
+    known = known or {}
+    compile_s = known.get("compile_s", ASSUMED_COMPILE_S)
+    speedup = (known["eager_step_s"] / known["compiled_step_s"]
+               if known.get("compiled_step_s") and known.get("eager_step_s") else ASSUMED_SPEEDUP)
+    saved = remaining_steps * eager_step_s * (1 - 1 / speedup) if speedup > 1 else 0.0
+    source = "measured here before" if "compile_s" in known else "assumed"
+    why = (f"{remaining_steps} steps of {eager_step_s * 1000:.1f} ms would save {saved:.1f} s at {speedup:.2f}x "
+           f"against a {compile_s:.1f} s compile ({source})")
+    return Decision(saved > compile_s, why)
+
+
+class TrainStep:
+    """See the module docstring. ``forward(weights, batch)``: the loss graph over ``weights`` (every fused
+    parameter and buffer by fused name) returning ``(loss, per_model_loss [B], [new value of each of
+    buffers])``; ``buffers``: the fused buffers the step writes from it (BatchNorm statistics, applied only for
+    the models whose step is). ``key``: what identifies the array's graph in the compile-time record (auto)."""
+
+    def __init__(self, optimizer, forward: Callable, buffers: Sequence[str] = (), compile: str = "off",
+                 key: str = "", total_steps: int = 0):
+        self.opt, self.array, self.forward = optimizer, optimizer.array, forward
+        self.buffers = list(buffers)
+        self.mode = check_compile(compile, "compile")
+        self.key, self.total_steps = key, total_steps
+        B, device = self.array.B, self.array.device
+        self.alive = torch.ones(B, dtype=torch.bool, device=device)
+        self.failed_at = torch.zeros(B, dtype=torch.int64, device=device)
+        self.failed_loss = torch.zeros(B, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.losses = torch.zeros(B, device=device)
+        self.ok = torch.ones(B, dtype=torch.bool, device=device)
+        self._hyper: torch.Tensor | None = None
+        self._counted = None  # the optimizer step the device count was last set from (None: not yet)
+        self._compiled, self._shapes = None, None
+        self._eager_times: list[float] = []
+        self.decision: Decision | None = Decision(True, "--compile on") if self.mode == "on" else (
+            Decision(False, "--compile off") if self.mode == "off" else None)
+        self.compile_s = 0.0
+
+    # ---- the step
+    def _body(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
+        arr, names = self.array, self.array.trainable
+        held = {n: arr.buffer(n) for n in arr.buffer_names}
+
+        def loss_of(ps):
+            loss, per_model, news = self.forward({**held, **dict(zip(names, ps))}, batch)
+            return loss, (per_model.detach(), [v.detach() for v in news])
+
+        grads, (per_model, news) = torch.func.grad(loss_of, has_aux=True)(list(params))
+        B = arr.B
+        active = (hyper[0].reshape(B) > 0.5) & self.alive
+        hyper = torch.cat([active.to(hyper.dtype).reshape(1, B, 1), hyper[1:]])
+        ok = self.opt.apply(params, grads, hyper, per_model, dict(zip(self.buffers, news)))
+        rejected = active & ~ok
+        self.count.add_(1)
+        first = rejected & (self.failed_at == 0)
+        self.failed_at.copy_(torch.where(first, self.count, self.failed_at))
+        self.failed_loss.copy_(torch.where(first, per_model.float(), self.failed_loss))
+        self.alive.logical_and_(~rejected)
+        self.ok.copy_(ok)
+        self.losses.copy_(per_model.float())
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> None:
+        """One step of every model on ``batch`` (device tensors) with the optimizer's groups as they are (the
+        caller sets this step's values first: ``opt.set_step_values``). No host read."""
+        opt = self.opt
+        coefficients = torch.from_numpy(opt.prepare(self.buffers))
+        if self._hyper is None or self._hyper.shape != coefficients.shape:
+            self._hyper = torch.empty(coefficients.shape, device=self.array.device)
+        self._hyper.copy_(coefficients, non_blocking=True)
+        step = opt.state["step"]
+        if self._counted != step:  # a new object, or the optimizer's count was set (a resumed run)
+            self.count.fill_(step)
+        params = [p.detach() for p in opt._parameters()]
+        with torch.no_grad():
+            self._run(params, batch)
+        opt.finish()
+        self._counted = step + 1
+
+    def _run(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
+        shapes = {n: (tuple(t.shape), t.dtype) for n, t in batch.items()}
+        if self.decision is None:  # auto: time a few eager steps, then decide
+            self._probe(params, batch)
+            return
+        if not self.decision.compile:
+            self._body(params, batch, self._hyper)
+            return
+        if self._compiled is None:
+            self._compile(params, batch, shapes)
+            return
+        if shapes != self._shapes:  # e.g. a loader's partial last batch: the same body, eagerly, no recompile
+            self._body(params, batch, self._hyper)
+            return
+        self._compiled(params, batch, self._hyper)
+
+    def _probe(self, params, batch) -> None:
+        self._sync()
+        t0 = time.perf_counter()
+        self._body(params, batch, self._hyper)
+        self._sync()
+        self._eager_times.append(time.perf_counter() - t0)
+        if len(self._eager_times) < EAGER_PROBE_STEPS:
+            return
+        eager = float(np.median(self._eager_times[1:]))  # the first eager step builds the update graph
+        remaining = max(self.total_steps - (self.opt.state["step"] + 1), 0)
+        known = _read_times().get(self.key)
+        self.decision = auto_decision(remaining, eager, known)
+        log.info("--compile auto: %s the step: %s", "compiling" if self.decision.compile else "not compiling",
+                 self.decision.why)
+        _record_time(self.key, eager_step_s=eager)
+
+    def _compile(self, params, batch, shapes) -> None:
+        _use_cache()
+        import torch._inductor.config as inductor
+
+        # random ops (Dropout) draw from torch's generator as eager kernels do: a compiled run's masks are an eager
+        # run's, and a resumed run's RNG state means the same thing in both
+        inductor.fallback_random = True
+        self._shapes = shapes
+        self._compiled = torch.compile(self._body, dynamic=False)
+        self._sync()
+        t0 = time.perf_counter()
+        self._compiled(params, batch, self._hyper)  # the first call compiles
+        self._sync()
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled the training step in %.1f s", self.compile_s)
+        if self.key:
+            _record_time(self.key, compile_s=self.compile_s)
+
+    def _sync(self) -> None:
+        if self.array.device.type == "cuda":
+            torch.cuda.synchronize(self.array.device)
+
+    # ---- the host's view
+    def observe(self) -> Observed:
+        """The losses, applied steps and failures as the device holds them now (the one host read)."""
+        read = [t.to("cpu", non_blocking=True) for t in (self.losses, self.ok, self.failed_at, self.failed_loss)]
+        self._sync()
+        return Observed(*(t.numpy().copy() for t in read))
+
+    def restart(self) -> None:
+        """Every model alive again, no failure recorded: the state the caller set (a resume, a restored state)
+        is where the step count begins again."""
+        self.alive.fill_(True)
+        self.failed_at.zero_()
+        self._counted = None
+
+    def record_step_time(self, compiled_step_s: float) -> None:
+        """A compiled step's measured time (the run loop's, over its logged steps): what auto's next decision for
+        this array uses."""
+        if self.key and self.decision is not None and self.decision.compile and self._compiled is not None:
+            _record_time(self.key, compiled_step_s=compiled_step_s)
+
+
+def graph_key(*parts) -> str:
+    """A short hash naming a graph and what it was compiled for (auto's record)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else repr(p).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:20]
