@@ -38,6 +38,9 @@ def main(argv=None) -> int:
 
     ap.add_argument("--strategy", choices=("default",) + FORMS, default="default",
                     help="the fused form of nodes that offer several (every form must be exact)")
+    ap.add_argument("--compile", choices=("off", "on"), default="off",
+                    help="on: the torch runtime captures its whole step with torch.compile (onnxfuse train "
+                         "--compile on); seconds of compiling per array")
     args = ap.parse_args(argv)
     runtimes = {"all": RUNTIMES, "both": RUNTIMES[:2]}.get(args.runtime, (args.runtime,))
 
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
         spec = generate(seed)
         kinds_seen.update(render(spec).kinds)
         for rt in runtimes:
-            out = worker.check(spec, runtime=rt, strategy=args.strategy)
+            out = worker.check(spec, runtime=rt, strategy=args.strategy, compile=args.compile)
             counts[rt][out.status] += 1
             if out.status in ("pass", "sensitive", "runtime") and rt == runtimes[0]:
                 fractions.append(out.fused_fraction)
@@ -74,6 +77,7 @@ def main(argv=None) -> int:
     bar.close()
 
     report = {"seeds": [args.seed, args.seed + args.n - 1], "runtimes": list(runtimes), "strategy": args.strategy,
+              "compile": args.compile,
               "counts": {rt: dict(c) for rt, c in counts.items()}, "seconds": round(time.time() - t0),
               "layer_kinds": dict(kinds_seen), "causes": []}
     print()

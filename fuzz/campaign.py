@@ -12,7 +12,7 @@ from .harness import Outcome, check_model
 __all__ = ["Worker"]
 
 
-def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str, strategy: str = "default") -> Outcome:
+def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str, strategy: str = "default", compile: str = "off") -> Outcome:
     import logging
 
     try:  # the torch runtime needs no onnxruntime (the torch extra alone)
@@ -22,7 +22,7 @@ def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str, strategy: str = "defa
     except ImportError:
         pass
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    return check_model(spec, Bs=Bs, runtime=runtime, strategy=strategy)
+    return check_model(spec, Bs=Bs, runtime=runtime, strategy=strategy, compile=compile)
 
 
 class Worker:
@@ -31,11 +31,12 @@ class Worker:
     def __init__(self):
         self._pool: ProcessPoolExecutor | None = None
 
-    def check(self, spec: ModelSpec, Bs: tuple = (1, 2, 3), runtime: str = "ort", strategy: str = "default") -> Outcome:
+    def check(self, spec: ModelSpec, Bs: tuple = (1, 2, 3), runtime: str = "ort", strategy: str = "default",
+              compile: str = "off") -> Outcome:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return self._pool.submit(_quiet_check, spec, Bs, runtime, strategy).result()
+            return self._pool.submit(_quiet_check, spec, Bs, runtime, strategy, compile).result()
         except BrokenProcessPool:
             self.close()
             return Outcome("fail", "crash", "the process died (a native crash in torch or onnxruntime)",

@@ -167,16 +167,18 @@ def _torch_optimizer(kind, params, lr):
 
 
 def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None,
-                runtime: str = "ort", strategy: str = "default") -> Outcome:
+                runtime: str = "ort", strategy: str = "default", compile: str = "off") -> Outcome:
     """Check generated model ``spec`` at each B in ``Bs`` on ``runtime``, fused with ``strategy`` (``default`` or a
     form, ``onnxfuse.core.passes.FORMS``); the first outcome that is not a pass, else a pass."""
-    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime, strategy)
+    return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime, strategy,
+                        compile)
 
 
 def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=(1, 2, 3),
                  optimizers=("sgd", "adamw"), workdir: str | None = None, runtime: str = "ort",
-                 strategy: str = "default") -> Outcome:
-    """Check the model whose source ``r.source`` defines ``FuzzNet`` (any module, written by hand or rendered)."""
+                 strategy: str = "default", compile: str = "off") -> Outcome:
+    """Check the model whose source ``r.source`` defines ``FuzzNet`` (any module, written by hand or rendered).
+    ``compile``: the torch runtime's ``compile`` (``on``: the whole step captured by torch.compile)."""
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
     with tempfile.TemporaryDirectory(dir=workdir, prefix="fuzz-") as tmp:
@@ -187,7 +189,7 @@ def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=
             return Outcome("invalid", "export", str(e))
         last = Outcome("pass")
         for B in Bs:
-            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime, strategy)
+            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime, strategy, compile)
             out.B = B
             if out.status in ("fail", "refused"):
                 return out
@@ -235,7 +237,7 @@ def _fail_from(stage: str, e: Exception) -> Outcome:
 
 
 def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, runtime: str,
-             strategy: str = "default") -> Outcome:
+             strategy: str = "default", compile: str = "off") -> Outcome:
     from onnxfuse import fuse_models
 
     os.makedirs(folder, exist_ok=True)
@@ -249,7 +251,7 @@ def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, run
     frac = fa.spec.summary.get("fused_fraction", 1.0)
     sub = _Sub(case, B, paths)
     stages = [("forward", lambda: _forward(sub, fa, runtime))]
-    stages += [(f"train-{k}", (lambda k=k: _train(sub, fa, k, folder, runtime))) for k in optimizers]
+    stages += [(f"train-{k}", (lambda k=k: _train(sub, fa, k, folder, runtime, compile))) for k in optimizers]
     note = Outcome("pass", fused_fraction=frac)
     for stage, fn in stages:
         try:
@@ -366,7 +368,7 @@ def _nudged(mod: torch.nn.Module, nudge: float = 1e-7) -> torch.nn.Module:
     return m
 
 
-def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str) -> Outcome | None:
+def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "off") -> Outcome | None:
     from onnxfuse.core.split import split_weights
     from onnxfuse.training import get_loss, make_optimizer
     from onnxfuse.recipe.runtimes import make_trainer
@@ -392,7 +394,8 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str) -> Outcome | Non
     else:
         opt = make_optimizer(kind, B, lr=lrs, **HYPER[kind])
         loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
-        trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind))
+        trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind),
+                               compile=compile if runtime == "torch" else "off")
         for x, y in batches:
             feeds = {"input": x.numpy()}
             feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)

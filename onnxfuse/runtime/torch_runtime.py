@@ -243,13 +243,13 @@ class TorchTrainer:
     def _eval_step(self):
         """The eval step: captured too when the training step is (its own graph; a batch of another shape than
         the first, the last partial one, runs eagerly)."""
-        import torch
-
         decision = self.stepper.decision
         if decision is None or not decision.compile:
             return self._eval_batch
         if self._eval_compiled is None:
-            compiled, first = torch.compile(self._eval_batch, dynamic=False), {}
+            from onnxfuse.runtime.train_step import compiled as compile_method
+
+            compiled, first = compile_method(self._eval_batch), {}
 
             def run(batch: dict):
                 shapes = {n: (tuple(t.shape), t.dtype) for n, t in batch.items()}

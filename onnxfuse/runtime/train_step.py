@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -42,7 +43,7 @@ import torch
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.recipe.runtimes import Observed, check_compile
 
-__all__ = ["TrainStep", "cache_dir", "auto_decision", "graph_key"]
+__all__ = ["TrainStep", "cache_dir", "auto_decision", "graph_key", "compiled"]
 
 log = logging.getLogger("onnxfuse.train")
 
@@ -225,7 +226,7 @@ class TrainStep:
         # run's, and a resumed run's RNG state means the same thing in both
         inductor.fallback_random = True
         self._shapes = shapes
-        self._compiled = torch.compile(self._body, dynamic=False)
+        self._compiled = compiled(self._body)
         self._sync()
         t0 = time.perf_counter()
         self._compiled(params, batch, self._hyper)  # the first call compiles
@@ -258,6 +259,15 @@ class TrainStep:
         this array uses."""
         if self.key and self.decision is not None and self.decision.compile and self._compiled is not None:
             _record_time(self.key, compiled_step_s=compiled_step_s)
+
+
+def compiled(method):
+    """``torch.compile`` of a bound method, under a code object of its own: dynamo keeps its compiled entries
+    per code object, at most 8 for one function (``recompile_limit``) before it silently runs it eagerly, so every
+    array's step (a fuzz campaign's, a sweep's re-fused arrays) gets its own."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(types.MethodType(own, method.__self__), dynamic=False)
 
 
 def graph_key(*parts) -> str:
