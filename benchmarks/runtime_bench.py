@@ -1,12 +1,13 @@
 """The fused array on the torch (and ort) runtime vs. the same B models trained one after another in plain PyTorch,
-and optionally a torch.func ensemble and the dense ceiling: ``onnxfuse bench`` under this script's older flags
-(``benchmarks/gpu_check.sh`` calls it). The measurement is ``onnxfuse.measure.bench.run_bench``.
+and optionally the other peers (B processes at once, a torch.func ensemble, the HFTA-style model, the dense
+ceiling; each eager or compiled): ``onnxfuse bench`` under this script's older flags. The measurement is
+``onnxfuse.measure.bench.run_bench`` (``benchmarks/gpu_check.sh`` runs ``onnxfuse bench`` itself).
 
     python benchmarks/runtime_bench.py --device cuda --models lenet,resnet18,transformer_lm --B 1,8,32,64 \\
-        --runtimes torch --baselines vmap,dense -o DIR
+        --runtimes torch,torch-compiled --baselines vmap,vmap-compiled,dense,dense-compiled -o DIR
 
-is ``onnxfuse bench --device cuda --models ... --B 1,8,32,64 --modes torch,seq-torch,vmap,dense -o DIR`` and writes
-DIR/bench.{json,csv,md,png}.
+is ``onnxfuse bench --device cuda --models ... --B 1,8,32,64 --modes torch,torch-compiled,seq-torch,vmap,...
+-o DIR`` and writes DIR/bench.{json,csv,md,png}.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new measurements after this long")
-    ap.add_argument("--runtimes", default="torch", help="fused runtimes to measure: torch, ort (CPU only)")
-    ap.add_argument("--baselines", default="", help="more ways to train the same models: vmap (torch.func "
-                    "ensemble), hfta (HFTA-style, fused by hand), dense (one model at batch B*N: the ceiling), seq-ort")
+    ap.add_argument("--runtimes", default="torch", help="fused runtimes to measure: torch, torch-compiled, ort "
+                    "(CPU only)")
+    ap.add_argument("--baselines", default="", help="more ways to train the same models: concurrent (B processes "
+                    "at once), vmap (torch.func ensemble), hfta (HFTA-style, fused by hand), dense (one model at "
+                    "batch B*N: the ceiling), each of these three also X-compiled (under torch.compile), seq-ort")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("-o", "--output", default="runtime-bench")
     args = ap.parse_args(argv)

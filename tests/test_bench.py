@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import multiprocessing
+import os
+import signal
 
 import numpy as np
 import onnx
@@ -15,7 +18,7 @@ from onnxfuse.cli.main import main
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import MLP
 from onnxfuse.measure import bench
-from onnxfuse.measure.workloads import file_protos, load_onnx_file
+from onnxfuse.measure.workloads import file_protos, interleaved_rounds, load_onnx_file, zoo_batch
 
 
 def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
@@ -39,10 +42,143 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     assert [(r["model"], r["B"]) for r in rows] == [("lenet", "1"), ("lenet", "2")]
     assert all(float(r[f"{m} samples_s"]) > 0 for r in rows for m in modes)
 
+    for row in result["rows"]:  # the verdict: the fastest mode, and the fused array's best against dense
+        assert row["winner"] == max(row["modes"], key=lambda m: row["modes"][m]["samples_s"])
+        assert (row["fused_best"], row["ceiling_best"]) == ("torch", "dense") and row["fused_of_ceiling"] > 0
+        assert all(row["modes"][m]["first_call_s"] > 0 for m in modes)
+
     md = (out / "bench.md").read_text()
     assert result["command"] in md and "onnxfuse bench --models lenet --B 1,2" in md
     assert md.count("| lenet |") == 2 + 2 * len(modes)  # a line per B, then a line per B and mode
+    assert all(f"- lenet B={r['B']}: {r['winner']} won" in md for r in result["rows"])
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            if ppid == pid:
+                out.add(int(entry))
+    return out
+
+
+def _concurrent_processes() -> set[int]:
+    """The concurrent mode's processes still there: children of multiprocessing's fork server (this process's
+    child running multiprocessing.forkserver), or of this process itself for a spawn context."""
+    servers = set()
+    for pid in _children(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"multiprocessing.forkserver" in f.read():
+                    servers.add(pid)
+        except OSError:
+            continue
+    return set().union(*(_children(s) for s in servers)) | {p.pid for p in multiprocessing.active_children()}
+
+
+linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process table from /proc")
+
+
+def _check_new_modes(out, modes: list[str], models: list[str]) -> dict:
+    result = json.loads((out / "bench.json").read_text())
+    assert result["modes"] == modes and len(result["rows"]) == len(models)
+    for row in result["rows"]:
+        for mode in modes:
+            m = row["modes"][mode]
+            assert m["samples_s"] > 0 and math.isfinite(m["over_seq_torch"]) and m["first_call_s"] > 0, (mode, m)
+    with open(out / "bench.csv", newline="") as f:
+        assert all(float(r[f"{m} first_call_s"]) > 0 for r in csv.DictReader(f) for m in modes)
+    md = (out / "bench.md").read_text()
+    assert "first call s" in md and all(bench.mode_title(result["rows"][0], m) in md for m in modes)
+    return result
+
+
+@linux_only
+def test_concurrent_trains_b_processes_at_once_and_stops_them(tmp_path):
+    out = tmp_path / "bench"
+    modes = ["seq-torch", "concurrent"]
+    assert main(["bench", "--models", "lenet", "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
+                 "--threads", "2", "--modes", ",".join(modes), "-o", str(out)]) == 0
+    row = _check_new_modes(out, modes, ["lenet"])["rows"][0]
+    concurrent = row["modes"]["concurrent"]
+    assert concurrent["threads_per_process"] == 1  # --threads 2 split between the 2 processes
+    assert concurrent["peak_mib"] > 0  # the sum of what the processes themselves reported
+    assert not _concurrent_processes()
+
+
+def test_a_compiled_mode_and_concurrent_on_an_onnx_file(tmp_path, mlp_file):
+    """dense-compiled and concurrent run the file's graph by onnxfuse's converter; the first call (the compile) is
+    reported and not in samples/s."""
+    out = tmp_path / "bench"
+    modes = ["seq-torch", "concurrent", "dense", "dense-compiled"]
+    assert main(["bench", "--models", str(mlp_file), "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
+                 "--batch", "6", "--modes", ",".join(modes), "-o", str(out)]) == 0
+    result = _check_new_modes(out, modes, [str(mlp_file)])
+    row = result["rows"][0]
+    assert row["ceiling_best"] in ("dense", "dense-compiled") and row["fused_best"] is None
+    assert "seq-torch, concurrent, dense, dense-compiled run the file's ONNX graph" in " ".join(result["notes"])
+
+
+@pytest.mark.slow
+def test_every_compiled_mode_runs(tmp_path):
+    """Each peer compiled and the fused array compiled, on LeNet (each compiles 10-40 s cold on a 2-core CPU)."""
+    out = tmp_path / "bench"
+    modes = ["seq-torch", "torch", "torch-compiled", "vmap-compiled", "hfta-compiled", "dense-compiled"]
+    assert main(["bench", "--models", "lenet", "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
+                 "--modes", ",".join(modes), "-o", str(out)]) == 0
+    row = _check_new_modes(out, modes, ["lenet"])["rows"][0]
+    assert row["fused_best"] in ("torch", "torch-compiled") and row["ceiling_best"] == "dense-compiled"
+
+
+def test_a_stepper_that_runs_its_steps_itself_is_called_once_per_timing_with_the_count():
+    calls = []
+    steppers = {"a": lambda: calls.append("a"), "b": lambda n: calls.append(f"b{n}")}
+    times = interleaved_rounds(steppers, 2, 3, sync=lambda: calls.append("|"), runs_steps={"b"})
+    assert [len(v) for v in times.values()] == [2, 2] and "".join(calls) == "|aaa||b3||b3||aaa|"
+
+
+def _pool(sources, B=2):
+    import torch
+
+    x, y = zoo_batch("lenet", 4, torch.device("cpu"))
+    return bench._Concurrent(sources, x, y, [1e-3] * B, False, torch.device("cpu"), 1)
+
+
+@linux_only
+def test_a_concurrent_process_that_fails_is_one_error_naming_it_and_every_process_stops():
+    with pytest.raises(bench.ConcurrentWorkerError) as e:
+        _pool([("zoo", "lenet", 0), ("zoo", "no_such_model", 1)])
+    message = str(e.value)
+    assert "\n" not in message and "model 1's process failed while starting" in message
+    assert "no_such_model" in message and "--modes" in message
+    assert not _concurrent_processes()
+
+
+@linux_only
+def test_a_concurrent_process_killed_mid_run_is_one_error_and_the_others_stop():
+    pool = _pool([("zoo", "lenet", 0), ("zoo", "lenet", 1)])
+    pool(1)
+    os.kill(pool.procs[0].pid, signal.SIGKILL)
+    with pytest.raises(bench.ConcurrentWorkerError, match=r"model 0's process exited \(exit code -9\) while running"):
+        pool(1)
+    assert not _concurrent_processes()
+
+
+@linux_only
+def test_the_concurrent_processes_stop_when_the_bench_is_interrupted():
+    with pytest.raises(KeyboardInterrupt):
+        with _pool([("zoo", "lenet", 0), ("zoo", "lenet", 1)]) as pool:
+            pool(2)
+            assert len(_concurrent_processes()) == 2
+            raise KeyboardInterrupt
+    assert not _concurrent_processes()
 
 
 def test_bench_rejects_an_unknown_mode_with_the_choices(tmp_path, capsys):

@@ -214,6 +214,8 @@ OWN_EXIT = {"VerificationError": "exit 4: tests/test_verify.py", "TrainingStoppe
             "DoesNotFit": "caught in onnxfuse/placement/placers.py, reported as PlacementError"}
 ELSEWHERE = {  # classes whose bad input needs a machine condition, tested where that condition is made
     "OutOfMemoryError": "tests/test_reliability.py::test_out_of_memory_says_so_and_leaves_the_previous_run_as_it_was",
+    "ConcurrentWorkerError":  # a process of `onnxfuse bench --modes concurrent` that fails or is killed
+        "tests/test_bench.py::test_a_concurrent_process_that_fails_is_one_error_naming_it_and_every_process_stops",
 }
 
 

@@ -324,19 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="the fused array vs every way to train the same models: PyTorch one after "
-                       "another, onnxruntime-training one after another, a torch.func ensemble, an HFTA-style "
-                       "hand-fused model, one model at batch B*N")
+    b = sub.add_parser("bench", help="the fused array vs every way to train the same models, each in its best "
+                       "form: PyTorch one after another, B processes at once, onnxruntime-training one after "
+                       "another, a torch.func ensemble, an HFTA-style hand-fused model, one model at batch B*N, "
+                       "eager and compiled")
     b.add_argument("--models", default="lenet,resnet18,transformer_lm",
                    help="zoo models or .onnx files (one data input, one output), comma-separated")
     b.add_argument("--B", default="1,8,16", help="array sizes to measure, e.g. 1,8,16,32")
     b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the ort modes run on the CPU only)")
-    from onnxfuse.measure.bench import MODES
+    from onnxfuse.measure.bench import BASELINE, MODE_TITLES, MODES
     b.add_argument("--modes", default=",".join(MODES),
-                   help="torch, ort (the fused array on each runtime), seq-torch (PyTorch one after another: the "
-                   "baseline, always measured), seq-ort (onnxruntime-training one after another), vmap (torch.func "
-                   "ensemble), hfta (HFTA-style fused PyTorch, hand-written: lenet, resnet18, transformer_lm), "
-                   "dense (one model at batch B*N: the ceiling)")
+                   help="comma-separated, default all (the compiled ones add their compile time to the run, not to "
+                   "their samples/s): " + ", ".join(f"{m} ({t}{': always measured' if m == BASELINE else ''})"
+                                                    for m, t in MODE_TITLES.items()))
     b.add_argument("--batch", type=int, default=32, help="samples per model per step")
     b.add_argument("--steps", type=int, default=10, help="timed steps per round")
     b.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes; medians reported")

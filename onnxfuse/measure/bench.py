@@ -1,25 +1,59 @@
-"""`onnxfuse bench`: the fused array against every way a user could train the same B models, in one process.
+"""`onnxfuse bench`: the fused array against every way a user could train the same B models, each in its best form.
 
 For each model and B: B models with different weights; one ONNX model per model, fused; then rounds that alternate
 the modes (the order reversed every other round), each timing ``steps`` steps after ``warmup`` untimed ones:
 
-    torch      the fused array on the torch runtime: one step trains all B models (per-model AdamW learning rates)
-    ort        the fused array on the ort runtime (onnxruntime-training; CPU only)
-    seq-torch  B torch modules, each with its own torch.optim.AdamW, stepped one after another: the baseline
-    seq-ort    the same B models one after another in onnxruntime-training: B one-model arrays on the ort runtime
-    vmap       the B modules as one torch.func ensemble (stack_module_state + functional_call + vmap), one AdamW
-               over the stacked parameters (one learning rate; BatchNorm without running statistics, which vmap
-               cannot update in place: torch.func.replace_all_batch_norm_modules_)
-    hfta       the B modules rewritten by hand as one HFTA-style PyTorch model (onnxfuse/measure/hfta_models.py: grouped
-               Conv2d, batched Linear, packed BatchNorm / LayerNorm / Embedding), one AdamW over its parameters
-               (one learning rate, as vmap); zoo models lenet, resnet18 and transformer_lm only
-    dense      ONE model at batch B * N: the FLOPs of the array in one ordinary model, the ceiling fusion can approach
+    torch           the fused array on the torch runtime: one step trains all B models (per-model AdamW learning
+                    rates)
+    torch-compiled  the same, its whole step captured by torch.compile (the torch runtime's compile="on")
+    ort             the fused array on the ort runtime (onnxruntime-training; CPU only)
+    seq-torch       B torch modules, each with its own torch.optim.AdamW, stepped one after another: the baseline
+    seq-ort         the same B models one after another in onnxruntime-training: B one-model arrays on the ort
+                    runtime
+    concurrent      the B models as B OS processes training at once on the same device, each with its own torch
+                    module and torch.optim.AdamW (its own learning rate, as seq-torch): B jobs launched without any
+                    tool. The processes (multiprocessing's forkserver, else spawn) start once per measurement, build
+                    their models (zoo model b after the same seed; an ONNX file's model b by onnxfuse's converter,
+                    as seq-torch) and wait; a step or a round signals all to run, timed until all report done. On
+                    the CPU each process gets max(1, threads // B) torch threads, threads = this process's torch
+                    threads (--threads), as B jobs sharing the machine would split it
+    vmap            the B modules as one torch.func ensemble (stack_module_state + functional_call + vmap), one
+                    AdamW over the stacked parameters (one learning rate; BatchNorm without running statistics, which
+                    vmap cannot update in place: torch.func.replace_all_batch_norm_modules_)
+    hfta            the B modules rewritten by hand as one HFTA-style PyTorch model (onnxfuse/measure/hfta_models.py:
+                    grouped Conv2d, batched Linear, packed BatchNorm / LayerNorm / Embedding), one AdamW over its
+                    parameters (one learning rate, as vmap); zoo models lenet, resnet18 and transformer_lm only
+    dense           ONE model at batch B * N: the FLOPs of the array in one ordinary model, the ceiling fusion can
+                    approach
+    vmap-compiled, hfta-compiled, dense-compiled
+                    vmap, hfta and dense in their best form under torch.compile (inductor, mode "default"): the
+                    forward and loss as one compiled function (torch.compile(loss_fn, dynamic=False); AOTAutograd
+                    compiles its backward with it) and torch.optim.AdamW(fused=True), one kernel for the update.
+                    Measured on a 2-core CPU (B = 16, 1 thread, torch 2.13, interleaved): for the Transformer LM
+                    this is 1.3-1.5x the eager step for all three; compiling the optimizer step as well
+                    (torch.compile(opt.step)) gained nothing over the fused AdamW, and foreach AdamW was within the
+                    noise of it. For LeNet every compiled form was slower than eager on that CPU (dense ~2x, vmap
+                    and hfta ~1.15x): inductor's max_pool2d_with_indices kernel (the training forward needs the
+                    indices) took ~35 ms of a ~90 ms step where mkldnn's takes a few; measured as it is, not worked
+                    around
 
 on the same device-resident random batch (N samples per model). Samples/s count all B models: B * N * steps / the
 median round time. A mode's ratio to seq-torch (and to dense) is the median of its per-round ratios: the runs of
-one round see the same machine. Peak memory is torch's allocator peak on CUDA (per mode, and over the row), else
-the process's peak RSS (one figure for the row: it only grows). Where a mode cannot run (ort and seq-ort off the
+one round see the same machine. The first step of every mode is timed alone ("first call s": the compile time of
+the compiled modes, the lazy build of the others) and is never in the throughput: it is the first warm-up step
+(one is run even with --warmup 0). Each measurement starts with dynamo's caches reset (every compiled mode compiles
+its own graph for that model and B, static shapes); inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, else its
+default under the temp folder) still serves graphs compiled by an earlier run, so a second run's compile is the
+cached time. Peak memory is torch's allocator peak on CUDA (per mode, and over the row), else the process's peak
+RSS (one figure for the row: it only grows); concurrent's is the sum of its processes' peaks (allocator on CUDA,
+RSS on the CPU, where pages the processes share count in each). Where a mode cannot run (ort and seq-ort off the
 CPU or without onnxruntime.training, hfta for a model without a hand-fused version) it is left out with a note.
+bench.md says per model and B which mode won (highest samples/s) and the fused array's best mode (torch,
+torch-compiled or ort) as a fraction of the better of dense and dense-compiled.
+
+The default modes are all of them: a comparison whose peers are not in their best form would flatter the fused
+array. The compiled modes add their compile time to the run (not to their throughput), tens of seconds per
+compiled mode, model and B on a CPU when inductor's cache is cold; pass --modes to measure fewer.
 
 A model is a zoo name or an ONNX file. Zoo model b is the zoo module built after ``torch.manual_seed(b)``; one
 export whose initializers are replaced by each module's state_dict (the exporter keeps state_dict names) gives
@@ -27,23 +61,27 @@ the B ONNX models. An ONNX file (one data input, float or int64 token ids that i
 one output) gives model 0 its own weights and model b > 0 a copy with seeded Gaussian noise of 1 % of each
 weight's standard deviation; its input is random at --batch (or at the file's fixed batch), its labels random
 classes over the output's last axis (cross-entropy over the last axis, as for the zoo's LM). With no torch module
-to run, seq-torch and dense run the file's ONNX graph in torch eager by onnxfuse's own converter
-(onnxfuse/runtime/torch_graph.py, initializers as nn.Parameters, torch.optim.AdamW); vmap and hfta are left out, and
-dense too when the file's batch is fixed.
+to run, seq-torch, concurrent and dense (compiled too) run the file's ONNX graph in torch by onnxfuse's own
+converter (onnxfuse/runtime/torch_graph.py, initializers as nn.Parameters, torch.optim.AdamW); vmap and hfta
+(compiled too) are left out, and dense too when the file's batch is fixed.
 
 ``run_bench(..., out=DIR)`` writes DIR/bench.json, bench.csv (one row per model and B), bench.md (the table and
 the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import resource
 import statistics
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -51,24 +89,35 @@ import numpy as np
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import claim_output
-from onnxfuse.core.errors import ConfigError, shell
+from onnxfuse.core.errors import ConfigError, OnnxFuseError, shell
 from onnxfuse.recipe.device import Device
 
 from onnxfuse.measure.workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file,
-                                        load_onnx_file, zoo_batch, zoo_modules, zoo_protos)
+                                        load_onnx_file, zoo_batch, zoo_module, zoo_modules, zoo_protos)
 
-__all__ = ["run_bench", "MODES", "MODE_TITLES", "FILE_TITLES"]
+__all__ = ["run_bench", "MODES", "MODE_TITLES", "FILE_TITLES", "ConcurrentWorkerError"]
 
-MODE_TITLES = {"torch": "fused (torch runtime)", "ort": "fused (ort runtime)",
-               "seq-torch": "PyTorch one after another", "seq-ort": "onnxruntime-training one after another",
-               "vmap": "torch.func ensemble", "hfta": "HFTA-style fused PyTorch (hand-written)",
-               "dense": "one model at batch B*N"}
+MODE_TITLES = {"torch": "fused (torch runtime)", "torch-compiled": "fused (torch runtime, compiled)",
+               "ort": "fused (ort runtime)", "seq-torch": "PyTorch one after another",
+               "seq-ort": "onnxruntime-training one after another", "concurrent": "B processes at once",
+               "vmap": "torch.func ensemble", "vmap-compiled": "torch.func ensemble, compiled",
+               "hfta": "HFTA-style fused PyTorch (hand-written)", "hfta-compiled": "HFTA-style, compiled",
+               "dense": "one model at batch B*N", "dense-compiled": "one model at batch B*N, compiled"}
 # an ONNX file has no torch module: these modes run its ONNX graph by onnxfuse's converter instead
 FILE_TITLES = {"seq-torch": "the ONNX graph in torch eager (onnxfuse's converter) one after another",
-               "dense": "the ONNX graph in torch eager (onnxfuse's converter) at batch B*N"}
+               "concurrent": "the ONNX graph in torch eager (onnxfuse's converter), B processes at once",
+               "dense": "the ONNX graph in torch eager (onnxfuse's converter) at batch B*N",
+               "dense-compiled": "the ONNX graph in torch (onnxfuse's converter) at batch B*N, compiled"}
 MODES = tuple(MODE_TITLES)
 BASELINE, CEILING = "seq-torch", "dense"
+COMPILED = "-compiled"  # mode X-compiled is mode X under torch.compile
+FUSED_MODES = ("torch", "torch-compiled", "ort")  # the fused array, on its runtimes
+CEILINGS = (CEILING, CEILING + COMPILED)
 _ORT_MODES = ("ort", "seq-ort")
+
+
+class ConcurrentWorkerError(OnnxFuseError):
+    """A process of the concurrent mode failed or exited before it finished its steps."""
 
 
 # ----------------------------------------------------------------------------------------------- the workloads
@@ -118,17 +167,23 @@ def _file_workload(f: OnnxFile, B: int, device) -> _Workload:
                      x, y, f.input_name, True)
 
 
+def _base(mode: str) -> str:
+    """The mode ``mode`` compiles (``vmap`` for ``vmap-compiled``), or ``mode`` itself."""
+    return mode[:-len(COMPILED)] if mode.endswith(COMPILED) else mode
+
+
 def _left_out(name: str, f: OnnxFile | None) -> dict[str, str]:
-    """The modes model ``name`` cannot run, each with why."""
+    """The modes model ``name`` cannot run, each with why (a compiled mode where its eager one cannot)."""
     from onnxfuse.measure.hfta_models import HFTA_MODELS
 
     if f is None:
-        return {} if name in HFTA_MODELS else {
+        out = {} if name in HFTA_MODELS else {
             "hfta": f"no hand-fused version of {name} (onnxfuse/measure/hfta_models.py has {', '.join(HFTA_MODELS)})"}
-    out = {m: "an ONNX file has no torch module" for m in ("vmap", "hfta")}
-    if f.fixed_batch:
-        out[CEILING] = f"its batch is fixed ({f.input_shape[0]})"
-    return out
+    else:
+        out = {m: "an ONNX file has no torch module" for m in ("vmap", "hfta")}
+        if f.fixed_batch:
+            out[CEILING] = f"its batch is fixed ({f.input_shape[0]})"
+    return out | {m: out[_base(m)] for m in MODES if m != _base(m) and _base(m) in out}
 
 
 def _plan(models: Sequence[str], modes: list[str], files: dict[str, OnnxFile], notes: list[str]
@@ -144,10 +199,10 @@ def _plan(models: Sequence[str], modes: list[str], files: dict[str, OnnxFile], n
                 reasons.setdefault(left[m], []).append(m)
         notes.extend(f"{name}: left out {', '.join(ms)}: {why}" for why, ms in reasons.items())
         if name in files:
-            eager = [m for m in (BASELINE, CEILING) if m in plan[name]]
-            notes.append(f"{name}: {' and '.join(eager)} run{'s' if len(eager) == 1 else ''} the file's ONNX graph "
-                         "in torch eager by onnxfuse's converter (onnxfuse/runtime/torch_graph.py), not a torch module; model "
-                         "b > 0 is the file's weights plus 1 % seeded noise"
+            eager = [m for m in (BASELINE, "concurrent") + CEILINGS if m in plan[name]]
+            notes.append(f"{name}: {', '.join(eager)} run{'s' if len(eager) == 1 else ''} the file's ONNX graph "
+                         "in torch by onnxfuse's converter (onnxfuse/runtime/torch_graph.py), not a torch module; "
+                         "model b > 0 is the file's weights plus 1 % seeded noise"
                          + (f"; measured at its fixed batch {files[name].input_shape[0]}"
                             if files[name].fixed_batch else ""))
     return plan
@@ -167,7 +222,8 @@ def _loss(class_last: bool, out, y):
 
 # ---------------------------------------------------------------------------------------------------- the modes
 def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: str, feeds: dict,
-                workdir: str, threads: int = 0, strategy: str = "default", batch: int = 32) -> Callable[[], None]:
+                workdir: str, threads: int = 0, strategy: str = "default", batch: int = 32,
+                compile: str = "off") -> Callable[[], None]:
     from onnxfuse.core.passes import fuse_models
 
     from onnxfuse.measure.forms import make_strategy
@@ -177,7 +233,7 @@ def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device:
     fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
                      strategy=make_strategy(strategy, runtime, device, batch, threads))
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
-                           device=device, workdir=workdir, threads=threads or None)
+                           device=device, workdir=workdir, threads=threads or None, compile=compile)
     return lambda: trainer.step(feeds)
 
 
@@ -206,8 +262,24 @@ def _seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y) -> Cal
     return step
 
 
-def _vmap_step(mods: list, class_last: bool, x, y, lr: float) -> Callable[[], None]:
-    """One AdamW step of the B models as a torch.func ensemble (the loss summed over the models)."""
+def _adamw_step(loss_fn: Callable[[], object], params: list, lr: float, compiled: bool) -> Callable[[], None]:
+    """One AdamW step of the scalar ``loss_fn()`` over ``params``: as written, or in the best compiled form measured
+    (the module docstring): ``torch.compile(loss_fn)`` (forward and loss; AOTAutograd compiles the backward with
+    it), static shapes, and ``AdamW(fused=True)``."""
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=lr, **({"fused": True} if compiled else {}))
+    loss = torch.compile(loss_fn, dynamic=False) if compiled else loss_fn
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+    return step
+
+
+def _vmap_loss(mods: list, class_last: bool, x, y) -> tuple[Callable[[], object], list]:
+    """The B models as a torch.func ensemble: the loss summed over the models, and the stacked parameters."""
     import torch
     from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state
 
@@ -215,51 +287,174 @@ def _vmap_step(mods: list, class_last: bool, x, y, lr: float) -> Callable[[], No
     replace_all_batch_norm_modules_(base)
     params, buffers = stack_module_state([replace_all_batch_norm_modules_(copy.deepcopy(m)) for m in mods])
     params = {k: torch.nn.Parameter(v) for k, v in params.items()}
-    opt = torch.optim.AdamW(params.values(), lr=lr)
 
     def one(p, b, xx):
         return functional_call(base, (p, b), (xx,))
 
     ensemble = torch.vmap(one, in_dims=(0, 0, None), randomness="different")
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
+    def loss():
         out = ensemble(params, buffers, x)  # [B, N, ...]
-        sum(_loss(class_last, out[b], y) for b in range(out.shape[0])).backward()
-        opt.step()
-    return step
+        return sum(_loss(class_last, out[b], y) for b in range(out.shape[0]))
+    return loss, list(params.values())
 
 
-def _hfta_step(name: str, mods: list, class_last: bool, x, y, lr: float) -> Callable[[], None]:
-    """One AdamW step of the B models rewritten by hand as one HFTA-style model (the loss summed over the models;
-    one learning rate, as vmap)."""
-    import torch
-
+def _hfta_loss(name: str, mods: list, class_last: bool, x, y) -> tuple[Callable[[], object], list]:
+    """The B models rewritten by hand as one HFTA-style model: the loss summed over the models, its parameters."""
     from onnxfuse.measure.hfta_models import hfta_model
 
     model = hfta_model(name, mods)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
+    def loss():
         out = model(x)  # [B, N, ...]
-        sum(_loss(class_last, out[b], y) for b in range(out.shape[0])).backward()
-        opt.step()
-    return step
+        return sum(_loss(class_last, out[b], y) for b in range(out.shape[0]))
+    return loss, list(model.parameters())
 
 
-def _dense_step(model, class_last: bool, x, y, B: int, lr: float) -> Callable[[], None]:
-    """One AdamW step of ONE model at batch B * N."""
+def _dense_loss(model, class_last: bool, x, y, B: int) -> tuple[Callable[[], object], list]:
+    """ONE model at batch B * N: its loss and parameters."""
+    xb, yb = x.repeat((B,) + (1,) * (x.dim() - 1)), y.repeat((B,) + (1,) * (y.dim() - 1))
+
+    def loss():
+        return _loss(class_last, _output(model, xb), yb)
+    return loss, list(model.parameters())
+
+
+def _worker_module(source: tuple):
+    """Concurrent model b's torch module: ("zoo", name, b) or ("onnx", the model's serialized ONNX)."""
+    if source[0] == "zoo":
+        return zoo_module(source[1], source[2])
+    import onnx
+
+    from onnxfuse.runtime.torch_graph import OnnxModule
+
+    return OnnxModule(onnx.load_from_string(source[1]))
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: float, class_last: bool,
+                       device: str, threads: int) -> None:
+    """One process of the concurrent mode: builds its model and AdamW (seq-torch's step for one model), says
+    ("ready", None), then for each count received runs that many steps and says ("done", its peak MiB), until
+    "stop" (or the pipe closes: the parent is gone). A failure is sent as ("error" or "oom", one line)."""
     import torch
 
-    xb, yb = x.repeat((B,) + (1,) * (x.dim() - 1)), y.repeat((B,) + (1,) * (y.dim() - 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    try:
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            torch.set_num_threads(threads)
+        step = _seq_torch_step([_worker_module(source).to(dev).train()], [lr], class_last,
+                               torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev))
+        conn.send(("ready", None))
+        while (steps := conn.recv()) != "stop":
+            for _ in range(steps):
+                step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            conn.send(("done", _peak_mib(dev)))
+    except (EOFError, KeyboardInterrupt):
+        pass  # the parent is gone, or the user stopped the run (the parent stops the others)
+    except torch.OutOfMemoryError as e:
+        conn.send(("oom", _first_line(e)))
+    except Exception as e:  # noqa: BLE001 (sent to the parent, which raises it as one line)
+        conn.send(("error", _first_line(e)))
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        _loss(class_last, _output(model, xb), yb).backward()
-        opt.step()
-    return step
+
+class _Concurrent:
+    """The concurrent mode's B processes, started and waiting; ``pool(steps)`` runs ``steps`` steps in every
+    process at once and returns when all are done; ``close()`` (or leaving ``with``) stops them, killing one that
+    does not stop. A process that fails or exits is one ConcurrentWorkerError (torch.OutOfMemoryError for out of
+    memory, which the bench notes), and every process is stopped."""
+
+    def __init__(self, sources: list[tuple], x, y, lrs: list[float], class_last: bool, device, threads: int):
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if ctx.get_start_method() == "forkserver":
+            ctx.set_forkserver_preload(["torch", "onnxfuse.measure.bench"])  # imported once, then forked
+        self.procs, self.conns, self.peaks, self.threads = [], [], [0.0] * len(sources), threads
+        try:
+            x, y = x.cpu().numpy(), y.cpu().numpy()
+            for b, (source, lr) in enumerate(zip(sources, lrs)):
+                mine, theirs = ctx.Pipe()
+                p = ctx.Process(target=_concurrent_worker, name=f"onnxfuse-bench-concurrent-{b}", daemon=True,
+                                args=(theirs, source, x, y, lr, class_last, str(device), threads))
+                p.start()
+                theirs.close()
+                self.procs.append(p)
+                self.conns.append(mine)
+            self._collect("ready", "starting")
+        except BaseException:
+            self.close()
+            raise
+
+    def __call__(self, steps: int = 1) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError):  # a process that is gone: _collect says which
+                c.send(steps)
+        self.peaks = self._collect("done", f"running {steps} step{'s' if steps != 1 else ''}")
+
+    def peak_mib(self) -> float:
+        return sum(self.peaks)
+
+    def _collect(self, kind: str, doing: str) -> list:
+        """Each process's reply ``kind``, waiting on the pipes and the processes together (one that dies is seen
+        at once); a failure stops every process and raises."""
+        replies, pending = {}, set(range(len(self.procs)))
+        while pending:
+            multiprocessing.connection.wait([self.conns[b] for b in pending]
+                                            + [self.procs[b].sentinel for b in pending])
+            for b in sorted(pending):
+                if self.conns[b].poll():
+                    try:
+                        got, value = self.conns[b].recv()
+                    except (EOFError, OSError):  # closed, or reset by a process that was killed
+                        got, value = "exit", None
+                elif not self.procs[b].is_alive():
+                    got, value = "exit", None
+                else:
+                    continue
+                if got == kind:
+                    replies[b] = value
+                    pending.discard(b)
+                    continue
+                proc = self.procs[b]
+                self.close()  # joins proc too
+                if got == "oom":
+                    import torch
+
+                    raise torch.OutOfMemoryError(f"concurrent: model {b}'s process: {value}")
+                if got == "error":
+                    raise ConcurrentWorkerError(f"concurrent mode: model {b}'s process failed while {doing}: {value}; "
+                                                "leave concurrent out of --modes, or run --modes seq-torch to see "
+                                                "the same model fail in this process")
+                raise ConcurrentWorkerError(f"concurrent mode: model {b}'s process exited (exit code "
+                                            f"{proc.exitcode}) while {doing}; a negative code is the "
+                                            "signal that killed it (-9: often out of memory): measure a smaller B "
+                                            "or leave concurrent out of --modes")
+        return [replies[b] for b in range(len(self.procs))]
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                c.send("stop")
+        deadline = time.monotonic() + 10  # for all: a process mid-steps finishes them first
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+
+    def __enter__(self) -> "_Concurrent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -282,28 +477,32 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
     loss_name = get_loss("cross-entropy", class_axis=-1) if last else "cross-entropy"
     feeds = {work.input_name: x, LABELS: y}
     host = {k: v.cpu().numpy() for k, v in feeds.items()}  # the ort runtime takes numpy (CPU)
+    sources = ([("zoo", work.name, b) for b in range(B)] if work.source == "zoo"
+               else [("onnx", p.SerializeToString()) for p in work.protos])
+    losses = {"vmap": lambda: _vmap_loss(seq, last, x, y), "hfta": lambda: _hfta_loss(work.name, seq, last, x, y),
+              "dense": lambda: _dense_loss(work.fresh(), last, x, y, B)}
     make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder, threads,
                                          strategy, n),
+            "torch-compiled": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder,
+                                                  threads, strategy, n, compile="on"),
             "ort": lambda: _fused_step(work.protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
                                        threads, strategy, n),
             "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y),
             "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
                                              threads),
-            "vmap": lambda: _vmap_step(seq, last, x, y, lrs[0]),
-            "hfta": lambda: _hfta_step(work.name, seq, last, x, y, lrs[0]),
-            "dense": lambda: _dense_step(work.fresh(), last, x, y, B, lrs[0])}
-    steppers, setup_s = {}, {}
-    for mode in modes:
-        with Stopwatch() as setup:
-            steppers[mode] = make[mode]()
-        setup_s[mode] = setup.seconds  # fusing, sessions, optimizers: not timed
-        for _ in range(warmup):
-            steppers[mode]()
+            # each process gets this process's torch threads split B ways
+            "concurrent": lambda: stack.enter_context(_Concurrent(sources, x, y, lrs, last, device,
+                                                                  max(1, torch.get_num_threads() // B)))}
+    make |= {m + suffix: (lambda loss=loss, c=bool(suffix): _adamw_step(*loss(), lrs[0], compiled=c))
+             for m, loss in losses.items() for suffix in ("", COMPILED)}
+    if any(m.endswith(COMPILED) for m in modes):
+        torch._dynamo.reset()  # each measurement compiles its own graphs (no recompile limit across models and B)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    cuda = device.type == "cuda"
     peaks: dict[str, float] = {m: 0.0 for m in modes}
 
     def reset_peak(mode: str) -> None:
@@ -312,9 +511,29 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
     def read_peak(mode: str) -> None:
         peaks[mode] = max(peaks[mode], _peak_mib(device))
 
-    cuda = device.type == "cuda"
-    times = interleaved_rounds({m: steppers[m] for m in modes}, rounds, steps, sync,
-                               reset_peak if cuda else None, read_peak if cuda else None)
+    with contextlib.ExitStack() as stack:  # the concurrent mode's processes stop however this ends
+        steppers, setup_s, first_s = {}, {}, {}
+        # every mode built before any runs, the concurrent processes last: building the torch runtime sets the
+        # process's torch threads (to 1 unless --threads), which compiled graphs are specialized on and the
+        # concurrent processes split
+        for mode in sorted(modes, key=lambda m: m == "concurrent"):
+            with Stopwatch() as setup:
+                steppers[mode] = make[mode]()
+            setup_s[mode] = setup.seconds  # fusing, sessions, optimizers, processes: not timed
+        threads_now = torch.get_num_threads()
+        for mode in modes:
+            sync()
+            with Stopwatch() as first:  # the first step: compiling, lazy builds; the first warm-up step
+                steppers[mode]()
+                sync()
+            first_s[mode] = first.seconds
+            for _ in range(warmup - 1):
+                steppers[mode]()
+        times = interleaved_rounds({m: steppers[m] for m in modes}, rounds, steps, sync,
+                                   reset_peak if cuda else None, read_peak if cuda else None,
+                                   runs_steps={"concurrent"})
+        if "concurrent" in steppers:
+            peaks["concurrent"] = steppers["concurrent"].peak_mib()  # its processes' own
     samples = B * n * steps
     result = {}
     for mode in modes:
@@ -323,11 +542,26 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
             "over_seq_torch": statistics.median(b / t for t, b in zip(times[mode], times[BASELINE])),
             "of_dense": (statistics.median(d / t for t, d in zip(times[mode], times[CEILING]))
                          if CEILING in times else None),
-            "round_s": times[mode], "setup_s": setup_s[mode],
-            "peak_mib": peaks[mode] if device.type == "cuda" else None}
+            "round_s": times[mode], "setup_s": setup_s[mode], "first_call_s": first_s[mode],
+            "peak_mib": peaks[mode] if cuda or mode == "concurrent" else None}
+    if "concurrent" in result:
+        result["concurrent"]["threads_per_process"] = steppers["concurrent"].threads if not cuda else None
     return {"model": work.name, "source": work.source, "B": B, "batch": n, "device": str(device), "steps": steps,
-            "warmup": warmup, "rounds": rounds, "export_s": work.export_s,
-            "peak_mib": max(peaks.values()) if device.type == "cuda" else _peak_mib(device), "modes": result}
+            "warmup": warmup, "rounds": rounds, "threads": threads_now, "export_s": work.export_s,
+            "peak_mib": max(peaks.values()) if cuda else _peak_mib(device), "modes": result,
+            **_verdict(result, times)}
+
+
+def _verdict(result: dict, times: dict) -> dict:
+    """The row's winner (highest samples/s) and the fused array's best mode as a fraction of the better of dense and
+    dense-compiled (the median of per-round ratios), when both are measured."""
+    def best(among):
+        return max((m for m in among if m in result), key=lambda m: result[m]["samples_s"], default=None)
+
+    fused, ceiling = best(FUSED_MODES), best(CEILINGS)
+    of = (statistics.median(c / t for t, c in zip(times[fused], times[ceiling]))
+          if fused is not None and ceiling is not None else None)
+    return {"winner": best(result), "fused_best": fused, "ceiling_best": ceiling, "fused_of_ceiling": of}
 
 
 def _ort_unavailable(device) -> str | None:
@@ -380,45 +614,66 @@ def mode_title(row: dict, mode: str) -> str:
 
 def table(rows: list[dict], modes: list[str]) -> str:
     """One line per model, B and mode measured: samples/s, the ratio to PyTorch one after another and to the dense
-    ceiling, peak memory (per mode on CUDA; the process's peak RSS so far on the CPU)."""
-    lines = ["| model | B | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) | peak MiB |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    ceiling, the first step alone (compiling, for a compiled mode), peak memory (per mode on CUDA and for
+    concurrent's processes; the process's peak RSS so far on the CPU)."""
+    lines = ["| model | B | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) | first call s "
+             "| peak MiB |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         for m in (m for m in modes if m in r["modes"]):
             c = r["modes"][m]
             dense = "–" if c["of_dense"] is None else f"{c['of_dense']:.2f}"
             peak = r["peak_mib"] if c["peak_mib"] is None else c["peak_mib"]
             lines.append(f"| {r['model']} | {r['B']} | {mode_title(r, m)} | {c['samples_s']:,.0f} | "
-                         f"{c['over_seq_torch']:.2f}× | {dense} | {peak:,.0f} |")
+                         f"{c['over_seq_torch']:.2f}× | {dense} | {c['first_call_s']:.1f} | {peak:,.0f} |")
     return "\n".join(lines)
+
+
+def _fused_of_ceiling(r: dict) -> str:
+    of = r.get("fused_of_ceiling")
+    return "–" if of is None else f"{of:.2f} ({r['fused_best']} ÷ {r['ceiling_best']})"
 
 
 def wide_table(rows: list[dict], modes: list[str]) -> str:
     """One line per model and B, one column per mode: samples/s and, in brackets, the ratio to PyTorch one after
-    another; the last column is the fused array on the torch runtime as a fraction of the dense ceiling. A mode no
-    row has is left out."""
+    another; then the mode that won (highest samples/s) and the fused array's best mode as a fraction of the
+    better of dense and dense-compiled. A mode no row has is left out."""
     modes = [m for m in modes if any(m in r["modes"] for r in rows)]
     head = [MODE_TITLES[m] for m in modes]
-    lines = ["| model | B | " + " | ".join(head) + " | fused torch ÷ ceiling |",
-             "|---|---:|" + "---:|" * (len(modes) + 1)]
+    lines = ["| model | B | " + " | ".join(head) + " | won | fused best ÷ best dense |",
+             "|---|---:|" + "---:|" * len(modes) + "---|---:|"]
     for r in rows:
         cells = [f"{r['modes'][m]['samples_s']:,.0f} ({r['modes'][m]['over_seq_torch']:.2f}×)" if m in r["modes"]
                  else "–" for m in modes]
-        torch_cell = r["modes"].get("torch", {}).get("of_dense")
         lines.append(f"| {r['model']} | {r['B']} | " + " | ".join(cells)
-                     + f" | {'–' if torch_cell is None else f'{torch_cell:.2f}'} |")
+                     + f" | {r['winner']} | {_fused_of_ceiling(r)} |")
     return "\n".join(lines)
 
 
+def verdicts(rows: list[dict]) -> str:
+    """A line per model and B: which mode won, and how near the fused array's best mode came to the ceiling."""
+    lines = []
+    for r in rows:
+        line = f"- {r['model']} B={r['B']}: {r['winner']} won ({r['modes'][r['winner']]['samples_s']:,.0f} samples/s)"
+        if r.get("fused_of_ceiling") is not None:
+            line += (f"; the fused array's best mode, {r['fused_best']}, reached {r['fused_of_ceiling']:.2f} of "
+                     f"{r['ceiling_best']}, the better dense")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+_PER_MODE = ("samples_s", "over_seq_torch", "of_dense", "first_call_s")
+
+
 def _write_csv(path: str, rows: list[dict], modes: list[str]) -> None:
-    cols = ["model", "B", "batch", "device", "steps", "rounds", "peak_mib"]
-    per_mode = [f"{m} {k}" for m in modes for k in ("samples_s", "over_seq_torch", "of_dense")]
+    cols = ["model", "B", "batch", "device", "steps", "rounds", "peak_mib", "winner", "fused_best", "ceiling_best",
+            "fused_of_ceiling"]
+    per_mode = [f"{m} {k}" for m in modes for k in _PER_MODE]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols + per_mode)
         for r in rows:
-            w.writerow([r[c] for c in cols] + [r["modes"].get(m, {}).get(k) for m in modes
-                                               for k in ("samples_s", "over_seq_torch", "of_dense")])
+            w.writerow([r[c] for c in cols] + [r["modes"].get(m, {}).get(k) for m in modes for k in _PER_MODE])
 
 
 def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
@@ -518,8 +773,12 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                             torch.cuda.reset_peak_memory_stats(dev)
                     rows.append(r)
                     cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
+                                      + (f" [first {c['first_call_s']:.1f} s]" if m.endswith(COMPILED) else "")
                                       for m, c in r["modes"].items())
-                    say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB", flush=True)
+                    say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB  won: {r['winner']}", flush=True)
+        ran = sorted({r["threads"] for r in rows})
+        if ran:  # building the torch runtime sets the process's threads (1 unless --threads): what the rounds ran
+            env["threads"] = ran[0] if len(ran) == 1 else ran
         with open(os.path.join(out, "bench.json"), "w") as f:
             json.dump({"command": cmd, "env": env, "modes": measured, "notes": notes, "rows": rows}, f, indent=1)
         _write_csv(os.path.join(out, "bench.csv"), rows, measured)
@@ -528,7 +787,9 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
             f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
                     "all B models (median round); ratios are medians of per-round ratios.\n\n"
                     + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
-                    + "\n\nEvery mode, with the ratio to the dense ceiling and peak memory:\n\n" + text + "\n")
+                    + "\n\nWhich mode won, per model and B:\n\n" + verdicts(rows)
+                    + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
+                    "time of a compiled mode; not in samples/s) and peak memory:\n\n" + text + "\n")
         _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
         say(text)
         say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")

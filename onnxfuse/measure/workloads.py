@@ -7,26 +7,28 @@ import copy
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping
+from typing import Callable, Collection, Hashable, Mapping
 
 import numpy as np
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import ConfigError
 
-__all__ = ["zoo_modules", "zoo_batch", "zoo_protos", "OnnxFile", "is_onnx_file", "load_onnx_file", "file_protos",
-           "file_batch", "interleaved_rounds"]
+__all__ = ["zoo_module", "zoo_modules", "zoo_batch", "zoo_protos", "OnnxFile", "is_onnx_file", "load_onnx_file",
+           "file_protos", "file_batch", "interleaved_rounds"]
 
 
 def interleaved_rounds(steppers: Mapping[Hashable, Callable[[], object]], rounds: int, steps: int,
                        sync: Callable[[], None] = lambda: None, before: Callable[[Hashable], None] | None = None,
-                       after: Callable[[Hashable], None] | None = None, each_step: bool = False
-                       ) -> dict[Hashable, list[float]]:
+                       after: Callable[[Hashable], None] | None = None, each_step: bool = False,
+                       runs_steps: Collection[Hashable] = ()) -> dict[Hashable, list[float]]:
     """Seconds that ``steps`` calls of each stepper take, one entry per round (``each_step``: every call timed
     alone, ``steps`` entries per round). Every other round runs the steppers in reverse order, so that none always
     runs first on a machine whose speed drifts; ``sync`` waits for queued device work before and after each timing
     (the one after inside it); ``before``/``after`` run around a stepper's turn (e.g. a memory peak's reset and
-    reading), untimed. The benchmarks', the planner's and the measured forms' one timing loop."""
+    reading), untimed. A stepper whose key is in ``runs_steps`` takes the count and runs that many steps itself,
+    called once per timing (e.g. B processes that each run their steps at once). The benchmarks', the planner's and
+    the measured forms' one timing loop."""
     keys = list(steppers)
     times: dict[Hashable, list[float]] = {k: [] for k in keys}
     timings, calls = (steps, 1) if each_step else (1, steps)
@@ -37,8 +39,11 @@ def interleaved_rounds(steppers: Mapping[Hashable, Callable[[], object]], rounds
             for _ in range(timings):
                 sync()
                 with Stopwatch() as watch:
-                    for _ in range(calls):
-                        steppers[k]()
+                    if k in runs_steps:
+                        steppers[k](calls)
+                    else:
+                        for _ in range(calls):
+                            steppers[k]()
                     sync()
                 times[k].append(watch.seconds)
             if after is not None:
@@ -46,18 +51,20 @@ def interleaved_rounds(steppers: Mapping[Hashable, Callable[[], object]], rounds
     return times
 
 
-def zoo_modules(name: str, B: int) -> list:
+def zoo_module(name: str, b: int):
+    """Zoo model b of an array: the zoo module built after ``torch.manual_seed(b)``, dropout 0."""
     import torch
 
     from onnxfuse.exporters.zoo import ZOO
 
     factory = ZOO[name].factory
     kwargs = {"dropout": 0.0} if "dropout" in inspect.signature(factory).parameters else {}
-    out = []
-    for b in range(B):
-        torch.manual_seed(b)
-        out.append(factory(**kwargs))
-    return out
+    torch.manual_seed(b)
+    return factory(**kwargs)
+
+
+def zoo_modules(name: str, B: int) -> list:
+    return [zoo_module(name, b) for b in range(B)]
 
 
 def zoo_batch(name: str, n: int, device):
