@@ -28,15 +28,16 @@ def exact_float32():
 
 # ResNet-18 with AdamW is left out: Adam normalizes the tiny gradients of its BatchNorm biases, and after three
 # steps rounding alone moves those tensors by 1e-1 relative (its outputs by 5e-3), on CPU as on the GPU
+@pytest.mark.parametrize("compile", ["off", "on"])
 @pytest.mark.parametrize("name, kind", [("lenet", "adamw"), ("lenet", "sgd"), ("resnet18", "sgd")])
-def test_fused_training_on_cuda_equals_each_model_alone(name, kind, tmp_path):
+def test_fused_training_on_cuda_equals_each_model_alone(name, kind, compile, tmp_path):
     device = torch.device("cuda")
     mods = zoo_modules(name, B)
     fa = fuse_models(export_zoo(name, mods, tmp_path))
     lrs = [1e-3, 3e-3, 1e-2] if kind == "adamw" else [0.002, 0.005, 0.01]
     extra = {"momentum": 0.9} if kind == "sgd" else {}
     trainer = make_trainer("torch", fa.model, fa.spec, "cross-entropy", make_optimizer(kind, B, lr=lrs, **extra),
-                           device="cuda")
+                           device="cuda", compile=compile)
     alone = [m.to(device).train() for m in mods]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr) if kind == "adamw" else
             torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m, lr in zip(alone, lrs)]
@@ -60,6 +61,42 @@ def test_fused_training_on_cuda_equals_each_model_alone(name, kind, tmp_path):
     split = split_weights(fa.spec, trainer.weights(), steps=STEPS)
     tensors = max(rel_err(split[b][k], v.detach().cpu().numpy()) for b, m in enumerate(alone)
                   for k, v in m.state_dict().items())
-    print(f"{name} {kind} after {STEPS} steps: outputs {outputs:.1e}, tensors {tensors:.1e} (worst relative)")
+    print(f"{name} {kind} compile {compile} after {STEPS} steps: outputs {outputs:.1e}, tensors {tensors:.1e} (worst relative)")
     # cuDNN picks other algorithms for a grouped convolution than for one model's: rounding differs
     assert outputs < 1e-3 and tensors < 1e-3
+
+
+def test_the_compiled_step_on_cuda_is_graphed_or_not_by_measurement_and_never_synchronizes(tmp_path):
+    """LeNet B = 8, compiled: after the CUDA-graph trial (warm-up, capture, replays) the step is replayed or
+    launched, whichever was faster, and its steps make no host synchronization (torch's sync debug mode raises on
+    one); each model still equals torch.optim alone."""
+    device = torch.device("cuda")
+    mods = zoo_modules("lenet", 8)
+    fa = fuse_models(export_zoo("lenet", mods, tmp_path))
+    lrs = [1e-3 * (b + 1) for b in range(8)]
+    trainer = make_trainer("torch", fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", 8, lr=lrs),
+                           device="cuda", compile="on")
+    alone = [m.to(device).train() for m in mods]
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(alone, lrs)]
+    gen = torch.Generator().manual_seed(0)
+    batches = [(zoo_input("lenet", N, seed=10 + t), torch.randint(0, 10, (N,), generator=gen)) for t in range(16)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    for t, (x, y) in enumerate(batches):
+        if t >= 12:  # decided by now (compile, 3 warm-up steps, capture, 5 trials)
+            assert trainer.stepper.cuda_graph() in ("on", "off")
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            trainer.launch({"input": x, "labels": y})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for m, o in zip(alone, opts):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    print(f"CUDA graph: {trainer.stepper.cuda_graph()}")
+    seen = trainer.observe()
+    assert seen.ok.all() and (seen.failed_at == 0).all()
+    split = split_weights(fa.spec, trainer.weights(), steps=16)
+    worst = max(rel_err(split[b][k], v.detach().cpu().numpy()) for b, m in enumerate(alone)
+                for k, v in m.state_dict().items())
+    assert worst < 1e-3, worst

@@ -185,8 +185,14 @@ class TorchTrainer:
 
         names = self.inputs if self.python is None else self.inputs + [n for n in feeds if n not in self.inputs]
         arrays = check_feeds(names, feeds)
-        return {n: (a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))).to(
-            self.torch_device, non_blocking=True) for n, a in zip(names, arrays)}
+        pin = self.torch_device.type == "cuda"  # from pinned memory the copy is queued, not waited for
+        out = {}
+        for n, a in zip(names, arrays):
+            t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+            if pin and t.device.type == "cpu":
+                t = t.pin_memory()
+            out[n] = t.to(self.torch_device, non_blocking=True)
+        return out
 
     def _forward(self, program, batch: dict, weights: dict | None = None) -> tuple:
         """(summed loss, per-model losses [B], the rest of the program's outputs); ``weights``: the fused tensors

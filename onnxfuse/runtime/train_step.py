@@ -140,7 +140,7 @@ class TrainStep:
         self.ok = torch.ones(B, dtype=torch.bool, device=device)
         self._hyper: torch.Tensor | None = None
         self._counted = None  # the optimizer step the device count was last set from (None: not yet)
-        self._compiled, self._shapes = None, None
+        self._compiled, self._shapes, self._graphed = None, None, None
         self._eager_times: list[float] = []
         self.decision: Decision | None = Decision(True, "--compile on") if self.mode == "on" else (
             Decision(False, "--compile off") if self.mode == "off" else None)
@@ -176,7 +176,8 @@ class TrainStep:
         coefficients = torch.from_numpy(opt.prepare(self.buffers))
         if self._hyper is None or self._hyper.shape != coefficients.shape:
             self._hyper = torch.empty(coefficients.shape, device=self.array.device)
-        self._hyper.copy_(coefficients, non_blocking=True)
+        # a pinned host buffer: the copy is queued behind the running step instead of waiting for it
+        self._hyper.copy_(coefficients.pin_memory() if self._hyper.is_cuda else coefficients, non_blocking=True)
         step = opt.state["step"]
         if self._counted != step:  # a new object, or the optimizer's count was set (a resumed run)
             self.count.fill_(step)
@@ -199,6 +200,9 @@ class TrainStep:
             return
         if shapes != self._shapes:  # e.g. a loader's partial last batch: the same body, eagerly, no recompile
             self._body(params, batch, self._hyper)
+            return
+        if self._graphed is not None:
+            self._graphed(params, batch, self._hyper)
             return
         self._compiled(params, batch, self._hyper)
 
@@ -230,10 +234,15 @@ class TrainStep:
         log.info("compiled the training step in %.1f s", self.compile_s)
         if self.key:
             _record_time(self.key, compile_s=self.compile_s)
+        if self.array.device.type == "cuda":
+            self._graphed = _CudaGraphed(self._compiled, self.array.device)
 
     def _sync(self) -> None:
-        if self.array.device.type == "cuda":
-            torch.cuda.synchronize(self.array.device)
+        _sync(self.array.device)
+
+    def cuda_graph(self) -> str | None:
+        """What became of the CUDA graph: "on", "off" (measured slower, or capture failed), None (not tried)."""
+        return None if self._graphed is None else self._graphed.state
 
     # ---- the host's view
     def observe(self) -> Observed:
@@ -254,6 +263,85 @@ class TrainStep:
         this array uses."""
         if self.key and self.decision is not None and self.decision.compile and self._compiled is not None:
             _record_time(self.key, compiled_step_s=compiled_step_s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _CudaGraphed:
+    """The compiled step, captured in a CUDA graph when that is measured faster (on a GPU the small kernels of a
+    fused step are bound by their launches; a graph replays them all in one).
+
+    Every call is a real training step: the first ``WARMUP`` run the compiled step on a side stream (what capture
+    needs) and are timed; the next one is captured, with its batch copied into static buffers, and replayed; the
+    next ``TRIALS`` replay the graph, timed. The faster of the two then runs every later step (a graph replays the
+    same kernels on the same tensors: the results are the same either way). A capture that fails leaves the
+    compiled step as it was, and says why. The weights, optimizer state and the step's own buffers are updated in
+    place, so their addresses are the graph's; the batch is copied into the graph's buffers at each step."""
+
+    WARMUP, TRIALS = 3, 5
+
+    def __init__(self, fn: Callable, device: torch.device):
+        self.fn, self.device = fn, device
+        self.state, self.times = "warmup", {"plain": [], "graph": []}
+        self.graph, self.static, self.stream = None, None, torch.cuda.Stream(device)
+
+    def __call__(self, params: list, batch: dict, hyper: torch.Tensor) -> None:
+        if self.state == "off":
+            self.fn(params, batch, hyper)
+        elif self.state == "on":
+            self._replay(batch)
+        elif self.state == "warmup":
+            self.times["plain"].append(self._timed(lambda: self._side(params, batch, hyper)))
+            if len(self.times["plain"]) >= self.WARMUP:
+                self.state = "capture"
+        elif self.state == "capture":
+            self._capture(params, batch, hyper)
+        else:  # trial
+            self.times["graph"].append(self._timed(lambda: self._replay(batch)))
+            if len(self.times["graph"]) >= self.TRIALS:
+                plain, graph = (float(np.median(self.times[k][1:] or self.times[k])) for k in ("plain", "graph"))
+                self.state = "on" if graph < plain else "off"
+                log.info("CUDA graph: step %.2f ms replayed vs %.2f ms launched: %s", graph * 1e3, plain * 1e3,
+                         "replaying it" if self.state == "on" else "launching the kernels")
+
+    def _side(self, params, batch, hyper) -> None:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            self.fn(params, batch, hyper)
+        current.wait_stream(self.stream)
+
+    def _capture(self, params, batch, hyper) -> None:
+        try:
+            self.static = {n: t.clone() for n, t in batch.items()}
+            graph = torch.cuda.CUDAGraph()
+            _sync(self.device)
+            with torch.cuda.graph(graph, stream=self.stream):
+                self.fn(params, self.static, hyper)
+        except Exception as e:  # noqa: BLE001 - any capture failure: the step runs as it did
+            _sync(self.device)
+            self.state, self.graph = "off", None
+            log.info("the step could not be captured in a CUDA graph (%s); it runs without one",
+                     " ".join(str(e).split())[:200])
+            self.fn(params, batch, hyper)
+            return
+        self.graph, self.state = graph, "trial"
+        graph.replay()  # this step: capturing recorded it, replaying runs it
+
+    def _replay(self, batch) -> None:
+        for n, t in batch.items():
+            self.static[n].copy_(t, non_blocking=True)
+        self.graph.replay()
+
+    def _timed(self, fn) -> float:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(self.device)
+        return time.perf_counter() - t0
 
 
 def compiled(method):
