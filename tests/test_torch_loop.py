@@ -366,3 +366,33 @@ def test_the_readme_loop_is_the_example_file_and_it_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(re.findall(r"model \d: lr [\d.e-]+, held-out accuracy [\d.]+%", r.stdout)) == 3, r.stdout
     assert os.path.exists(tmp_path / "array" / "array.json")
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_train_step_is_the_whole_step_as_one_function_and_trains_each_model_as_torch_alone(digits, compile):
+    """``onnxfuse.optim.train_step``: forward, the user's loss, gradients, per-model clipping and AdamW, and the
+    BatchNorm statistics as one function (compiled: one captured graph), the step onnxfuse train runs; each model
+    equals torch.optim alone, and nothing is read back until ``observe()``."""
+    torch.manual_seed(0)
+    mods = [DigitsCNN() for _ in range(B)]
+    alone = [copy.deepcopy(m) for m in mods]
+    x, y = digits
+    arr = onnxfuse.fuse(mods, x[:2])
+    lrs, clip = [3e-3, 1e-3, 5e-3], [1.0, math.inf, 0.5]
+    opt = onnxfuse.optim.AdamW(arr, lr=lrs, max_norm=clip)
+    step = onnxfuse.optim.train_step(arr, opt, smoothed_loss, compile=compile)
+    torch_opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(alone, lrs)]
+    for t in range(6):
+        xb, yb = x[t * N:(t + 1) * N], y[t * N:(t + 1) * N]
+        step(xb, yb)
+        for m, o, c in zip(alone, torch_opts, clip):
+            smoothed_loss(m(xb)[None], yb)[0].backward()
+            if math.isfinite(c):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), c)
+            o.step()
+            o.zero_grad()
+    seen = step.observe()
+    assert seen.ok.all() and (seen.failed_at == 0).all() and opt.state["step"] == 6
+    check_same(arr, alone, DigitsCNN)
+    with pytest.raises(TypeError, match="one loss per model"):
+        onnxfuse.optim.train_step(arr, opt, lambda out, yy: out.mean(), compile="off")(x[:N], y[:N])

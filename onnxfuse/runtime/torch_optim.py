@@ -7,6 +7,9 @@ own training loop, and the optimizer ``onnxfuse train`` runs.
     onnxfuse.optim.clip_grad_norm_(arr, max_norm=1.0)     # each model's own norm
     opt.step(); opt.zero_grad(); [s.step() for s in scheds]
 
+    step = onnxfuse.optim.train_step(arr, opt, loss_fn)   # or the whole step as one compiled function, no host read
+    step(x, y)                                            # loss_fn(output [B, N, ...], y) -> per-model losses [B]
+
 Each class is a ``torch.optim.Optimizer`` with one parameter group per model: ``opt.param_groups[b]`` holds model
 b's hyper-parameters under torch's names (``lr``, ``momentum``, ``betas``, ``weight_decay``...), so torch's
 ``lr_scheduler`` classes work on it unchanged, on the whole optimizer (``LambdaLR(opt, [f_0, ..., f_B-1])``,
@@ -46,7 +49,7 @@ from onnxfuse.recipe.optim import (HYPER_INPUT, STATE_PREFIX, OptimizerConfig, S
 from onnxfuse.recipe.settings import OPTIMIZERS as REGISTRY
 
 __all__ = ["FusedOptimizer", "SGD", "Adam", "AdamW", "optimizer_class", "from_config", "clip_grad_norm_",
-           "ModelOptimizer", "update_graph"]
+           "ModelOptimizer", "update_graph", "train_step", "ArrayStep"]
 
 _FLOAT = onnx.TensorProto.FLOAT
 
@@ -398,3 +401,6 @@ def clip_grad_norm_(array, max_norm) -> torch.Tensor:
     if have:
         torch._foreach_copy_([g for g, _ in have], [c for _, c in have])
     return norm.reshape(B)
+
+
+from onnxfuse.runtime.train_step import ArrayStep, train_step  # noqa: E402  (the compiled step over these classes)

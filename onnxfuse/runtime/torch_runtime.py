@@ -22,7 +22,6 @@ import copy
 import numpy as np
 import onnx
 
-from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.passes import FusedGraph
 from onnxfuse.core.split import to_inference
@@ -35,27 +34,6 @@ from onnxfuse.recipe.optim import STATE_PREFIX, OptimizerConfig, StepValues
 from onnxfuse.recipe.runtimes import check_feeds, evaluate, parameter_names
 
 __all__ = ["TorchTrainer"]
-
-
-def _batchnorm_outputs(model: onnx.ModelProto, buffers: set[str]) -> tuple[list[str], list[str]]:
-    """The running statistics of every training-mode BatchNorm, and the names of the outputs (1 and 2) that hold
-    their new values, named where the graph left them unnamed."""
-    from onnxfuse.core._graph import Names
-
-    names = Names.of(model.graph)
-    opset = onnx_opset(model)
-    stats, outputs = [], []
-    for node in model.graph.node:
-        if not is_training_batchnorm(node, opset) or node.input[3] not in buffers or node.input[4] not in buffers:
-            continue
-        while len(node.output) < 3:
-            node.output.append("")
-        for k in (1, 2):
-            if not node.output[k]:
-                node.output[k] = names.fresh(f"{node.input[2 + k]}_new")
-            stats.append(node.input[2 + k])
-            outputs.append(node.output[k])
-    return stats, outputs
 
 
 def _device_available(device: Device | str) -> str | None:
@@ -81,7 +59,7 @@ class TorchTrainer:
         from onnxfuse.runtime.torch_graph import TorchOptions
         from onnxfuse.runtime.torch_optim import from_config
         from onnxfuse.recipe.runtimes import check_compile
-        from onnxfuse.runtime.train_step import TrainStep, graph_key
+        from onnxfuse.runtime.train_step import TrainStep, batchnorm_outputs, graph_key
 
         if optimizer.B != spec.B:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
@@ -118,7 +96,7 @@ class TorchTrainer:
         # computed by torch's own kernel) as outputs 1 and 2, which the optimizer writes for the models whose step
         # it applies
         train = copy.deepcopy(fused)
-        self.stats, stat_outputs = _batchnorm_outputs(train, set(self.buffers))
+        self.stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
         self.graph_inputs = [i["name"] for i in spec.inputs]
         self.python = self.loss if isinstance(self.loss, PythonLoss) else None
         options = TorchOptions(update_stats=False)

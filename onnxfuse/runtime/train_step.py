@@ -43,7 +43,8 @@ import torch
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.recipe.runtimes import Observed, check_compile
 
-__all__ = ["TrainStep", "cache_dir", "auto_decision", "graph_key", "compiled"]
+__all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
+           "compiled"]
 
 log = logging.getLogger("onnxfuse.train")
 
@@ -362,3 +363,91 @@ def graph_key(*parts) -> str:
         h.update(p if isinstance(p, bytes) else repr(p).encode())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:20]
+
+
+def batchnorm_outputs(model, buffers: set[str]) -> tuple[list[str], list[str]]:
+    """The running statistics of every training-mode BatchNorm of ``model`` (an ONNX ModelProto, edited), and the
+    names of the outputs (1 and 2) that hold their new values, named where the graph left them unnamed: a step
+    reads them and writes them for the models whose step it applies."""
+    from onnxfuse.core._graph import Names
+    from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
+
+    names = Names.of(model.graph)
+    opset = onnx_opset(model)
+    stats, outputs = [], []
+    for node in model.graph.node:
+        if not is_training_batchnorm(node, opset) or node.input[3] not in buffers or node.input[4] not in buffers:
+            continue
+        while len(node.output) < 3:
+            node.output.append("")
+        for k in (1, 2):
+            if not node.output[k]:
+                node.output[k] = names.fresh(f"{node.input[2 + k]}_new")
+            stats.append(node.input[2 + k])
+            outputs.append(node.output[k])
+    return stats, outputs
+
+
+class ArrayStep:
+    """A user's training step of a FusedArray with its ``onnxfuse.optim`` optimizer, as one function (a
+    :class:`TrainStep`, the one ``onnxfuse train`` runs):
+
+        step = onnxfuse.optim.train_step(arr, opt, loss_fn)     # loss_fn(output [B, N, ...], *targets) -> [B]
+        for x, y in loader:
+            step(x, y)                  # forward, loss, gradients, clipping, update, BatchNorm statistics: no read
+        seen = step.observe()           # the per-model losses, applied steps and first failures, read when wanted
+
+    ``step(*inputs, *targets)``: the array's inputs in order, then whatever the loss takes after the output. The
+    optimizer's groups are read at each call (a torch scheduler on ``opt`` works as with ``opt.step()``).
+    ``compile``: ``on`` (default) captures the step with ``torch.compile``, ``off`` runs it eagerly. Fault
+    isolation is the run loop's: a model whose loss, gradient or update is not finite is frozen from that step
+    on (``observe().failed_at``), until ``restart()``."""
+
+    def __init__(self, array, optimizer, loss: Callable, compile: str = "on"):
+        import copy
+
+        from onnxfuse.runtime.torch_graph import TorchOptions
+
+        if optimizer.array is not array:
+            raise TypeError("train_step: the optimizer was made for another array; give the array it steps")
+        self.array, self.loss = array, loss
+        train = copy.deepcopy(array._graph)
+        stats, stat_outputs = batchnorm_outputs(train, set(array.buffer_names))
+        self.program = array.program(train, outputs=list(array.output_names) + stat_outputs,
+                                     options=TorchOptions(update_stats=False))
+        self.n_inputs = len(array.input_names)
+        self.step = TrainStep(optimizer, self._forward, stats, check_compile(compile, "train_step(compile=)"))
+
+    def _forward(self, weights: dict, batch: dict) -> tuple:
+        arr = self.array
+        inputs = [batch[f"input_{k}"] for k in range(self.n_inputs)]
+        targets = [batch[f"target_{k}"] for k in range(len(batch) - self.n_inputs)]
+        *outputs, = self.program.onnx(**dict(zip(arr.input_names, inputs)), **weights)
+        n = len(arr.output_names)
+        out = outputs[0] if n == 1 else tuple(outputs[:n])
+        per_model = self.loss(out, *targets)
+        if tuple(getattr(per_model, "shape", ())) != (arr.B,):
+            raise TypeError(f"train_step: the loss returned {list(getattr(per_model, 'shape', []))}; it must return "
+                            f"one loss per model, shape [{arr.B}]")
+        return per_model.sum(), per_model, outputs[n:]
+
+    def __call__(self, *tensors) -> None:
+        if len(tensors) < self.n_inputs:
+            raise TypeError(f"train_step: the array takes {self.n_inputs} input(s) "
+                            f"({', '.join(self.array.input_names)}), then the loss's targets; got {len(tensors)}")
+        device = self.array.device
+        batch = {(f"input_{k}" if k < self.n_inputs else f"target_{k - self.n_inputs}"): t.to(device, non_blocking=True)
+                 for k, t in enumerate(tensors)}
+        self.step(batch)
+        self.array.forwards.add_(1)  # BatchNorm's num_batches_tracked, as a training forward counts it
+
+    def observe(self) -> Observed:
+        return self.step.observe()
+
+    def restart(self) -> None:
+        self.step.restart()
+
+
+def train_step(array, optimizer, loss: Callable, compile: str = "on") -> ArrayStep:
+    """See :class:`ArrayStep`."""
+    return ArrayStep(array, optimizer, loss, compile)
