@@ -32,10 +32,13 @@ the modes (the order reversed every other round), each timing ``steps`` steps af
                     Measured on a 2-core CPU (B = 16, 1 thread, torch 2.13, interleaved): for the Transformer LM
                     this is 1.3-1.5x the eager step for all three; compiling the optimizer step as well
                     (torch.compile(opt.step)) gained nothing over the fused AdamW, and foreach AdamW was within the
-                    noise of it. For LeNet every compiled form was slower than eager on that CPU (dense ~2x, vmap
-                    and hfta ~1.15x): inductor's max_pool2d_with_indices kernel (the training forward needs the
-                    indices) took ~35 ms of a ~90 ms step where mkldnn's takes a few; measured as it is, not worked
-                    around
+                    noise of it; forward and backward as one compiled graph (torch.func.grad_and_value of the loss
+                    over the parameters) was slower (hfta 58 vs 52 ms, dense 59 vs 50 ms). For LeNet every
+                    compiled form was slower than eager on that CPU (dense ~1.7-2x, vmap and hfta ~1.0-1.15x; the
+                    one-graph form: hfta 76 ms, this one 90, eager 90; dense 71, 77, eager 44): inductor's fused
+                    ReLU + max_pool2d_with_indices kernel of the training forward took ~35 ms of the dense step;
+                    measured as it is, not worked around (bench.md's ceiling is the better of dense and
+                    dense-compiled)
 
 on the same device-resident random batch (N samples per model). Samples/s count all B models: B * N * steps / the
 median round time. A mode's ratio to seq-torch (and to dense) is the median of its per-round ratios: the runs of
