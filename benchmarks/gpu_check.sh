@@ -4,7 +4,8 @@
 #   benchmarks/gpu_check.sh [OUT_DIR]        (default: $OUT if set, else gpu-check/)
 #
 # 1. the tests marked `cuda` (tests/, e.g. tests/test_cuda.py): fused training of zoo models on the GPU, eager and
-#    compiled, equals each model trained alone by torch.optim on the same GPU;
+#    compiled, equals each model trained alone by torch.optim on the same GPU; the compiled step tries a CUDA
+#    graph and keeps it when faster, and its steps never synchronize (torch's sync debug mode);
 # 2. a short `onnxfuse bench` with every mode that runs on CUDA (onnxfuse/measure/bench.py): the fused array on the
 #    torch runtime, eager and compiled (torch-compiled), the same B models one after another in PyTorch
 #    (seq-torch) and as B processes at once (concurrent), a torch.func (vmap) ensemble, the HFTA-style model fused
@@ -75,8 +76,9 @@ echo "tests: $((SECONDS - t0)) s"
 
 echo "== benchmark"
 t0=$SECONDS
-# every mode (the default of --modes); the compiled ones use torch.compile's mode "default" on CUDA.
-# TODO(CUDA graphs): when the torch runtime gains its CUDA-graph option, measure it here as a mode of its own
-# (e.g. torch-compiled with the step captured in a CUDA graph) next to torch-compiled.
+# every mode (the default of --modes); the compiled peers use torch.compile's mode "default" on CUDA. The fused
+# array's torch-compiled step tries a CUDA graph by itself (train_step.py: timed warm-up, capture, timed replays;
+# kept when faster): its decision is in log.txt ("CUDA graph: step ... replayed vs ... launched"), and the tests
+# marked cuda print it too ("CUDA graph: on|off").
 "$PY" -m onnxfuse bench --device $DEVICE --models "$MODELS" "${BENCH_ARGS[@]}" -o "$OUT"
 echo "benchmark: $((SECONDS - t0)) s"
