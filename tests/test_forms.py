@@ -184,3 +184,21 @@ def test_auto_leaves_a_node_it_cannot_measure_in_the_default_form(tmp_path, monk
     assert fa.spec.summary["forms"] == {"c": "grouped"} and "not measurable" in said[0]
     out = run_onnx(fa.model, {"x": np.ones((1, 2, 5, 5), np.float32)})[0]
     assert out.shape == (2, 1, 3, 3, 3)  # [B, N, C, H, W]
+
+
+@pytest.mark.slow  # four compiles, ~45 s on 2 cores
+def test_auto_measures_compiled_forms_apart_when_the_array_is_compiled(tmp_path, monkeypatch):
+    """``--strategy auto --compile on`` measures each form's compiled step (inductor fuses each form otherwise)
+    and caches those costs under their own key, beside the eager ones."""
+    import json
+
+    from onnxfuse.measure.forms import cache_path, measured_strategy
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    models = _synthetic(2)[:2]
+    said = []
+    fa = fuse_models(models, strategy=measured_strategy("torch", "cpu", batch=8, threads=1, progress=said.append,
+                                                        compile="on"))
+    assert set(fa.spec.summary["forms"]) == {"c0", "c1"} and len(said) == 2 and "measured" in said[0]
+    keys = list(json.load(open(cache_path())))
+    assert len(keys) == 1 and keys[0].endswith(" compiled")

@@ -88,7 +88,7 @@ def _fuse(args) -> int:
     files = _model_files(args.models)
     per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
     strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads,
-                             progress=lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr))
+                             progress=lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr), compile=args.compile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy)
@@ -283,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batch", type=int, default=32, help="samples per model per step auto measures with")
     f.add_argument("--threads", type=int, default=0, help="CPU threads auto measures with (0: the runtime's "
                    "default)")
+    f.add_argument("--compile", choices=("off", "on"), default="off",
+                   help="auto measures the forms' compiled steps (for arrays trained with --compile on)")
     f.add_argument("--overwrite", action="store_true")
     f.set_defaults(func=cmd_fuse)
 

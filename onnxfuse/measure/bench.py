@@ -234,7 +234,7 @@ def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device:
     from onnxfuse.recipe.runtimes import make_trainer
 
     fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
-                     strategy=make_strategy(strategy, runtime, device, batch, threads))
+                     strategy=make_strategy(strategy, runtime, device, batch, threads, compile=compile))
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
                            device=device, workdir=workdir, threads=threads or None, compile=compile)
     return lambda: trainer.step(feeds)

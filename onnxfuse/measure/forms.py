@@ -137,8 +137,9 @@ def _signature(g: "NodeGroup", batch: int) -> str:
 
 def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: dict, out_shape: list[int],
                   forms: tuple[str, ...], runtime: str, device: Device | str, threads: int = 0, steps: int = 5,
-                  rounds: int = 5, warmup: int = 2) -> dict[str, float]:
-    """Median seconds of one training step of the one-node ``models`` fused in each form, forms interleaved."""
+                  rounds: int = 5, warmup: int = 2, compile: str = "off") -> dict[str, float]:
+    """Median seconds of one training step of the one-node ``models`` fused in each form, forms interleaved;
+    ``compile="on"``: each form's step as the compiled runtime runs it (its compile is not timed)."""
     import torch
 
     from onnxfuse.core.passes import fuse_models
@@ -161,7 +162,8 @@ def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: d
             fa = fuse_models(models, labels=[f"model_{b}" for b in range(B)], per_model_inputs=per_model,
                              strategy=form)
             trainer = make_trainer(runtime, fa.model, fa.spec, "mse", make_optimizer("sgd", B, lr=0.0),
-                                   device=device, workdir=os.path.join(work, form), threads=threads or None)
+                                   device=device, workdir=os.path.join(work, form), threads=threads or None,
+                                   compile=compile)
             steppers[form] = trainer
             for _ in range(warmup):
                 trainer.step(feeds)
@@ -188,16 +190,18 @@ def _save(path: str, key: str, entries: dict) -> None:
 
 def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch: int = 32, threads: int = 0,
                       margin: float = 0.05, cache: bool = True,
-                      progress: Callable[[str], None] | None = None) -> "Strategy":
+                      progress: Callable[[str], None] | None = None, compile: str = "off") -> "Strategy":
     """The ``auto`` strategy: per node, the form whose measured step on ``runtime``/``device`` at ``batch`` samples
-    per model is cheapest (see the module docstring). ``strategy.costs`` holds, per node, each form's seconds."""
+    per model is cheapest (see the module docstring). ``strategy.costs`` holds, per node, each form's seconds.
+    ``compile="on"``: the forms are measured compiled (``--compile on``: inductor fuses each form differently),
+    cached apart from the eager measurements."""
     from onnxfuse.recipe.runtimes import resolve_runtime
 
     if batch < 1:
         raise ConfigError(f"--batch must be at least 1 for the auto strategy, got {batch}")
     device = Device.of(device, "--device: ")
     runtime = resolve_runtime(runtime, device)
-    key = _device_key(runtime, device, threads)
+    key = _device_key(runtime, device, threads) + (" compiled" if compile == "on" and runtime == "torch" else "")
     path = cache_path()
     known = _load(path).get(key, {}) if cache else {}
     say = progress or (lambda msg: None)
@@ -211,7 +215,8 @@ def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch
                 say(f"{g.name} ({g.op_type}): not measurable alone (unknown shapes), form {forms[0]}")
                 return forms[0]
             watch = Stopwatch()
-            cost = measure_forms(*cut, forms, runtime, device, threads)
+            cost = measure_forms(*cut, forms, runtime, device, threads,
+                                 compile=compile if runtime == "torch" else "off")
             known[sig] = cost
             if cache:
                 _save(path, key, {sig: cost})
@@ -227,11 +232,11 @@ def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch
 
 
 def make_strategy(name: str, runtime: str = "auto", device: Device | str = "cpu", batch: int = 32, threads: int = 0,
-                  progress: Callable[[str], None] | None = None) -> "str | Strategy":
-    """What ``--strategy NAME`` means: ``auto`` measures (:func:`measured_strategy`); ``default`` or a form name is
-    passed to ``fuse_models`` as it is."""
+                  progress: Callable[[str], None] | None = None, compile: str = "off") -> "str | Strategy":
+    """What ``--strategy NAME`` means: ``auto`` measures (:func:`measured_strategy`; ``compile="on"``: the forms'
+    compiled steps); ``default`` or a form name is passed to ``fuse_models`` as it is."""
     if name not in STRATEGY_CHOICES:
         raise ConfigError(f"--strategy: unknown strategy '{name}'; choose one of: {', '.join(STRATEGY_CHOICES)}")
     if name == "auto":
-        return measured_strategy(runtime, device, batch, threads, progress=progress)
+        return measured_strategy(runtime, device, batch, threads, progress=progress, compile=compile)
     return name
