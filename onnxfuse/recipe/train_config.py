@@ -77,6 +77,7 @@ class TrainConfig:
     device: str = "cpu"  # or a Device
     runtime: str = "auto"
     threads: int = 0
+    compile: str = "auto"
     log_every: int = 1
     verify_steps: int = 1
     allow_nonfinite_data: bool = False
