@@ -360,6 +360,10 @@ def compiled(method):
     array's step (a fuzz campaign's, a sweep's re-fused arrays) gets its own."""
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    # a graph break inside the step (an op the interpreter runs on the host) leaves torch.func.grad's own wrapper
+    # as a frame of its own, shared by every array: let it hold more than 8 compiled entries before dynamo gives
+    # up on it (process-wide, a limit raised only: seen in a fuzz campaign's 600 arrays)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # random ops (Dropout) draw from torch's generator as eager kernels do (inductor's option, for this function
     # only): a compiled run's masks are an eager run's, and a resumed run's RNG state means the same in both
     return torch.compile(types.MethodType(own, method.__self__), dynamic=False, options={"fallback_random": True})
