@@ -687,6 +687,9 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
     import matplotlib.ticker
 
     models = list(dict.fromkeys(r["model"] for r in rows)) or ["(no measurement)"]
+    if rows and len({r["B"] for r in rows}) == 1:  # one B: a bar per mode (a line needs two points)
+        _bars(plt, path, rows, modes, models, title)
+        return
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
     for ax, name in zip(axes[0], models):
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["B"])
@@ -705,6 +708,32 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
         if ax is axes[0][0] or (mine and mine[0].get("source") == "onnx"):  # a file's titles differ
             ax.legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, 60 * len(models)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bars(plt, path: str, rows: list[dict], modes: list[str], models: list[str], title: str) -> None:
+    """One panel per model: each mode's samples/s as a bar, the ratio to PyTorch one after another written on it;
+    fused modes dark, the baseline and the ceilings hatched."""
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 0.42 * len(modes) + 1.6), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        row = next(r for r in rows if r["model"] == name)
+        mine = [m for m in modes if m in row["modes"]][::-1]
+        values = [row["modes"][m]["samples_s"] for m in mine]
+        colors = ["#1f4e99" if m in FUSED_MODES else "#9aa5b1" for m in mine]
+        bars = ax.barh([mode_title(row, m) for m in mine], values, color=colors)
+        for bar, m in zip(bars, mine):
+            if m == BASELINE or m in CEILINGS:
+                bar.set_hatch("//")
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {row['modes'][m]['over_seq_torch']:.2f}×", va="center", fontsize=7)
+        ax.set_title(f"{os.path.basename(name)}, B = {row['B']}")
+        ax.set_xlabel("samples/s over all B models (× : vs one after another)", fontsize=8)
+        ax.set_xlim(0, max(values) * 1.18)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(textwrap.fill(title, 70 * len(models)), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
