@@ -145,6 +145,7 @@ class TrainStep:
         self._counted = None  # the optimizer step the device count was last set from (None: not yet)
         self._compiled, self._shapes, self._graphed = None, None, None
         self._eager_times: list[float] = []
+        self._compiled_times: list[float] = []
         self.decision: Decision | None = Decision(True, "--compile on") if self.mode == "on" else (
             Decision(False, "--compile off") if self.mode == "off" else None)
         self.compile_s = 0.0
@@ -214,6 +215,15 @@ class TrainStep:
         if self._graphed is not None:
             self._graphed(params, batch, self._hyper)
             return
+        if self.key and len(self._compiled_times) < EAGER_PROBE_STEPS:  # the speed-up auto's next decision uses
+            self._sync()
+            t0 = time.perf_counter()
+            self._compiled(params, batch, self._hyper)
+            self._sync()
+            self._compiled_times.append(time.perf_counter() - t0)
+            if len(self._compiled_times) == EAGER_PROBE_STEPS:
+                _record_time(self.key, compiled_step_s=float(np.median(self._compiled_times)))
+            return
         self._compiled(params, batch, self._hyper)
 
     def _probe(self, params, batch) -> None:
@@ -267,12 +277,6 @@ class TrainStep:
         self.alive.fill_(True)
         self.failed_at.zero_()
         self._counted = None
-
-    def record_step_time(self, compiled_step_s: float) -> None:
-        """A compiled step's measured time (the run loop's, over its logged steps): what auto's next decision for
-        this array uses."""
-        if self.key and self.decision is not None and self.decision.compile and self._compiled is not None:
-            _record_time(self.key, compiled_step_s=compiled_step_s)
 
 
 def _sync(device: torch.device) -> None:
