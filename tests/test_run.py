@@ -330,3 +330,28 @@ def test_epochs_of_a_torch_dataset_and_of_a_dataloader(tmp_path):
     with pytest.raises(ConfigError, match=r"DataLoader \(TensorDataset\) has batch size 7 but the run's batch size "
                                           r".* is 16: .* set batch_size=7"):
         train_array(arr, loader, TrainConfig(batch_size=16, epochs=3), progress=False)
+
+
+def test_divergence_read_late_is_recorded_at_its_own_step_and_stays_frozen(runtime, tmp_path):
+    """Losses and failures are read every 4th step only: model 1's divergence between two reads is recorded at the
+    step torch alone first goes non-finite, and the model stays frozen (the runtime freezes it, not the loop's
+    read): its final state is its last finite one, and the others are as in a run read at every step."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32)
+    y = rng.standard_normal((96, 10)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", input=x, labels=y)
+    cfg = dict(batch_size=16, steps=16, optimizer="sgd", shuffle=False, loss="mse", runtime=runtime,
+               lr=[0.05, 100.0, 0.02], compile="off")
+    arr_late, _ = make_array(tmp_path / "late", 3)
+    arr_each, _ = make_array(tmp_path / "each", 3)
+    res = train_array(arr_late, tmp_path / "data.npz", TrainConfig(log_every=4, **cfg), progress=False)
+    train_array(arr_each, tmp_path / "data.npz", TrainConfig(log_every=1, **cfg), progress=False)
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 96, 16)] * 3
+    expected = first_nonfinite_step(make_modules("mlp", 3, seed0=30)[1], 100.0, batches)
+    assert expected is not None and expected % 4 != 0
+    assert res.status == {1: {"status": "diverged", "step": expected}}
+    assert [(r["model"], int(r["step"])) for r in metrics(arr_late) if r["status"]] == [("1", expected)]
+    late, each = states(arr_late), states(arr_each)
+    for b in range(3):
+        for k in late[b]:
+            assert late[b][k].tobytes() == each[b][k].tobytes(), (b, k)

@@ -131,7 +131,7 @@ class FusedTrainer:
         lr / momentum (or beta1) / active flags (default: the configured constants). ``last_ok`` then holds which
         models' steps were applied (False: inactive, or a non-finite loss, gradient or update); a model rejected
         while active is not stepped again until ``steps`` is set (see ``runtimes``)."""
-        self.steps += 1
+        self._steps += 1  # not the setter: that restarts the freeze
         values = values if values is not None else StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B)
         active = np.asarray(values.active, dtype=bool) & self._alive
         arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps, replace(values, active=active.tolist()))]
