@@ -231,12 +231,12 @@ class TorchTrainer:
         if decision is None or not decision.compile:
             return self._eval_batch
         if self._eval_compiled is None:
-            from onnxfuse.runtime.train_step import compiled as compile_method
+            from onnxfuse.runtime.train_step import batch_shapes, compiled as compile_method
 
             compiled, first = compile_method(self._eval_batch), {}
 
             def run(batch: dict):
-                shapes = {n: (tuple(t.shape), t.dtype) for n, t in batch.items()}
+                shapes = batch_shapes(batch)
                 first.setdefault("shapes", shapes)
                 return compiled(batch) if shapes == first["shapes"] else self._eval_batch(batch)
             self._eval_compiled = run

@@ -199,13 +199,13 @@ class TrainStep:
         self._counted = step + 1
 
     def _run(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
-        shapes = {n: (tuple(t.shape), t.dtype) for n, t in batch.items()}
         if self.decision is None:  # auto: time a few eager steps, then decide
             self._probe(params, batch)
             return
         if not self.decision.compile:
             self._body(params, batch, self._hyper)
             return
+        shapes = batch_shapes(batch)
         if self._compiled is None:
             self._compile(params, batch, shapes)
             return
@@ -277,6 +277,11 @@ class TrainStep:
         self.alive.fill_(True)
         self.failed_at.zero_()
         self._counted = None
+
+
+def batch_shapes(batch: dict[str, torch.Tensor]) -> dict:
+    """What a compiled function was specialized for: each input's shape and dtype (static shapes)."""
+    return {n: (tuple(t.shape), t.dtype) for n, t in batch.items()}
 
 
 def _sync(device: torch.device) -> None:
