@@ -71,6 +71,21 @@ def torch_optimizer(kind, params, b):
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_optimizer_schedule_clipping_match_torch(kind, schedule, clip, runtime, tmp_path):
+    _against_torch(kind, schedule, clip, runtime, tmp_path, planned=False)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_planned_coefficients_match_torch(kind, schedule, tmp_path, monkeypatch):
+    """The run loop's path on the torch runtime: the schedules' values handed ahead and the coefficients computed
+    a window at a time (windows of 5 here: 5 + 5 + 2 steps), against torch.optim and its schedulers alone."""
+    from onnxfuse.runtime.train_step import TrainStep
+
+    monkeypatch.setattr(TrainStep, "WINDOW", 5)
+    _against_torch(kind, schedule, None, "torch", tmp_path, planned=True)
+
+
+def _against_torch(kind, schedule, clip, runtime, tmp_path, planned):
     import warnings
 
     name = "cnn_bn" if schedule == "mixed" else "mlp"
@@ -90,7 +105,11 @@ def test_optimizer_schedule_clipping_match_torch(kind, schedule, clip, runtime, 
     for _ in range(STEPS):
         x = rng.standard_normal((8,) + shape[1:]).astype(np.float32)
         y = rng.integers(0, 10, 8)
-        trainer.step({"input": x, "labels": y}, schedules.values([True] * B))
+        feeds, values = {"input": x, "labels": y}, schedules.values([True] * B)
+        if planned:
+            trainer.launch(feeds, values, lambda n: schedules.ahead([True] * B, min(n, STEPS - schedules.taken)))
+        else:
+            trainer.step(feeds, values)
         schedules.advance()
         for b, m in enumerate(mods):
             topts[b].zero_grad()

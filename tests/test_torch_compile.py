@@ -85,10 +85,16 @@ def test_compiled_divergence_is_frozen_at_its_step_and_the_others_are_bit_identi
 
 def test_no_host_read_between_two_logged_steps_of_a_compiled_run(tmp_path, monkeypatch):
     """Every way a tensor reaches the host (item, cpu, numpy, tolist, __array__, float/int/bool) is counted; a
-    compiled run logging every 5th step makes none during the steps in between."""
+    compiled run logging every 5th step makes none during the steps in between. Nor does the host compute any
+    step's coefficients after the first: the run's 15 steps (less than a window) are computed there at once."""
+    from onnxfuse.recipe.optim import OptimizerConfig
+
     data = data_file(tmp_path, n=96)
     arr, _ = make_array(tmp_path, 3)
-    reads = []
+    reads, computed = [], []
+    original_coefficients = OptimizerConfig.coefficients
+    monkeypatch.setattr(OptimizerConfig, "coefficients",
+                        lambda self, *a, **k: computed.append(1) or original_coefficients(self, *a, **k))
     for name in ("item", "cpu", "numpy", "tolist", "__array__", "__float__", "__int__", "__bool__"):
         original = getattr(torch.Tensor, name)
 
@@ -99,11 +105,12 @@ def test_no_host_read_between_two_logged_steps_of_a_compiled_run(tmp_path, monke
     marks = {}
     train_array(arr, data, TrainConfig(batch_size=16, steps=15, optimizer="adamw", lr=[0.01, 0.003, 0.001],
                                        runtime="torch", compile="on", log_every=5, verify_steps=0),
-                progress=False, on_step=lambda step, total: marks.setdefault(step, len(reads)))
+                progress=False, on_step=lambda step, total: marks.setdefault(step, (len(reads), len(computed))))
     assert len(marks) == 15
     for first, last in ((6, 9), (11, 14)):  # after logged step 5 (10) up to the last step before 10 (15)
-        assert marks[last] == marks[first], (first, last, reads[marks[first]:marks[last]])
-    assert marks[10] > marks[9]  # the logged step reads
+        assert marks[last][0] == marks[first][0], (first, last, reads[marks[first][0]:marks[last][0]])
+    assert marks[10][0] > marks[9][0]  # the logged step reads
+    assert marks[1][1] == 15 and marks[15][1] == 15  # every step's coefficients, computed at the first
 
 
 def test_a_partial_last_batch_never_recompiles(tmp_path):

@@ -349,6 +349,9 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
         dev = torch.device(device)
         if dev.type == "cpu":
             torch.set_num_threads(threads)
+            from onnxfuse.runtime.train_step import keep_heap
+
+            keep_heap()  # the allocator setting the fused step's process has (every mode gets it)
         step = _seq_torch_step([_worker_module(source).to(dev).train()], [lr], class_last,
                                torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev))
         conn.send(("ready", None))
@@ -768,6 +771,10 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
             torch.set_num_threads(threads)
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = True
+        else:
+            from onnxfuse.runtime.train_step import keep_heap
+
+            keep_heap()  # what the fused step sets for its process, set before any mode runs: every mode has it
         notes = []
         why = _ort_unavailable(dev) if set(modes) & set(_ORT_MODES) else None
         if why:

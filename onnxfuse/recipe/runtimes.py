@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import onnx
@@ -76,7 +76,10 @@ class Runtime(Protocol):
 
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray: ...
 
-    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> None: ...
+    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None,
+               ahead: Callable[[int], Sequence[StepValues]] | None = None) -> None:
+        """One step, without a host read. ``ahead(n)``: this step's values and the next ``n - 1`` steps' (the
+        run's schedules), for a runtime that computes a window of steps' coefficients at once (the torch one)."""
 
     def observe(self) -> Observed: ...
 

@@ -22,6 +22,8 @@ Schedules, by name (``steps`` = the run's total optimizer steps):
 """
 from __future__ import annotations
 
+import collections
+import warnings
 from typing import Callable, Sequence
 
 from onnxfuse.core.errors import ConfigError
@@ -145,11 +147,10 @@ class PerModelSchedules:
     one element of a pair), which is how torch's one-cycle finds what to move."""
 
     def __init__(self, specs: Sequence[dict], opt: OptimizerConfig, steps: int):
-        import warnings
-
         import torch
 
         self.specs, self.cycles, self.taken = list(specs), opt.spec.cycles, 0
+        self._ahead: collections.deque = collections.deque()  # (lr, cycled) of steps taken + 0, 1, ... (ahead)
         self.optimizers, self.schedulers = [], []
         name = self.cycles if isinstance(self.cycles, str) or self.cycles is None else self.cycles[0]
         for b, s in enumerate(self.specs):
@@ -173,6 +174,22 @@ class PerModelSchedules:
         return any(s["name"] == "onecycle" and s.get("cycle_momentum", True) for s in self.specs)
 
     def values(self, active: Sequence[bool]) -> StepValues:
+        lr, second = self._ahead[0] if self._ahead else self._now()
+        return StepValues(list(lr), list(second), list(active))
+
+    def ahead(self, active: Sequence[bool], n: int) -> list[StepValues]:
+        """This step's values and the next ``n - 1`` steps' (with this activity), computed now: the schedulers
+        step ahead and their values wait for ``advance`` (the position stays ``taken``). What lets a runtime
+        compute a window of steps' coefficients up front."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            while len(self._ahead) < n:
+                self._ahead.append(self._now())
+                self._step_schedulers()
+        return [StepValues(list(lr), list(second), list(active)) for lr, second in list(self._ahead)[:n]]
+
+    def _now(self) -> tuple[tuple, tuple]:
+        """The schedulers' values where they are (``taken`` + the steps computed ahead)."""
         groups = [o.param_groups[0] for o in self.optimizers]
         if self.cycles is None:
             second = [None] * len(groups)
@@ -181,17 +198,21 @@ class PerModelSchedules:
         else:
             name, index = self.cycles
             second = [g[name][index] for g in groups]
-        return StepValues([g["lr"] for g in groups], second, list(active))
+        return tuple(g["lr"] for g in groups), tuple(second)
+
+    def _step_schedulers(self) -> None:
+        for s in self.schedulers:
+            if s is not None:
+                s.step()
 
     def advance(self, n: int = 1) -> None:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for _ in range(n):
-                for s in self.schedulers:
-                    if s is not None:
-                        s.step()
+                if self._ahead:  # computed ahead already: the schedulers are past it
+                    self._ahead.popleft()
+                else:
+                    self._step_schedulers()
                 self.taken += 1
 
     def select(self, keep: Sequence[int]) -> "PerModelSchedules":
@@ -201,4 +222,6 @@ class PerModelSchedules:
         new.cycles, new.taken = self.cycles, self.taken
         new.optimizers = [self.optimizers[i] for i in keep]
         new.schedulers = [self.schedulers[i] for i in keep]
+        new._ahead = collections.deque((tuple(lr[i] for i in keep), tuple(second[i] for i in keep))
+                                       for lr, second in self._ahead)
         return new

@@ -144,8 +144,9 @@ class FusedTrainer:
         self._alive &= ~(active & ~self.last_ok)
         return self._losses
 
-    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> None:
-        """``step`` (this runtime's step reads its results back anyway)."""
+    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None, ahead=None) -> None:
+        """``step`` (this runtime's step reads its results back anyway, and computes each step's coefficients
+        on the host: ``ahead`` is not used)."""
         self.step(feeds, values)
 
     def observe(self) -> Observed:

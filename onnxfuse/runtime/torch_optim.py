@@ -297,21 +297,49 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The host half of a step: the update graph for the groups' values as they are now (rebuilt only when a
         term changes) and this step's coefficients, ``[K, B, 1]`` float32 (``OptimizerConfig.coefficients``).
         ``buffers``: the fused buffers whose new values the step writes (BatchNorm statistics)."""
-        arr = self.array
+        config = self._graph_for_groups(buffers)
+        return config.coefficients(self.state["step"] + 1, StepValues(list(config.lr), config.cycled(),
+                                                                      list(self.active)))
+
+    def window(self, upcoming: Sequence[StepValues], buffers: Sequence[str] = ()) -> np.ndarray:
+        """The coefficients of the next steps at once, ``[W, K, B, 1]``, for the steps' values ``upcoming`` (this
+        step's first): as many as share the update graph of the first (a step whose values add a term to the
+        graph ends the window). The groups are left at the first step's values."""
+        rows = []
+        for i, values in enumerate(upcoming):
+            self.set_step_values(values)
+            config, _, key = self._configure(buffers)
+            if i == 0:
+                self._graph_for_groups(buffers)
+            elif key != self._key:
+                break
+            rows.append(config.coefficients(self.state["step"] + 1 + i, StepValues(
+                list(config.lr), config.cycled(), list(self.active))))
+        self.set_step_values(upcoming[0])
+        self._graph_for_groups(buffers)
+        return np.stack(rows)
+
+    def _configure(self, buffers: Sequence[str]) -> tuple[OptimizerConfig, OptimizerConfig, tuple]:
+        """The configuration of the groups' values now, the one its update graph is made with, and that graph's
+        key."""
+        config = self.config()
+        graph = self._graph_config(config)
+        key = (tuple(graph.state_names()), tuple(n for n in self.hyper_names if graph.uses(n)), graph.clips,
+               tuple(buffers), self.array.device)
+        return config, graph, key
+
+    def _graph_for_groups(self, buffers: Sequence[str]) -> OptimizerConfig:
+        """The configuration of the groups' values now, with the update graph built for it."""
         names = self.hyper_names + ["max_norm"]
-        values_now = (tuple(tuple(g[n] for n in names) for g in self.param_groups), tuple(buffers), arr.device)
+        values_now = (tuple(tuple(g[n] for n in names) for g in self.param_groups), tuple(buffers),
+                      self.array.device)
         if values_now != self._values:
-            config = self.config()
-            graph = self._graph_config(config)
-            key = (tuple(graph.state_names()), tuple(n for n in self.hyper_names if graph.uses(n)), graph.clips,
-                   tuple(buffers), arr.device)
+            config, graph, key = self._configure(buffers)
             if key != self._key:
                 self._build(graph, list(buffers))
                 self._key = key
             self._values, self._configs = values_now, (config, graph)
-        config, _ = self._configs
-        return config.coefficients(self.state["step"] + 1, StepValues(list(config.lr), config.cycled(),
-                                                                      list(self.active)))
+        return self._configs[0]
 
     def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], hyper: torch.Tensor,
               per_model_loss: torch.Tensor | None = None, buffers: dict[str, torch.Tensor] | None = None

@@ -193,11 +193,13 @@ class TorchTrainer:
         loss, per_model, rest = self._forward(self._train, batch, weights)
         return loss, per_model, rest[1:] if self.python is not None else rest
 
-    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> None:
-        """One training step of every model, with no host read (``observe`` reads its results)."""
-        self.optimizer.set_step_values(values if values is not None else
-                                       StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B))
-        self.stepper(self._feed(feeds))
+    def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None, ahead=None) -> None:
+        """One training step of every model, with no host read (``observe`` reads its results). ``ahead``: see
+        ``TrainStep.__call__``."""
+        values = values if values is not None else StepValues(list(self.opt.lr), self.opt.cycled(),
+                                                               [True] * self.spec.B)
+        self.optimizer.set_step_values(values)
+        self.stepper(self._feed(feeds), values if ahead is not None else None, ahead)
 
     def observe(self):
         """The last step's per-model losses, which models' steps were applied (``last_ok``) and the optimizer step

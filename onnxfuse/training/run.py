@@ -284,7 +284,9 @@ class _Loop:
         run.step += 1
         values = run.schedules.values(run.active)
         feeds = source.draw(run.models)
-        run.trainer.launch(feeds, values)
+        # the schedules' next values, for a runtime that computes a window of steps' coefficients at once
+        run.trainer.launch(feeds, values, lambda n: run.schedules.ahead(
+            run.active, min(n, self.p.total - run.schedules.taken)))
         if self.metrics is None:  # this run is now the folder's run; the previous one's outputs move aside
             moved = run.array.move_previous_run()
             if moved:
