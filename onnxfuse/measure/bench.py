@@ -16,7 +16,10 @@ the modes (the order reversed every other round), each timing ``steps`` steps af
                     their models (zoo model b after the same seed; an ONNX file's model b by onnxfuse's converter,
                     as seq-torch) and wait; a step or a round signals all to run, timed until all report done. On
                     the CPU each process gets max(1, threads // B) torch threads, threads = this process's torch
-                    threads (--threads), as B jobs sharing the machine would split it
+                    threads (--threads), as B jobs sharing the machine would split it, and every process is
+                    confined to the first `threads` cores this process may use (sched_setaffinity): the B jobs
+                    get the cores the other modes get, not the whole machine (16 one-thread processes on 2 cores
+                    had twice the compute of every other mode at --threads 1). On CUDA they are not confined
     vmap            the B modules as one torch.func ensemble (stack_module_state + functional_call + vmap), one
                     AdamW over the stacked parameters (one learning rate; BatchNorm without running statistics, which
                     vmap cannot update in place: torch.func.replace_all_batch_norm_modules_)
@@ -339,7 +342,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: float, class_last: bool,
-                       device: str, threads: int) -> None:
+                       device: str, threads: int, cores: list[int]) -> None:
     """One process of the concurrent mode: builds its model and AdamW (seq-torch's step for one model), says
     ("ready", None), then for each count received runs that many steps and says ("done", its peak MiB), until
     "stop" (or the pipe closes: the parent is gone). A failure is sent as ("error" or "oom", one line)."""
@@ -348,6 +351,8 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
     try:
         dev = torch.device(device)
         if dev.type == "cpu":
+            if cores and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cores)
             torch.set_num_threads(threads)
             from onnxfuse.runtime.train_step import keep_heap
 
@@ -369,13 +374,21 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
         conn.send(("error", _first_line(e)))
 
 
+def _cores(n: int) -> list[int]:
+    """The first ``n`` cores this process may run on (all of them where that cannot be asked)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    return sorted(os.sched_getaffinity(0))[:n]
+
+
 class _Concurrent:
     """The concurrent mode's B processes, started and waiting; ``pool(steps)`` runs ``steps`` steps in every
     process at once and returns when all are done; ``close()`` (or leaving ``with``) stops them, killing one that
     does not stop. A process that fails or exits is one ConcurrentWorkerError (torch.OutOfMemoryError for out of
     memory, which the bench notes), and every process is stopped."""
 
-    def __init__(self, sources: list[tuple], x, y, lrs: list[float], class_last: bool, device, threads: int):
+    def __init__(self, sources: list[tuple], x, y, lrs: list[float], class_last: bool, device, threads: int,
+                 cores: list[int] | None = None):
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         if ctx.get_start_method() == "forkserver":
@@ -386,7 +399,7 @@ class _Concurrent:
             for b, (source, lr) in enumerate(zip(sources, lrs)):
                 mine, theirs = ctx.Pipe()
                 p = ctx.Process(target=_concurrent_worker, name=f"onnxfuse-bench-concurrent-{b}", daemon=True,
-                                args=(theirs, source, x, y, lr, class_last, str(device), threads))
+                                args=(theirs, source, x, y, lr, class_last, str(device), threads, cores or []))
                 p.start()
                 theirs.close()
                 self.procs.append(p)
@@ -496,9 +509,10 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
             "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y),
             "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
                                              threads),
-            # each process gets this process's torch threads split B ways
+            # each process gets this process's torch threads split B ways, on as many cores as they are
             "concurrent": lambda: stack.enter_context(_Concurrent(sources, x, y, lrs, last, device,
-                                                                  max(1, torch.get_num_threads() // B)))}
+                                                                  max(1, torch.get_num_threads() // B),
+                                                                  _cores(torch.get_num_threads())))}
     make |= {m + suffix: (lambda loss=loss, c=bool(suffix): _adamw_step(*loss(), lrs[0], compiled=c))
              for m, loss in losses.items() for suffix in ("", COMPILED)}
     if any(m.endswith(COMPILED) for m in modes):

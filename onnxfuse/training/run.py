@@ -305,10 +305,7 @@ class _Loop:
             return True
         events = self._read()
         if logged or run.step in events.values():
-            lr = self.unread[run.step][0]
-            self.metrics.write([{"step": run.step, "model": b, "split": "train", "loss": fmt(run.last_loss[i]),
-                                 "accuracy": "", "lr": fmt(lr[i]), "elapsed_s": f"{el:.4f}",
-                                 "status": "diverged" if events.get(b) == run.step else ""}
+            self.metrics.write([self._train_row(run.step, b, run.last_loss[i], events.get(b) == run.step)
                                 for i, b in enumerate(run.models)])
         self.unread.clear()
         if events and config.on_diverge == "stop":
@@ -331,12 +328,16 @@ class _Loop:
         events = mark_diverged(run, seen)
         for b, (step, loss) in sorted(events.items(), key=lambda e: e[1][0]):
             if step != run.step:
-                lr, el = self.unread.get(step, (None, self._elapsed()))
-                i = run.models.index(b)
-                self.metrics.write([{"step": step, "model": b, "split": "train", "loss": fmt(loss), "accuracy": "",
-                                     "lr": fmt(lr[i]) if lr is not None else "", "elapsed_s": f"{el:.4f}",
-                                     "status": "diverged"}])
+                self.metrics.write([self._train_row(step, b, loss, diverged=True)])
         return {b: step for b, (step, _) in events.items()}
+
+    def _train_row(self, step: int, b: int, loss: float, diverged: bool) -> dict:
+        """Model b's train row of metrics.csv at ``step`` (its lr and time as they were at that step)."""
+        lr, el = self.unread.get(step, (None, self._elapsed()))
+        i = self.run.models.index(b)
+        return {"step": step, "model": b, "split": "train", "loss": fmt(loss), "accuracy": "",
+                "lr": fmt(lr[i]) if lr is not None else "", "elapsed_s": f"{el:.4f}",
+                "status": "diverged" if diverged else ""}
 
     def _elapsed(self) -> float:
         """Seconds of the run so far, a resumed run's earlier ones included."""
