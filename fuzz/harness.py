@@ -371,6 +371,7 @@ def _nudged(mod: torch.nn.Module, nudge: float = 1e-7) -> torch.nn.Module:
 def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "off") -> Outcome | None:
     from onnxfuse.core.split import split_weights
     from onnxfuse.training import get_loss, make_optimizer
+    from onnxfuse.recipe.optim import StepValues
     from onnxfuse.recipe.runtimes import make_trainer
 
     case, B = sub.case, sub.B
@@ -396,10 +397,14 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "
         loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
         trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind),
                                compile=compile if runtime == "torch" else "off")
+        # the run loop's way: this step's values and the next ones' handed ahead (the torch runtime computes a
+        # window of steps' coefficients at once; the ort runtime computes each step's)
+        values = StepValues(list(opt.lr), opt.cycled(), [True] * B)
         for x, y in batches:
             feeds = {"input": x.numpy()}
             feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
-            fused_losses.append(trainer.step(feeds))
+            trainer.launch(feeds, values, lambda n: [values] * n)
+            fused_losses.append(trainer.observe().losses)
         states = split_weights(fa.spec, trainer.weights(), steps=STEPS)
     for b in range(B):
         def alone(dtype=torch.float32, nudge=0.0):
