@@ -234,13 +234,18 @@ class TrainStep:
         opt.finish()
         self._counted = step + 1
 
+    def _input(self, shape: Sequence[int]) -> torch.Tensor:
+        """The step's persistent coefficient input ``[K, B, 1]`` (a fixed address: what a captured step reads),
+        made again only when K changes (the update graph gained a term)."""
+        if self._hyper is None or tuple(self._hyper.shape) != tuple(shape):
+            self._hyper = torch.empty(tuple(shape), device=self.array.device)
+        return self._hyper
+
     def _hold(self, coefficients: torch.Tensor) -> None:
-        """``coefficients`` into the step's persistent input (a fixed address: what a captured step reads)."""
-        if self._hyper is None or self._hyper.shape != coefficients.shape[-3:]:
-            self._hyper = torch.empty(coefficients.shape[-3:], device=self.array.device)
-        # a pinned host buffer: the copy is queued behind the running step instead of waiting for it
-        if coefficients.dim() == 3:
-            self._hyper.copy_(coefficients.pin_memory() if self._hyper.is_cuda else coefficients, non_blocking=True)
+        """One step's ``coefficients`` (host) into the step's input; from a pinned host buffer on a GPU, so the
+        copy is queued behind the running step instead of waiting for it."""
+        self._input(coefficients.shape).copy_(coefficients.pin_memory() if self._hyper.is_cuda else coefficients,
+                                              non_blocking=True)
 
     def _planned_row(self, step: int, values, ahead) -> int | None:
         """The row of the coefficient table that holds step ``step + 1`` with ``values`` (planning the next
@@ -257,8 +262,8 @@ class TrainStep:
         """The coefficients of the steps ``upcoming`` (the next step's values first) computed at once
         (``FusedOptimizer.window``: as many as share one update graph) and copied to the device in one copy."""
         table = torch.from_numpy(self.opt.window(upcoming, self.buffers))
-        self._hold(table)
-        self._table = table.pin_memory().to(self.array.device, non_blocking=True) if self._hyper.is_cuda else table
+        cuda = self._input(table.shape[1:]).is_cuda
+        self._table = table.pin_memory().to(self.array.device, non_blocking=True) if cuda else table
         self._planned, self._plan_first = list(upcoming[:len(table)]), self.opt.state["step"] + 1
 
     def _run(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
