@@ -139,8 +139,9 @@ def _full(s: dict, lr: float) -> dict:
 class PerModelSchedules:
     """B torch schedulers; ``values(active)`` is this step's per-model lr and cycled value (the hyper-parameter
     the optimizer's registration lets a schedule move, ``cycles``: SGD's momentum, Adam's beta1), ``advance()``
-    moves every schedule one step. The position is just the number of steps taken, so a run resumes by
-    ``advance``-ing a fresh instance that many times.
+    moves every schedule one step, ``ahead(active, n)`` gives the next n steps' values at once (the schedulers
+    step ahead; ``values`` and ``advance`` then read what they computed). The position is just the number of
+    steps taken, so a run resumes by ``advance``-ing a fresh instance that many times.
 
     Each scheduler drives a stand-in torch optimizer of one parameter that holds only the values a scheduler reads
     and writes: the model's lr and its cycled hyper-parameter under its torch name (``momentum``, or ``betas`` for

@@ -199,7 +199,7 @@ class TorchTrainer:
         values = values if values is not None else StepValues(list(self.opt.lr), self.opt.cycled(),
                                                                [True] * self.spec.B)
         self.optimizer.set_step_values(values)
-        self.stepper(self._feed(feeds), values if ahead is not None else None, ahead)
+        self.stepper(self._feed(feeds), values, ahead)
 
     def observe(self):
         """The last step's per-model losses, which models' steps were applied (``last_ok``) and the optimizer step
