@@ -297,9 +297,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The host half of a step: the update graph for the groups' values as they are now (rebuilt only when a
         term changes) and this step's coefficients, ``[K, B, 1]`` float32 (``OptimizerConfig.coefficients``).
         ``buffers``: the fused buffers whose new values the step writes (BatchNorm statistics)."""
-        config = self._graph_for_groups(buffers)
-        return config.coefficients(self.state["step"] + 1, StepValues(list(config.lr), config.cycled(),
-                                                                      list(self.active)))
+        return self._coefficients(self._graph_for_groups(buffers), self.state["step"] + 1)
 
     def window(self, upcoming: Sequence[StepValues], buffers: Sequence[str] = ()) -> np.ndarray:
         """The coefficients of the next steps at once, ``[W, K, B, 1]``, for the steps' values ``upcoming`` (this
@@ -308,16 +306,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         rows = []
         for i, values in enumerate(upcoming):
             self.set_step_values(values)
-            config, _, key = self._configure(buffers)
             if i == 0:
-                self._graph_for_groups(buffers)
-            elif key != self._key:
-                break
-            rows.append(config.coefficients(self.state["step"] + 1 + i, StepValues(
-                list(config.lr), config.cycled(), list(self.active))))
+                config = self._graph_for_groups(buffers)
+            else:
+                config, _, key = self._configure(buffers)
+                if key != self._key:
+                    break
+            rows.append(self._coefficients(config, self.state["step"] + 1 + i))
         self.set_step_values(upcoming[0])
-        self._graph_for_groups(buffers)
         return np.stack(rows)
+
+    def _coefficients(self, config: OptimizerConfig, step: int) -> np.ndarray:
+        """Optimizer step ``step``'s ``[K, B, 1]`` coefficients for ``config`` and the models' activity now."""
+        return config.coefficients(step, StepValues(list(config.lr), config.cycled(), list(self.active)))
 
     def _configure(self, buffers: Sequence[str]) -> tuple[OptimizerConfig, OptimizerConfig, tuple]:
         """The configuration of the groups' values now, the one its update graph is made with, and that graph's
