@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import onnx
@@ -40,9 +40,13 @@ if TYPE_CHECKING:  # optim reads the settings, which read this module's table
     from onnxfuse.recipe.optim import OptimizerConfig, StepValues
 
 __all__ = ["Runtime", "RuntimeInfo", "RUNTIMES", "RUNTIME_CHOICES", "COMPILE_CHOICES", "resolve_runtime",
-           "make_trainer", "evaluate", "parameter_names", "check_feeds", "Observed", "check_compile"]
+           "make_trainer", "evaluate", "parameter_names", "check_feeds", "Observed", "check_compile", "PRECISIONS",
+           "LossScale", "check_precision"]
 
 COMPILE_CHOICES = ("auto", "on", "off")
+# the arithmetic of the forward and backward (``--precision``): fp32 throughout, or torch.autocast's bf16 / fp16
+# with fp32 weights, state and update (a runtime trains in the ones its ``RuntimeInfo.precisions`` lists)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_compile(value: str, where: str = "--compile") -> str:
@@ -60,6 +64,38 @@ class Observed:
     ok: np.ndarray
     failed_at: np.ndarray
     failed_loss: np.ndarray  # each rejected model's loss at that step
+    scale: np.ndarray | None = None  # fp16: each model's loss scale after the step (None: no loss scaling)
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """fp16's dynamic loss scaling, torch.amp.GradScaler's semantics with a scale per model: each model's loss is
+    multiplied by its ``init`` scale at first; a step whose gradient (of that model) overflows is skipped for that
+    model and its scale multiplied by ``backoff``; after ``interval`` steps without overflow its scale is multiplied
+    by ``growth``. A model that overflows at a scale of ``MIN`` or less is diverged (its gradient overflows without
+    any scale)."""
+
+    init: tuple[float, ...]  # one per model
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+
+    INIT: ClassVar[float] = 2.0 ** 16  # GradScaler's init_scale
+    MIN: ClassVar[float] = 1.0
+
+    def select(self, keep: Sequence[int]) -> "LossScale":
+        return LossScale(tuple(self.init[i] for i in keep), self.growth, self.backoff, self.interval)
+
+
+def check_precision(precision: str, runtime: "RuntimeInfo | None" = None, where: str = "--precision") -> str:
+    """``precision`` is one of :data:`PRECISIONS` and one ``runtime`` trains in (a one-line ConfigError else)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{where} must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if runtime is not None and precision not in runtime.precisions:
+        capable = ", ".join(r.name for r in RUNTIMES.values() if precision in r.precisions)
+        raise ConfigError(f"{where} {precision}: the {runtime.name} runtime trains in "
+                          f"{', '.join(runtime.precisions)} only; use --runtime {capable}, or --precision fp32")
+    return precision
 
 
 class Runtime(Protocol):
@@ -105,6 +141,7 @@ class RuntimeInfo:
     target: str
     help: str
     compiles: bool = False  # takes compile= and total_steps= (captures its whole step)
+    precisions: tuple[str, ...] = ("fp32",)  # the --precision values it trains in (others: precision=, loss_scale=)
 
     def load(self) -> type:
         module, cls = self.target.split(":")
@@ -116,7 +153,8 @@ class RuntimeInfo:
 # reaches a current GPU stack.
 RUNTIMES: dict[str, RuntimeInfo] = {r.name: r for r in (
     RuntimeInfo("torch", "onnxfuse.runtime.torch_runtime:TorchTrainer",
-                "PyTorch: the fused graph as a torch module, autograd, any device torch supports", compiles=True),
+                "PyTorch: the fused graph as a torch module, autograd, any device torch supports", compiles=True,
+                precisions=PRECISIONS),
     RuntimeInfo("ort", "onnxfuse.runtime.ort_runtime:FusedTrainer",
                 "onnxruntime-training 1.19: CPU, or CUDA 11.8 with the onnxruntime-training GPU build"),
 )}
@@ -132,14 +170,15 @@ def parameter_names(spec: ArraySpec) -> tuple[list[str], list[str]]:
     return trainable, buffers
 
 
-def resolve_runtime(runtime: str, device: Device | str) -> str:
-    """The registered runtime for ``runtime`` (a name or ``auto``) on ``device``; an unavailable one is a
-    ConfigError saying why and what to do."""
+def resolve_runtime(runtime: str, device: Device | str, precision: str = "fp32") -> str:
+    """The registered runtime for ``runtime`` (a name or ``auto``) on ``device`` in ``precision``; an unavailable
+    one is a ConfigError saying why and what to do."""
     device = Device.of(device)
     if runtime == "auto":
         reasons = {}
         for name, info in RUNTIMES.items():
-            reasons[name] = info.load().unavailable(device)
+            reasons[name] = (info.load().unavailable(device) if precision in info.precisions else
+                             f"trains in {', '.join(info.precisions)} only, not {precision}")
             if reasons[name] is None:
                 return name
         raise ConfigError(f"no runtime can train on '{device}': " + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
@@ -148,24 +187,28 @@ def resolve_runtime(runtime: str, device: Device | str) -> str:
     why = RUNTIMES[runtime].load().unavailable(device)
     if why is not None:
         raise ConfigError(why)
+    check_precision(precision, RUNTIMES[runtime])
     return runtime
 
 
 def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
                  optimizer: OptimizerConfig, device: Device | str = "cpu", workdir: str | None = None,
-                 threads: int | None = None, compile: str = "off", total_steps: int = 0) -> Runtime:
+                 threads: int | None = None, compile: str = "off", total_steps: int = 0, precision: str = "fp32",
+                 loss_scale: LossScale | None = None) -> Runtime:
     """A trainer of ``fused`` on ``runtime`` (a name or ``auto``); ``compile``: capture the step whole (``on``),
-    not (``off``), or decide from ``total_steps`` (``auto``; a runtime that cannot compile does not)."""
+    not (``off``), or decide from ``total_steps`` (``auto``; a runtime that cannot compile does not);
+    ``precision`` (:data:`PRECISIONS`) and, for fp16, ``loss_scale`` (default: GradScaler's)."""
     device = Device.of(device)
-    info = RUNTIMES[resolve_runtime(runtime, device)]
+    info = RUNTIMES[resolve_runtime(runtime, device, check_precision(precision))]
+    reduced = {"precision": precision, "loss_scale": loss_scale} if precision != "fp32" else {}
     if not info.compiles:
         if check_compile(compile) == "on":
             capable = ", ".join(r.name for r in RUNTIMES.values() if r.compiles)
             raise ConfigError(f"--compile on: the {info.name} runtime does not compile its step; use --runtime "
                               f"{capable}, or --compile auto / off")
-        return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads)
+        return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads, **reduced)
     return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads,
-                       compile=compile, total_steps=total_steps)
+                       compile=compile, total_steps=total_steps, **reduced)
 
 
 def _with_sizes(trainer: Runtime, data: Dataset | Iterable[dict], batch_size: int) -> Iterator[tuple[dict, int]]:

@@ -40,7 +40,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.datasets import NAMED_DATASETS, is_data_factory, is_named
 from onnxfuse.recipe.device import DEVICE_TAKES, Device
 from onnxfuse.recipe.losses import LOSSES
-from onnxfuse.recipe.runtimes import COMPILE_CHOICES, RUNTIME_CHOICES, RUNTIMES
+from onnxfuse.recipe.runtimes import COMPILE_CHOICES, PRECISIONS, LossScale, RUNTIME_CHOICES, RUNTIMES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
            "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
@@ -409,6 +409,18 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("compile", choice(COMPILE_CHOICES), "auto", "capture the torch runtime's whole step with "
                   "torch.compile: on, off, or auto (compile when the run is long enough for the measured compile "
                   "time to pay off; it says what it decided)"), "compile", resumable=True),
+    Setting(Param("precision", choice(PRECISIONS), "fp32", "the forward and backward under torch.autocast in bf16 "
+                  "or fp16 (weights, optimizer state, BatchNorm statistics and the update stay fp32; fp16 with a "
+                  "loss scale per model), or fp32 throughout"), "precision"),
+    Setting(Param("loss_scale", real(gt=0.0), LossScale.INIT, "fp16: each model's initial loss scale "
+                  "(torch.amp.GradScaler's init_scale)", per_model=True), "loss_scale"),
+    Setting(Param("loss_scale_growth", real(gt=1.0), LossScale.growth, "fp16: a model's scale is multiplied by this after "
+                  "--loss-scale-interval steps without overflow (GradScaler's growth_factor)"), "loss_scale_growth"),
+    Setting(Param("loss_scale_backoff", real(gt=0.0, lt=1.0), LossScale.backoff, "fp16: a model's scale is multiplied by this at "
+                  "a step whose gradient overflows, and that model's step is skipped (GradScaler's backoff_factor)"),
+            "loss_scale_backoff"),
+    Setting(Param("loss_scale_interval", _POS, LossScale.interval, "fp16: steps without overflow before a model's scale grows "
+                  "(GradScaler's growth_interval)"), "loss_scale_interval"),
     Setting(Param("log_every", _POS, 1, "write training metrics (and read the losses back from the device) every K "
                   "steps"), "log_every", resumable=True),
     Setting(Param("verify_steps", _NONNEG, 1, "before training, check the first K steps of every model against "

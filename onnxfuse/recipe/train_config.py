@@ -30,6 +30,7 @@ from onnxfuse.recipe.config import array_size, expand_per_model, read_config_fil
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config, per_model
+from onnxfuse.recipe.runtimes import LossScale
 from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, check_held_out, flag_of, flat_default, flat_settings,
                                       get_dotted, hyper_params, merge_raw, normalize_config, raw_from_flat, raw_key)
 
@@ -78,6 +79,11 @@ class TrainConfig:
     runtime: str = "auto"
     threads: int = 0
     compile: str = "auto"
+    precision: str = "fp32"
+    loss_scale: PerModel = 2.0 ** 16
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_interval: int = 2000
     log_every: int = 1
     verify_steps: int = 1
     allow_nonfinite_data: bool = False
@@ -259,6 +265,11 @@ class RunPlan:
     runtime: str
     threads: int
     compile: str
+    precision: str
+    loss_scale: tuple[float, ...]  # each model's initial loss scale (fp16)
+    loss_scale_growth: float
+    loss_scale_backoff: float
+    loss_scale_interval: int
     log_every: int
     verify_steps: int
     allow_nonfinite_data: bool
@@ -268,11 +279,13 @@ class RunPlan:
     def of(cls, cfg: Mapping, B: int, record: Mapping[str, Any]) -> "RunPlan":
         """The plan of ``cfg``, normalized and expanded to B models (``expand_per_model``)."""
         flat = flat_settings(cfg)
-        run = {s.name: flat[s.name] for s in RUN_SETTINGS if s.name not in ("clip_grad_norm", "halving", "device")}
+        run = {s.name: flat[s.name] for s in RUN_SETTINGS
+               if s.name not in ("clip_grad_norm", "halving", "device", "loss_scale")}
         opt = cfg["optimizer"]
         return cls(B=B, **run, loss_options={k: v for k, v in cfg["loss"].items() if k != "name"},
                    hyper={k: per_model(v) for k, v in opt.items() if k != "name"},
-                   clip_grad_norm=per_model(cfg["clip_grad_norm"]), schedules=tuple(cfg["schedule"]),
+                   clip_grad_norm=per_model(cfg["clip_grad_norm"]), loss_scale=per_model(cfg["loss_scale"]),
+                   schedules=tuple(cfg["schedule"]),
                    models=tuple(cfg["models"]), halving=tuple(cfg["halving"]), device=cfg["device"],
                    record=dict(record))
 
@@ -282,6 +295,13 @@ class RunPlan:
 
     def optimizer_config(self) -> OptimizerConfig:
         return optimizer_config(self.optimizer, self.hyper, self.clip_grad_norm)
+
+    def loss_scale_config(self) -> LossScale | None:
+        """fp16's per-model loss scaling (None in another precision)."""
+        if self.precision != "fp16":
+            return None
+        return LossScale(tuple(float(v) for v in self.loss_scale), self.loss_scale_growth, self.loss_scale_backoff,
+                         self.loss_scale_interval)
 
     def loss_spec(self) -> LossSpec:
         return get_loss(self.loss, per_model_labels=self.per_model_labels or self.data_order != "shared",

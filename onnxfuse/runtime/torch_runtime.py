@@ -31,7 +31,7 @@ from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import STATE_PREFIX, OptimizerConfig, StepValues
-from onnxfuse.recipe.runtimes import check_feeds, evaluate, parameter_names
+from onnxfuse.recipe.runtimes import LossScale, check_feeds, check_precision, evaluate, parameter_names
 
 __all__ = ["TorchTrainer"]
 
@@ -52,7 +52,8 @@ class TorchTrainer:
 
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
                  device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None,
-                 compile: str = "off", total_steps: int = 0):
+                 compile: str = "off", total_steps: int = 0, precision: str = "fp32",
+                 loss_scale: LossScale | None = None):
         import torch
 
         from onnxfuse.runtime.array_module import FusedArray
@@ -95,6 +96,11 @@ class TorchTrainer:
         # train graph: fused + loss; training-mode BatchNorms return their new running statistics (torch's rule,
         # computed by torch's own kernel) as outputs 1 and 2, which the optimizer writes for the models whose step
         # it applies
+        check_precision(precision, where="precision")
+        if precision != "fp32":  # a fused Linear's bias in its product's precision, as nn.Linear adds it
+            from onnxfuse.runtime.precision import bias_in_product_precision
+
+            fused = bias_in_product_precision(fused)
         train = copy.deepcopy(fused)
         self.stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
         self.graph_inputs = [i["name"] for i in spec.inputs]
@@ -114,9 +120,10 @@ class TorchTrainer:
             self.inputs = self.graph_inputs
         self.optimizer_state_names = [STATE_PREFIX + s for s in optimizer.state_names()]
         key = graph_key(fused.SerializeToString(), self.loss.label if self.python else repr(self.loss), optimizer.kind,
-                        str(device)) if check_compile(compile) == "auto" else ""
-        self.compile = compile
-        self.stepper = TrainStep(self.optimizer, self._loss_forward, self.stats, compile, key, total_steps)
+                        str(device), precision) if check_compile(compile) == "auto" else ""
+        self.compile, self.precision = compile, precision
+        self.stepper = TrainStep(self.optimizer, self._loss_forward, self.stats, compile, key, total_steps,
+                                 precision, loss_scale)
         self._eval_compiled = None
 
     unavailable = staticmethod(_device_available)
@@ -221,9 +228,13 @@ class TorchTrainer:
         return per_model.float().cpu().numpy(), scores.float().cpu().numpy()
 
     def _eval_batch(self, batch: dict) -> tuple:
-        if self.python is None:
-            return self._eval(**batch)
-        _, per_model, (scores,) = self._forward(self._eval, batch)
+        """In the training step's precision (bf16, fp16: under the same autocast)."""
+        from onnxfuse.runtime.precision import autocast
+
+        with autocast(self.precision, self.torch_device):
+            if self.python is None:
+                return self._eval(**batch)
+            _, per_model, (scores,) = self._forward(self._eval, batch)
         return per_model, scores
 
     def _eval_step(self):
@@ -249,6 +260,17 @@ class TorchTrainer:
         return evaluate(self, data, batch_size)
 
     # ---- state
+    def loss_scales(self) -> dict | None:
+        """fp16: each model's loss scale and steps since its last overflow (``{"scale": [B], "tracker": [B]}``,
+        what a checkpoint records); None in another precision."""
+        scaler = self.stepper.scaler
+        return None if scaler is None else scaler.state()
+
+    def load_loss_scales(self, state: dict, keep=None) -> None:
+        """Set what :meth:`loss_scales` returned (``keep``: this array's models' positions in it)."""
+        if self.stepper.scaler is not None:
+            self.stepper.scaler.load(state, keep)
+
     def weights(self) -> dict[str, np.ndarray]:
         return {n: t.detach().cpu().numpy().copy() for n, t in self.array.onnx_state().items()}
 

@@ -46,7 +46,9 @@ import torch
 
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.recipe.optim import StepValues
-from onnxfuse.recipe.runtimes import Observed, check_compile
+from onnxfuse.core.errors import ConfigError
+from onnxfuse.recipe.runtimes import LossScale, Observed, check_compile, check_precision
+from onnxfuse.runtime.precision import LossScales, autocast
 
 __all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
            "compiled"]
@@ -153,12 +155,18 @@ class TrainStep:
     WINDOW = 64  # steps whose coefficients are computed at once when the caller knows them ahead (plan)
 
     def __init__(self, optimizer, forward: Callable, buffers: Sequence[str] = (), compile: str = "off",
-                 key: str = "", total_steps: int = 0):
+                 key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None):
         self.opt, self.array, self.forward = optimizer, optimizer.array, forward
         self.buffers = list(buffers)
         self.mode = check_compile(compile, "compile")
         self.key, self.total_steps = key, total_steps
         B, device = self.array.B, self.array.device
+        self.precision = check_precision(precision, where="precision")
+        if precision == "fp16":
+            loss_scale = loss_scale or LossScale((LossScale.INIT,) * B)
+            if len(loss_scale.init) != B:
+                raise ConfigError(f"loss_scale: {len(loss_scale.init)} initial scales for an array of B={B} models")
+        self.scaler = LossScales(loss_scale, device) if precision == "fp16" else None
         if device.type == "cpu":
             keep_heap()
         self.alive = torch.ones(B, dtype=torch.bool, device=device)
@@ -181,11 +189,14 @@ class TrainStep:
 
     # ---- the step
     def _body(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
-        arr, names = self.array, self.array.trainable
+        arr, names, scaler = self.array, self.array.trainable, self.scaler
         held = {n: arr.buffer(n) for n in arr.buffer_names}
 
         def loss_of(ps):
-            loss, per_model, news = self.forward({**held, **dict(zip(names, ps))}, batch)
+            with autocast(self.precision, arr.device):
+                loss, per_model, news = self.forward({**held, **dict(zip(names, ps))}, batch)
+            if scaler is not None:  # each model's loss times its own scale
+                loss = scaler.scaled(per_model)
             return loss, (per_model.detach(), [v.detach() for v in news])
 
         if torch.compiler.is_compiling():  # what dynamo captures: the gradient as a function transform
@@ -198,9 +209,17 @@ class TrainStep:
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         B = arr.B
         active = (hyper[0].reshape(B) > 0.5) & self.alive
-        hyper = torch.cat([active.to(hyper.dtype).reshape(1, B, 1), hyper[1:]])
+        stepping = active
+        if scaler is not None:  # a model whose scaled gradient overflowed skips this step (GradScaler.step)
+            grads, found = scaler.unscale(grads)
+            stepping = active & ~found
+        hyper = torch.cat([stepping.to(hyper.dtype).reshape(1, B, 1), hyper[1:]])
         ok = self.opt.apply(params, grads, hyper, per_model, dict(zip(self.buffers, news)))
-        rejected = active & ~ok
+        rejected = stepping & ~ok
+        if scaler is not None:
+            skipped = active & found
+            rejected = rejected | (skipped & (scaler.at_minimum() | ~self._forward_stats(news, skipped)))
+            scaler.update(found, active)
         self.count.add_(1)
         first = rejected & (self.failed_at == 0)
         self.failed_at.copy_(torch.where(first, self.count, self.failed_at))
@@ -208,6 +227,21 @@ class TrainStep:
         self.alive.logical_and_(~rejected)
         self.ok.copy_(ok)
         self.losses.copy_(per_model.float())
+
+    def _forward_stats(self, news: Sequence[torch.Tensor], skipped: torch.Tensor) -> torch.Tensor:
+        """A skipped step's BatchNorm statistics: the forward ran, and torch writes a module's running statistics
+        in its forward whatever the scaler then does, so they are written for the ``skipped`` models too (the
+        update graph writes them only with a step it applies). Returns [B]: the models whose new statistics are
+        finite (a skipped model whose are not keeps its own and is diverged)."""
+        B, arr = self.array.B, self.array
+        finite = torch.ones(B, dtype=torch.bool, device=skipped.device)
+        for new in news:
+            finite = finite & new.reshape(B, -1).isfinite().all(1)
+        write = (skipped & finite).reshape(B, 1)
+        for name, new in zip(self.buffers, news):
+            stat = arr.buffer(name)
+            stat.copy_(torch.where(write, new.reshape(B, -1).to(stat.dtype), stat.reshape(B, -1)).reshape(stat.shape))
+        return finite
 
     def __call__(self, batch: dict[str, torch.Tensor], values: StepValues | None = None,
                  ahead: Callable[[int], Sequence[StepValues]] | None = None) -> None:
@@ -353,7 +387,9 @@ class TrainStep:
     # ---- the host's view
     def observe(self) -> Observed:
         """The losses, applied steps and failures as the device holds them now (the one host read)."""
-        read = [t.to("cpu", non_blocking=True) for t in (self.losses, self.ok, self.failed_at, self.failed_loss)]
+        held = (self.losses, self.ok, self.failed_at, self.failed_loss) + (
+            (self.scaler.scale,) if self.scaler is not None else ())
+        read = [t.to("cpu", non_blocking=True) for t in held]
         self._sync()
         return Observed(*(t.numpy().copy() for t in read))
 
@@ -509,9 +545,13 @@ class ArrayStep:
     optimizer's groups are read at each call (a torch scheduler on ``opt`` works as with ``opt.step()``).
     ``compile``: ``on`` (default) captures the step with ``torch.compile``, ``off`` runs it eagerly. Fault
     isolation is the run loop's: a model whose loss, gradient or update is not finite is frozen from that step
-    on (``observe().failed_at``), until ``restart()``."""
+    on (``observe().failed_at``), until ``restart()``. ``precision``: ``fp32`` (default), ``bf16`` or ``fp16``
+    (the forward and the loss under ``torch.autocast``; see ``onnxfuse.runtime.precision``); for fp16
+    ``loss_scale`` is each model's initial scale (one value or B) or a ``LossScale``, GradScaler's defaults
+    when not given, and ``observe().scale`` each model's scale now."""
 
-    def __init__(self, array, optimizer, loss: Callable, compile: str = "on"):
+    def __init__(self, array, optimizer, loss: Callable, compile: str = "on", precision: str = "fp32",
+                 loss_scale=None):
         import copy
 
         from onnxfuse.runtime.torch_graph import TorchOptions
@@ -520,11 +560,20 @@ class ArrayStep:
             raise TypeError("train_step: the optimizer was made for another array; give the array it steps")
         self.array, self.loss = array, loss
         train = copy.deepcopy(array._graph)
+        if precision != "fp32":  # a fused Linear's bias in its product's precision, as nn.Linear adds it
+            from onnxfuse.runtime.precision import bias_in_product_precision
+
+            train = bias_in_product_precision(train)
         stats, stat_outputs = batchnorm_outputs(train, set(array.buffer_names))
         self.program = array.program(train, outputs=list(array.output_names) + stat_outputs,
                                      options=TorchOptions(update_stats=False))
         self.n_inputs = len(array.input_names)
-        self.step = TrainStep(optimizer, self._forward, stats, check_compile(compile, "train_step(compile=)"))
+        if loss_scale is not None and not isinstance(loss_scale, LossScale):
+            values = [float(v) for v in (loss_scale if isinstance(loss_scale, (list, tuple)) else [loss_scale] * array.B)]
+            loss_scale = LossScale(tuple(values))
+        self.step = TrainStep(optimizer, self._forward, stats, check_compile(compile, "train_step(compile=)"),
+                              precision=check_precision(precision, where="train_step(precision=)"),
+                              loss_scale=loss_scale)
 
     def _forward(self, weights: dict, batch: dict) -> tuple:
         arr = self.array
@@ -556,6 +605,7 @@ class ArrayStep:
         self.step.restart()
 
 
-def train_step(array, optimizer, loss: Callable, compile: str = "on") -> ArrayStep:
+def train_step(array, optimizer, loss: Callable, compile: str = "on", precision: str = "fp32",
+               loss_scale=None) -> ArrayStep:
     """See :class:`ArrayStep`."""
-    return ArrayStep(array, optimizer, loss, compile)
+    return ArrayStep(array, optimizer, loss, compile, precision, loss_scale)

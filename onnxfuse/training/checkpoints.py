@@ -180,11 +180,14 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
         positions = [run.models.index(b) for b in models]
         run.opt = run.opt0.select(positions)
         run.schedules = run.schedules.select(positions)
+        run.loss_scale = run.loss_scale.select(positions) if run.loss_scale else None
         run.models = models
         run.trainer = run._trainer()
         run.last_loss = np.full(len(models), np.nan)
     run.load(weights, opt_state)
     run.trainer.steps = st["trainer_steps"]
+    if st.get("loss_scales") is not None:
+        run.trainer.load_loss_scales(st["loss_scales"])
     run.keep_decision(st.get("compiled"))
     run.step = st["step"]
     run.active = st["active"]

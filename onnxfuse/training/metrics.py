@@ -12,7 +12,9 @@ from onnxfuse.recipe.runtimes import evaluate as evaluate_batches
 from onnxfuse.training.run_state import RunState, model_view
 
 
-METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run"]
+# loss_scale: fp16's, the model's after that step (empty in another precision); status: diverged, skipped (fp16:
+# the model's gradient overflowed at that step, which it skipped), dropped, ...
+METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "loss_scale", "elapsed_s", "status", "run"]
 
 
 class Metrics:

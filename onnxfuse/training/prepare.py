@@ -37,7 +37,7 @@ def validate(config: TrainConfig, spec: ArraySpec, has_eval: bool) -> RunPlan:
         if shared:
             raise ConfigError(f"--data-order {plan.data_order} gives every model other samples, but graph input "
                               f"'{shared[0]}' is shared: fuse with --per-model-inputs {','.join(shared)}")
-    return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device))
+    return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device, plan.precision))
 
 
 def _load_source(data, spec: ArraySpec, what: str) -> tuple[dict | Any, str]:

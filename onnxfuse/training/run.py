@@ -4,7 +4,7 @@ isolation, successive halving, periodic checkpoints and exact resume.
 Files in the array folder (``onnxfuse.core.array.ArrayDir`` owns them; a run holds the folder's lock throughout):
 
     run.json                         the current run: id, settings hash, data hash, start time
-    metrics.csv                      step,model,split,loss,accuracy,lr,elapsed_s,status,run   (model = original index)
+    metrics.csv                      step,model,split,loss,accuracy,lr,loss_scale,elapsed_s,status,run  (model: original index)
     checkpoints/step_00000120/       weights, optimizer state, dropped models, state.json (with the run's id);
                                      written atomically, the last ``keep_checkpoints`` kept
     trained/                         the final state: weights.safetensors of the surviving array (array.json
@@ -102,10 +102,11 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
-    checked with Dropout off, in a trainer of its own."""
+    checked with Dropout off, in a trainer of its own; an array trained in bf16 or fp16 is checked in fp32 (what is
+    checked is the graph's and the weights' mapping: reduced precision would hide a defect in its rounding)."""
     watch = Stopwatch()
     dropout_off = has_random_dropout(fused)
-    if trainer is None or dropout_off:
+    if trainer is None or dropout_off or config.precision != "fp32":
         opt, _ = optimizer_and_schedules(config, spec.B, total)
         trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
                                loss, opt, config.device, threads=config.threads or None, compile=config.compile,
@@ -241,6 +242,7 @@ class _Loop:
         self.samples, self.stopped, self.elapsed = 0, None, 0.0
         self.watch = Stopwatch()  # this process's part of the run; elapsed0 before it
         self.unread: dict[int, tuple[list, float]] = {}  # steps since the last read: their lr and elapsed time
+        self.seen = None  # the last read (Observed)
         self.end = p.total
 
     def train(self, stop_at: int | None, progress: bool, on_step: Callable[[int, int], None] | None) -> None:
@@ -325,6 +327,7 @@ class _Loop:
         run = self.run
         seen = run.trainer.observe()
         run.last_loss = seen.losses
+        self.seen = seen
         events = mark_diverged(run, seen)
         for b, (step, loss) in sorted(events.items(), key=lambda e: e[1][0]):
             if step != run.step:
@@ -335,9 +338,12 @@ class _Loop:
         """Model b's train row of metrics.csv at ``step`` (its lr and time as they were at that step)."""
         lr, el = self.unread.get(step, (None, self._elapsed()))
         i = self.run.models.index(b)
+        seen = self.seen if step == self.run.step else None  # what the read says of this step (a skip, the scale)
+        scale = seen.scale[i] if seen is not None and seen.scale is not None else None
+        skipped = scale is not None and not diverged and self.run.active[i] and not seen.ok[i]
         return {"step": step, "model": b, "split": "train", "loss": fmt(loss), "accuracy": "",
-                "lr": fmt(lr[i]) if lr is not None else "", "elapsed_s": f"{el:.4f}",
-                "status": "diverged" if diverged else ""}
+                "lr": fmt(lr[i]) if lr is not None else "", "loss_scale": fmt(scale), "elapsed_s": f"{el:.4f}",
+                "status": "diverged" if diverged else ("skipped" if skipped else "")}
 
     def _elapsed(self) -> float:
         """Seconds of the run so far, a resumed run's earlier ones included."""

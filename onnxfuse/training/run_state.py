@@ -38,6 +38,7 @@ class RunState:
         self.active = [True] * spec.B
         self.dropped: dict[int, dict[str, np.ndarray]] = {}  # original model -> its state_dict when dropped
         self.opt0, self.schedules = optimizer_and_schedules(config, spec.B, total_steps)
+        self.loss_scale = config.loss_scale_config()  # fp16: the current array's models' initial scales
         self.opt = self.opt0
         self.fused, self.spec = fused, spec
         self.trainer = self._trainer()
@@ -53,12 +54,19 @@ class RunState:
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
         return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
                             workdir=folder, threads=self.config.threads or None, compile=self.config.compile,
-                            total_steps=self.total)
+                            total_steps=self.total, precision=self.config.precision,
+                            loss_scale=self.loss_scale)
 
     # ---- state
     def state(self) -> dict:
         return {"step": self.step, "models": self.models, "active": self.active, "trainer_steps": self.trainer.steps,
-                "status": {str(k): v for k, v in self.status.items()}, "compiled": self.trainer.compiled}
+                "status": {str(k): v for k, v in self.status.items()}, "compiled": self.trainer.compiled,
+                "loss_scales": self.loss_scales()}
+
+    def loss_scales(self) -> dict | None:
+        """fp16: each model's loss scale and steps since its last overflow (the trainer's), None otherwise."""
+        scales = getattr(self.trainer, "loss_scales", None)
+        return scales() if scales is not None else None
 
     def per_model_states(self) -> list[dict[str, np.ndarray]]:
         # num_batches_tracked counts the steps each model took: a diverged model's stopped with it
@@ -91,10 +99,13 @@ class RunState:
         self.fused, self.spec = self.array.refuse(survivors, [states[i] for i in positions], fuse_models)
         self.opt = self.opt.select(positions)
         self.schedules = self.schedules.select(positions)
-        steps, compiled = self.trainer.steps, self.trainer.compiled
+        steps, compiled, scales = self.trainer.steps, self.trainer.compiled, self.loss_scales()
+        self.loss_scale = self.loss_scale.select(positions) if self.loss_scale else None
         self.trainer = self._trainer()
         self.trainer.steps = steps
         self.keep_decision(compiled)
+        if scales is not None:
+            self.trainer.load_loss_scales(scales, positions)
         self.load({}, {k: v[positions] for k, v in opt_state.items()})
         self.active = [self.active[i] for i in positions]
         self.models = survivors

@@ -1,0 +1,134 @@
+"""Mixed precision for the torch runtime (``--precision``): what runs in which precision, and fp16's loss scale
+per model.
+
+    fp32   everything in float32 (no autocast)
+    bf16   the forward (the fused graph and the loss) under ``torch.autocast(device, torch.bfloat16)``: the ops
+           autocast lists as lower-precision (convolutions, matmuls, linear) run in bfloat16, the others in the
+           precision of their inputs, the ones it lists as float32 in float32, exactly as for each model alone
+           under the same autocast; gradients reach the weights in float32
+    fp16   the same in float16, with each model's loss multiplied by its own scale (:class:`LossScales`)
+
+The weights, optimizer state and BatchNorm running statistics stay float32 (master weights), and the update is
+the fp32 update graph on float32 gradients: autocast casts a weight's copy for the ops that use it, and the
+gradient flows back through that cast.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Sequence
+
+import onnx
+import torch
+from onnx import helper
+
+from onnxfuse.core._graph import Names
+
+from onnxfuse.recipe.runtimes import LossScale
+
+__all__ = ["DTYPES", "autocast", "LossScales", "bias_in_product_precision"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bias_in_product_precision(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose product biases are added in the product's precision: ``MatMul -> Add(bias)``,
+    where the bias is an initializer, gets ``CastLike(bias, product)`` before the Add.
+
+    Under autocast, ``nn.Linear`` (torch's ``linear``, ``addmm``) casts its bias with its other operands, so a
+    Linear's output is bfloat16 / float16; the fused graph computes a Linear as a batched MatMul and an Add, and
+    the Add of a float16 product and a float32 bias is float32 under torch's promotion: every later op would run
+    in float32 where the model alone runs in float16. In float32 the CastLike is the identity."""
+    model = copy.deepcopy(model)
+    graph = model.graph
+    products = {o for n in graph.node if n.op_type == "MatMul" for o in n.output}
+    weights = {t.name for t in graph.initializer}
+    names = Names.of(graph)
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Add" and len(node.input) == 2:
+            for k in (0, 1):
+                bias, product = node.input[k], node.input[1 - k]
+                if bias in weights and product in products:
+                    lowered = names.fresh(f"{bias}_like_product")
+                    nodes.append(helper.make_node("CastLike", [bias, product], [lowered],
+                                                  name=names.fresh(f"{node.name or bias}/bias_precision")))
+                    node.input[k] = lowered
+                    break
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
+def autocast(precision: str, device: torch.device):
+    """The context the forward runs in for ``precision`` (``torch.autocast``; fp32: none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+class LossScales:
+    """torch.amp.GradScaler with one scale per model (``LossScale`` holds the settings), on the device:
+
+        scaled(per_model)   the summed loss to differentiate, each model's loss times its scale
+        unscale(grads)      each model's gradients divided by its scale, and ``found`` [B]: whose gradient
+                            overflowed (a non-finite element, as GradScaler checks the scaled gradients)
+        update(found, active)  GradScaler.update for each active model: overflow multiplies the scale by
+                            ``backoff`` and restarts the count; ``interval`` steps without one multiply it by
+                            ``growth`` (when the result is finite). A model not active keeps its scale.
+
+    The arithmetic is GradScaler's: the inverse scale is ``1 / scale`` in float64 rounded to float32, the
+    gradients are multiplied by it in float32, and a new scale is the float64 product rounded to float32."""
+
+    def __init__(self, config: LossScale, device: torch.device):
+        self.config = config
+        self.scale = torch.tensor(config.init, dtype=torch.float32, device=device)
+        self.tracker = torch.zeros(len(config.init), dtype=torch.int32, device=device)
+
+    @property
+    def B(self) -> int:
+        return self.scale.numel()
+
+    def scaled(self, per_model: torch.Tensor) -> torch.Tensor:
+        return (per_model.float() * self.scale).sum()
+
+    def unscale(self, grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        B = self.B
+        inv = self.scale.double().reciprocal().float().reshape(B, 1)
+        finite, out = None, []
+        for g in grads:  # model-major: model b's part of every fused tensor is row b of its [B, -1] view
+            rows = g.reshape(B, -1)
+            ok = rows.isfinite().all(1)
+            finite = ok if finite is None else finite & ok
+            out.append((rows * inv).reshape(g.shape))
+        return out, ~finite
+
+    def update(self, found: torch.Tensor, active: torch.Tensor) -> None:
+        c = self.config
+        scale, tracker = self.scale, self.tracker
+        count = tracker + 1
+        grows = count == c.interval
+        grown = (scale.double() * c.growth).float()
+        grown = torch.where(grown.isfinite(), grown, scale)
+        backed = (scale.double() * c.backoff).float()
+        new_scale = torch.where(found, backed, torch.where(grows, grown, scale))
+        new_tracker = torch.where(found | grows, torch.zeros_like(tracker), count)
+        self.scale.copy_(torch.where(active, new_scale, scale))
+        self.tracker.copy_(torch.where(active, new_tracker, tracker))
+
+    def at_minimum(self) -> torch.Tensor:
+        """[B]: the models whose scale is at ``LossScale.MIN`` or below (an overflow there is a divergence)."""
+        return self.scale <= LossScale.MIN
+
+    # ---- state (a checkpoint's record: plain lists, exact for float32 values)
+    def state(self) -> dict:
+        return {"scale": self.scale.cpu().tolist(), "tracker": self.tracker.cpu().tolist()}
+
+    def load(self, state: dict, keep: Sequence[int] | None = None) -> None:
+        """The state ``state()`` returned (``keep``: the positions of this array's models in it)."""
+        scale, tracker = state["scale"], state["tracker"]
+        if keep is not None:
+            scale, tracker = [scale[i] for i in keep], [tracker[i] for i in keep]
+        self.scale.copy_(torch.tensor(scale, dtype=torch.float32))
+        self.tracker.copy_(torch.tensor(tracker, dtype=torch.int32))
