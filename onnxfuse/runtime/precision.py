@@ -26,38 +26,50 @@ from onnxfuse.core._graph import Names
 
 from onnxfuse.recipe.runtimes import LossScale
 
-__all__ = ["DTYPES", "autocast", "LossScales", "bias_in_product_precision"]
+__all__ = ["DTYPES", "DOMAIN", "autocast", "LossScales", "biased_products"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DOMAIN = "onnxfuse.torch"  # the torch runtime's own ops (biased_products' MatMulAdd)
 
 
-def bias_in_product_precision(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose product biases are added in the product's precision: ``MatMul -> Add(bias)``,
-    where the bias is an initializer, gets ``CastLike(bias, product)`` before the Add.
+def biased_products(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` where each ``MatMul -> Add(bias)`` (the bias an initializer, the product read by the
+    Add alone) is one ``MatMulAdd`` node (domain :data:`DOMAIN`, the torch runtime's: ``torch.baddbmm``).
 
-    Under autocast, ``nn.Linear`` (torch's ``linear``, ``addmm``) casts its bias with its other operands, so a
-    Linear's output is bfloat16 / float16; the fused graph computes a Linear as a batched MatMul and an Add, and
-    the Add of a float16 product and a float32 bias is float32 under torch's promotion: every later op would run
-    in float32 where the model alone runs in float16. In float32 the CastLike is the identity."""
+    Under autocast, ``nn.Linear`` (torch's ``linear``) adds its bias inside the product and rounds once to bf16 /
+    fp16; the fused graph computes a Linear as a batched MatMul and an Add. Run as two ops, the product rounds to
+    bf16 and the Add then either rounds again (a bias cast to bf16: every output element is off by up to an ulp,
+    as far from the model alone as fp32 is) or promotes to fp32 (a float32 bias: every later op runs in fp32
+    where the model alone runs in bf16). ``baddbmm`` is the Linear's arithmetic (the same values as ``linear``
+    up to summation order, measured) and autocast lowers it as it lowers ``linear``."""
     model = copy.deepcopy(model)
     graph = model.graph
-    products = {o for n in graph.node if n.op_type == "MatMul" for o in n.output}
     weights = {t.name for t in graph.initializer}
-    names = Names.of(graph)
-    nodes = []
+    readers: dict[str, int] = {}
     for node in graph.node:
-        if node.op_type == "Add" and len(node.input) == 2:
+        for i in node.input:
+            readers[i] = readers.get(i, 0) + 1
+    for o in graph.output:
+        readers[o.name] = readers.get(o.name, 0) + 1
+    products = {n.output[0]: n for n in graph.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")}
+    names = Names.of(graph)
+    merged, nodes = set(), []
+    for node in graph.node:
+        if node.op_type == "Add" and node.domain in ("", "ai.onnx") and len(node.input) == 2:
             for k in (0, 1):
                 bias, product = node.input[k], node.input[1 - k]
-                if bias in weights and product in products:
-                    lowered = names.fresh(f"{bias}_like_product")
-                    nodes.append(helper.make_node("CastLike", [bias, product], [lowered],
-                                                  name=names.fresh(f"{node.name or bias}/bias_precision")))
-                    node.input[k] = lowered
+                matmul = products.get(product)
+                if bias in weights and matmul is not None and readers.get(product) == 1:
+                    node = helper.make_node("MatMulAdd", [*matmul.input, bias], list(node.output), domain=DOMAIN,
+                                            name=names.fresh(f"{matmul.name or product}/with_bias"))
+                    merged.add(id(matmul))
                     break
         nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    if merged:
+        del graph.node[:]
+        graph.node.extend(n for n in nodes if id(n) not in merged)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
 
 

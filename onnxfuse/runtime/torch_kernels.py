@@ -427,6 +427,32 @@ def folded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return y.reshape(*own, *rows, b.shape[-1])
 
 
+def folded_baddbmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a @ b + c`` as one product (``torch.baddbmm``, nn.Linear's arithmetic: the bias added before the product
+    rounds), folded as :func:`folded_matmul` folds; a bias ``[B, 1.., D]`` broadcasts over the rows. Shapes it
+    cannot fold are ``matmul`` and an add in the product's dtype."""
+    lead = b.dim() - 2
+    k = lead
+    while k > 0 and b.shape[k - 1] == 1:
+        k -= 1
+    own = tuple(b.shape[:k])
+    if (lead >= 1 and k >= 1 and a.dim() == b.dim() and tuple(a.shape[:k]) == own and c.dim() == a.dim()
+            and tuple(c.shape[:k]) == own and all(d == 1 for d in c.shape[k:-1]) and c.shape[-1] == b.shape[-1]):
+        rows = a.shape[k:-1]
+        y = torch.baddbmm(c.reshape(int(np.prod(own)), 1, c.shape[-1]), a.reshape(int(np.prod(own)), -1, a.shape[-1]),
+                          b.reshape(int(np.prod(own)), *b.shape[-2:]))
+        return y.reshape(*own, *rows, b.shape[-1])
+    y = folded_matmul(a, b)
+    return y + c.to(y.dtype)
+
+
+@OPS.register("MatMulAdd", domain="onnxfuse.torch")
+def matmul_add(spec: NodeSpec) -> Kernel:
+    """The torch runtime's own node for a fused Linear under autocast (``runtime/precision.py``'s
+    ``biased_products``): ``A [B, .., M, K] @ W [B, 1.., K, N] + C [B, 1.., N]`` as one baddbmm."""
+    return _k(folded_baddbmm, 0, 1, 2)
+
+
 @op("MatMul")
 def matmul(spec: NodeSpec) -> Kernel:
     """torch.matmul, a fused Linear's product folded (:func:`folded_matmul`)."""

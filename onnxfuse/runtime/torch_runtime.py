@@ -97,10 +97,10 @@ class TorchTrainer:
         # computed by torch's own kernel) as outputs 1 and 2, which the optimizer writes for the models whose step
         # it applies
         check_precision(precision, where="precision")
-        if precision != "fp32":  # a fused Linear's bias in its product's precision, as nn.Linear adds it
-            from onnxfuse.runtime.precision import bias_in_product_precision
+        if precision != "fp32":  # a fused Linear's bias added inside its product, as nn.Linear adds it
+            from onnxfuse.runtime.precision import biased_products
 
-            fused = bias_in_product_precision(fused)
+            fused = biased_products(fused)
         train = copy.deepcopy(fused)
         self.stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
         self.graph_inputs = [i["name"] for i in spec.inputs]
