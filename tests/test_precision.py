@@ -244,3 +244,89 @@ def test_precision_is_checked_in_one_line(digits):
         onnxfuse.optim.train_step(arr, opt, class_loss, precision="fp8")
     with pytest.raises(ConfigError, match="2 initial scales for an array of B=3"):
         onnxfuse.optim.train_step(arr, opt, class_loss, precision="fp16", loss_scale=[1.0, 2.0])
+
+
+def test_a_killed_fp16_run_resumes_to_the_uninterrupted_runs_weights_and_scales(tmp_path):
+    """``onnxfuse train --precision fp16`` SIGKILLed twice at random moments and resumed: the final weights are
+    bit-identical to an uninterrupted run's, and so is every model's loss scale in metrics.csv (the scales grow
+    every 25 steps and back off at overflows: both happen in this run)."""
+    import glob
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.numpy import load_file
+
+    from test_run import data_file, make_array, metrics
+
+    data = data_file(tmp_path, n=128)
+    exe = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
+    args = ["--data", str(data), "--steps", "600", "--batch-size", "16", "--optimizer", "adamw", "--lr",
+            "0.01,0.003,0.001", "--precision", "fp16", "--loss-scale", "1e6", "--loss-scale-interval", "25",
+            "--checkpoint-every", "20", "--runtime", "torch", "--compile", "off", "-q"]
+    arr_ref, _ = make_array(tmp_path / "ref", 3)
+    subprocess.run([exe, "train", str(arr_ref), *args], check=True, capture_output=True)
+    arr, _ = make_array(tmp_path / "killed", 3)
+
+    def newest() -> int:
+        found = sorted(glob.glob(os.path.join(arr, "checkpoints", "step_*")))
+        return int(os.path.basename(found[-1])[5:]) if found else 0
+
+    rnd, kills = random.Random(1), 0
+    while True:
+        p = subprocess.Popen([exe, "train", str(arr), *(["--resume", "-q"] if newest() else args)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if kills < 2:
+            start, deadline = newest(), time.time() + 60
+            while p.poll() is None and newest() <= start and time.time() < deadline:
+                time.sleep(0.02)
+            time.sleep(rnd.uniform(0.0, 0.2))
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                kills += 1
+                continue
+        _, err = p.communicate()
+        assert p.returncode == 0, err.decode()[-2000:]
+        break
+    assert kills == 2
+    ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
+    got = load_file(str(arr / "trained" / "weights.safetensors"))
+    for k in ref:
+        assert ref[k].tobytes() == got[k].tobytes(), k
+
+    def scales(folder):
+        return [(r["step"], r["model"], r["loss_scale"], r["status"]) for r in metrics(folder) if r["split"] == "train"]
+    assert scales(arr) == scales(arr_ref)
+    seen = scales(arr_ref)
+    assert any(s == "skipped" for *_, s in seen) and len({v for _, _, v, _ in seen}) > 3
+
+
+def test_onnxfuse_train_takes_precision_and_the_ort_runtime_refuses_it_in_one_line(tmp_path, capsys):
+    """--precision bf16 and fp16 through the CLI (fp16 with successive halving: the survivors keep their scales),
+    the config key, and the ort runtime's one-line refusal."""
+    from conftest import cli, one_error_line
+    from test_run import data_file, make_array, metrics
+
+    data = data_file(tmp_path, n=128)
+    common = ["--data", str(data), "--steps", "20", "--batch-size", "16", "--lr", "0.01,0.003,0.001", "-q"]
+    arr, _ = make_array(tmp_path / "bf16", 3)
+    code, out, err = cli(capsys, "train", str(arr), *common, "--precision", "bf16")
+    assert code == 0, err
+    assert all(r["loss_scale"] == "" for r in metrics(arr))
+    arr, _ = make_array(tmp_path / "fp16", 3)
+    code, out, err = cli(capsys, "train", str(arr), *common, "--precision", "fp16", "--loss-scale", "1e9",
+                         "--halving", "10", "--eval-fraction", "0.25")
+    assert code == 0, err
+    rows = [r for r in metrics(arr) if r["split"] == "train"]
+    assert len({r["model"] for r in rows if r["step"] == "20"}) == 2  # halving kept 2 of 3
+    assert all(float(r["loss_scale"]) > 0 for r in rows if r["status"] != "dropped"), rows
+    assert any(r["status"] == "skipped" for r in rows)
+    arr, _ = make_array(tmp_path / "ort", 3)
+    code, _, err = cli(capsys, "train", str(arr), *common, "--precision", "fp16", "--runtime", "ort")
+    assert code != 0
+    assert one_error_line(err) == ("onnxfuse: error: --precision fp16: the ort runtime trains in fp32 only; use "
+                                   "--runtime torch, or --precision fp32")
