@@ -66,19 +66,41 @@ def class_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                            reduction="none").reshape(M, -1).mean(1)
 
 
-@pytest.fixture(scope="module")
-def digits():
+def digits_batches() -> list:
+    """scikit-learn's digits in batches of N: (images [N, 1, 8, 8], labels [N])."""
     d = load_digits()
     x = torch.from_numpy((d.data / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
     return [(x[t * N:(t + 1) * N], torch.from_numpy(d.target[t * N:(t + 1) * N].astype(np.int64)))
             for t in range(len(x) // N)]
 
 
-@pytest.fixture(scope="module")
-def tokens():
+def token_batches() -> list:
+    """20 batches of random token sequences: (tokens [16, 16], the next tokens [16, 16])."""
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, 64, (20, 16, 17), generator=g)
     return [(s[:, :-1], s[:, 1:]) for s in seq]
+
+
+BATCHES = {"digits": digits_batches, "tokens": token_batches}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return digits_batches()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return token_batches()
+
+
+def measured_ratios(case: str, precision: str, batches=None) -> tuple[list[float], list[float], list, dict]:
+    """Each model's ratio at step 1 (SGD at lr 1: the gradient) and after 6 steps of the case's optimizer (each
+    model's own hyper-parameters), with the 6-step run's models alone and its trace (see ``train``)."""
+    batches = batches if batches is not None else BATCHES[CASES[case][3]]()
+    one = (CASES[case][0], "SGD", {"lr": [1.0] * B}, None)
+    arr, reduced, full, trace = train(case, batches, precision, 6)
+    return ratios(*train(one, batches, precision, 1)[:3]), ratios(arr, reduced, full), reduced, trace
 
 
 def mlp_digits(digits):
@@ -172,15 +194,8 @@ def ratios(arr, reduced, full):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_model_trains_as_torch_autocast_trains_it_alone(case, precision, digits, tokens):
-    batches = {"digits": digits, "tokens": tokens}[CASES[case][3]]
-    # step 1, from identical weights: the gradient (SGD, lr 1, reads it out) in the model's own precision
-    one = (CASES[case][0], "SGD", {"lr": [1.0] * B}, None)
-    arr, reduced, full, _ = train(one, batches, precision, 1)
-    step1 = ratios(arr, reduced, full)
+    step1, drift, reduced, trace = measured_ratios(case, precision, {"digits": digits, "tokens": tokens}[CASES[case][3]])
     assert max(step1) < STEP1, step1
-    # several steps of the case's optimizer, each model with its own hyper-parameters
-    arr, reduced, full, trace = train(case, batches, precision, 6)
-    drift = ratios(arr, reduced, full)
     assert max(drift) < DRIFT, drift
     if precision == "fp16":  # every model's loss scale and skipped steps are its GradScaler's
         assert [list(s) for s in zip(*trace["scales"])] == [a.scales for a in reduced]

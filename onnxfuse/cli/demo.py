@@ -36,7 +36,9 @@ def _lrs(models: int) -> list[float]:
 
 
 def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, batch_size: int = 64,
-             progress: bool = True, runtime: str = "auto") -> list[dict]:
+             progress: bool = True, runtime: str = "auto", precision: str = "fp32") -> list[dict]:
+    """The demo (see the module docstring); ``precision``: the training's (``--precision``: bf16 and fp16 train
+    the fp32 weights under autocast; the split models are evaluated in fp32, as any checkpoint would be)."""
     import torch
     from safetensors.torch import load_file
 
@@ -55,7 +57,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     if other or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         raise ConfigError(f"'{out_dir}' holds {repr(other[0]) if other else 'a file'}, which `onnxfuse demo` did not "
                           f"write; the demo replaces {', '.join(DEMO_FILES)} there: give -o a new folder")
-    runtime = resolve_runtime(runtime, "cpu")
+    runtime = resolve_runtime(runtime, "cpu", precision)
     clock = Stopwatch()
     (xtr, ytr), (xte, yte) = digits_data()
     os.makedirs(out_dir, exist_ok=True)
@@ -67,10 +69,11 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     print(f"[2/4] fusing them into {out_dir}/array")
     fa = fuse_models(paths)
     save_array(fa, os.path.join(out_dir, "array"), overwrite=True)
-    print(f"[3/4] training all {models} at once for {steps} steps on the {runtime} runtime (SGD, momentum 0.9, lr "
+    print(f"[3/4] training all {models} at once for {steps} steps on the {runtime} runtime"
+          f"{'' if precision == 'fp32' else ' in ' + precision} (SGD, momentum 0.9, lr "
           f"{', '.join(f'{v:g}' for v in lrs)})")
     cfg = TrainConfig(steps=steps, batch_size=batch_size, optimizer="sgd", lr=lrs, momentum=0.9, seed=0,
-                      log_every=10, runtime=runtime)
+                      log_every=10, runtime=runtime, precision=precision)
     res = train_array(os.path.join(out_dir, "array"), data, cfg, progress=progress)
     print(f"[4/4] splitting into {out_dir}/models and evaluating each model alone: its checkpoint in a plain "
           "zoo.DigitsCNN")

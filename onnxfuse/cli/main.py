@@ -13,7 +13,7 @@ import warnings
 
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
                                   shell)
-from onnxfuse.recipe.runtimes import RUNTIME_CHOICES
+from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIME_CHOICES
 from onnxfuse.recipe.settings import add_flags
 
 __all__ = ["main", "build_parser"]
@@ -177,7 +177,8 @@ def cmd_split(args) -> int:
 def cmd_demo(args) -> int:
     from onnxfuse.cli.demo import run_demo
 
-    run_demo(args.output, models=args.models, steps=args.steps, progress=not args.quiet, runtime=args.runtime)
+    run_demo(args.output, models=args.models, steps=args.steps, progress=not args.quiet, runtime=args.runtime,
+             precision=args.precision)
     return 0
 
 
@@ -187,7 +188,7 @@ def cmd_bench(args) -> int:
     run_bench(models=[m for m in args.models.split(",") if m], B=_numbers(args.B, "--B", int), device=args.device,
               modes=[m for m in args.modes.split(",") if m], batch=args.batch, steps=args.steps, rounds=args.rounds,
               warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads,
-              strategy=args.strategy)
+              strategy=args.strategy, precisions=[p for p in args.precision.split(",") if p])
     return 0
 
 
@@ -324,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("-q", "--quiet", action="store_true")
     d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
+    d.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="train in fp32, or bf16 / fp16 under autocast (the torch runtime)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="the fused array vs every way to train the same models, each in its best "
@@ -348,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "one's default: 1 for the torch runtime, onnxruntime's own)")
     b.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
                    help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
+    b.add_argument("--precision", default="fp32",
+                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default fp32): every mode in each, the forward "
+                   "and loss under torch.autocast for bf16 / fp16, fp16 with GradScaler loss scaling (the ort modes: "
+                   "fp32 only); ratios within one precision")
     b.add_argument("-o", "--output", default="onnxfuse-bench",
                    help="folder for bench.json, bench.csv, bench.md, bench.png")
     b.set_defaults(func=cmd_bench)
