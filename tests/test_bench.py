@@ -50,7 +50,7 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     md = (out / "bench.md").read_text()
     assert result["command"] in md and "onnxfuse bench --models lenet --B 1,2" in md
     assert md.count("| lenet |") == 2 + 2 * len(modes)  # a line per B, then a line per B and mode
-    assert all(f"- lenet B={r['B']}: {r['winner']} won" in md for r in result["rows"])
+    assert all(f"- lenet B={r['B']} fp32: {r['winner']} won" in md for r in result["rows"])
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -179,6 +179,68 @@ def test_the_concurrent_processes_stop_when_the_bench_is_interrupted():
             assert len(_concurrent_processes()) == 2
             raise KeyboardInterrupt
     assert not _concurrent_processes()
+
+
+def _ort_training() -> bool:
+    try:
+        import onnxruntime.training  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@linux_only
+def test_every_mode_runs_in_each_precision_and_the_reduced_ones_under_autocast(tmp_path):
+    """A row per precision with the fused array and every peer; each mode's loss before any update (the same B models
+    and batch) agrees across the modes in fp32 and moves by bf16's rounding in bf16: the forward ran under autocast."""
+    out = tmp_path / "bench"
+    modes = ["torch", "seq-torch", "concurrent", "vmap", "hfta", "dense"] + (["ort"] if _ort_training() else [])
+    assert main(["bench", "--models", "lenet", "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
+                 "--threads", "2", "--modes", ",".join(modes), "--precision", "fp32,bf16", "-o", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["precisions"] == ["fp32", "bf16"] and "--precision fp32,bf16" in result["command"]
+    fp32, bf16 = result["rows"]
+    assert [(r["model"], r["B"], r["precision"]) for r in result["rows"]] == [("lenet", 2, "fp32"), ("lenet", 2, "bf16")]
+    assert sorted(fp32["modes"]) == sorted(modes) and sorted(bf16["modes"]) == sorted(set(modes) - {"ort"})
+    for row in (fp32, bf16):
+        assert row["modes"]["seq-torch"]["over_seq_torch"] == 1.0 and row["modes"]["dense"]["of_dense"] == 1.0
+        assert all(c["samples_s"] > 0 and math.isfinite(c["over_seq_torch"]) for c in row["modes"].values())
+        assert row["modes"]["concurrent"]["first_loss"] is None  # trained in its processes
+    first = {p: {m: c["first_loss"] for m, c in row["modes"].items() if m not in ("concurrent", "dense")}
+             for p, row in (("fp32", fp32), ("bf16", bf16))}
+    assert np.allclose(list(first["fp32"].values()), first["fp32"]["seq-torch"], rtol=1e-5), first
+    for mode in first["bf16"]:
+        exact, low = first["fp32"][mode], first["bf16"][mode]
+        assert low != exact and abs(low - exact) < 1e-2 * exact, (mode, exact, low)
+    dense = fp32["modes"]["dense"]["first_loss"], bf16["modes"]["dense"]["first_loss"]  # model 0 alone at B*N
+    assert dense[0] != dense[1] and math.isclose(*dense, rel_tol=1e-2)
+    if "ort" in modes:
+        assert "ort left out at bf16: the ort runtime trains in fp32 only" in result["notes"]
+    with open(out / "bench.csv", newline="") as f:
+        assert [r["precision"] for r in csv.DictReader(f)] == ["fp32", "bf16"]
+    md = (out / "bench.md").read_text()
+    assert md.count("| lenet | 2 | bf16 |") == 1 + len(bf16["modes"]) and "- lenet B=2 bf16:" in md
+
+
+@pytest.mark.slow
+def test_the_compiled_modes_in_fp16_precision_scale_their_losses(tmp_path):
+    """fp16: the fused array compiled and each compiled peer under autocast with GradScaler (fused AdamW), on LeNet
+    (each compiles 10-40 s cold on a 2-core CPU)."""
+    out = tmp_path / "bench"
+    modes = ["seq-torch", "torch-compiled", "vmap-compiled", "hfta-compiled", "dense-compiled"]
+    assert main(["bench", "--models", "lenet", "--B", "2", "--steps", "2", "--rounds", "1", "--warmup", "1",
+                 "--modes", ",".join(modes), "--precision", "fp16", "-o", str(out)]) == 0
+    row = _check_new_modes(out, modes, ["lenet"])["rows"][0]
+    assert row["precision"] == "fp16" and row["fused_best"] == "torch-compiled"
+    exact = row["modes"]["seq-torch"]["first_loss"]
+    assert all(math.isclose(row["modes"][m]["first_loss"], exact, rel_tol=1e-2) for m in modes[:-1])
+
+
+def test_bench_rejects_an_unknown_precision_in_one_line(tmp_path, capsys):
+    assert main(["bench", "--models", "lenet", "--precision", "fp32,fp8", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--precision" in err[0] and "'fp8'" in err[0] and "bf16" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_rejects_an_unknown_mode_with_the_choices(tmp_path, capsys):

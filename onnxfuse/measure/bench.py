@@ -50,11 +50,13 @@ the compiled modes, the lazy build of the others) and is never in the throughput
 (one is run even with --warmup 0). Each measurement starts with dynamo's caches reset (every compiled mode compiles
 its own graph for that model and B, static shapes); inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, else its
 default under the temp folder) still serves graphs compiled by an earlier run, so a second run's compile is the
-cached time. Peak memory is torch's allocator peak on CUDA (per mode, and over the row), else the process's peak
-RSS (one figure for the row: it only grows); concurrent's is the sum of its processes' peaks (allocator on CUDA,
-RSS on the CPU, where pages the processes share count in each). Where a mode cannot run (ort and seq-ort off the
-CPU or without onnxruntime.training, hfta for a model without a hand-fused version) it is left out with a note.
-bench.md says per model and B which mode won (highest samples/s) and the fused array's best mode (torch,
+cached time. Peak memory is torch's allocator peak on CUDA (per mode and precision, reset before each mode's turn
+in a round, and over the row), else the process's peak RSS (one figure for the row in bench.json and bench.csv: it
+only grows; the table's per-mode column is "–" on the CPU); concurrent's is the sum of its processes' peaks
+(allocator on CUDA, RSS on the CPU, where pages the processes share count in each). Where a mode cannot run (ort
+and seq-ort off the CPU or without onnxruntime.training, hfta for a model without a hand-fused version) it is left
+out with a note.
+bench.md says per model, B and precision which mode won (highest samples/s) and the fused array's best mode (torch,
 torch-compiled or ort) as a fraction of the better of dense and dense-compiled.
 
 The default modes are all of them: a comparison whose peers are not in their best form would flatter the fused
@@ -71,8 +73,22 @@ to run, seq-torch, concurrent and dense (compiled too) run the file's ONNX graph
 converter (onnxfuse/runtime/torch_graph.py, initializers as nn.Parameters, torch.optim.AdamW); vmap and hfta
 (compiled too) are left out, and dense too when the file's batch is fixed.
 
+Every mode runs in each precision of ``precisions`` (``--precision fp32,bf16,fp16``): fp32 as above; bf16 and fp16
+with float32 weights, optimizer state and update and the forward and loss under ``torch.autocast(device, dtype)``
+(onnxfuse/runtime/precision.py's ``autocast``, for the fused array and every peer alike). The fused array is the
+torch runtime's ``precision=``; for fp16 each peer scales its loss as a user of it would: seq-torch and concurrent
+with a ``torch.amp.GradScaler`` per model (B separate trainings), vmap, hfta and dense with one GradScaler for the
+one optimizer (HFTA's own scripts scale the fused model's summed loss once); the fused array keeps a scale per model
+(GradScaler's semantics, onnxfuse/runtime/precision.py). The compiled peers compile the forward and loss with the
+autocast inside. ort and seq-ort train in fp32 only (the ort runtime): left out at bf16 / fp16 with a note. Every
+(mode, precision) is built before any runs and measured in the same interleaved rounds; a precision's rows are
+one row per model and B, whose ratios are to seq-torch and dense in that precision. Each precision gets its own
+copy of the B torch modules (a mode never steps another one's weights), and each mode's first step records the
+summed loss of the B models before any update ("first loss": equal across the modes in fp32 up to rounding, off
+by the precision's rounding under autocast).
+
 ``run_bench(..., out=DIR)`` writes DIR/bench.json, bench.csv (one row per model and B), bench.md (the table and
-the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model).
+the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model and precision).
 """
 from __future__ import annotations
 
@@ -97,6 +113,7 @@ from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import claim_output
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, shell
 from onnxfuse.recipe.device import Device
+from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIMES, check_precision
 
 from onnxfuse.measure.workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file,
                                         load_onnx_file, zoo_batch, zoo_module, zoo_modules, zoo_protos)
@@ -119,7 +136,12 @@ BASELINE, CEILING = "seq-torch", "dense"
 COMPILED = "-compiled"  # mode X-compiled is mode X under torch.compile
 FUSED_MODES = ("torch", "torch-compiled", "ort")  # the fused array, on its runtimes
 CEILINGS = (CEILING, CEILING + COMPILED)
-_ORT_MODES = ("ort", "seq-ort")
+_ORT_MODES = ("ort", "seq-ort")  # the ort runtime's: in the precisions it trains in only
+
+
+def _runs_in(mode: str, precision: str) -> bool:
+    """Whether ``mode`` trains in ``precision``: every mode but the ort runtime's in all of them."""
+    return mode not in _ORT_MODES or precision in RUNTIMES["ort"].precisions
 
 
 class ConcurrentWorkerError(OnnxFuseError):
@@ -226,10 +248,46 @@ def _loss(class_last: bool, out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if class_last else F.cross_entropy(out, y)
 
 
+def _autocast(precision: str, device):
+    """The context a peer's forward and loss run in: the fused array's own (torch.autocast; fp32: none)."""
+    from onnxfuse.runtime.precision import autocast
+
+    return autocast(precision, device)
+
+
+def _scaler(precision: str, device):
+    """fp16: a torch.amp.GradScaler with its defaults (the fused array's per-model scales start the same); else
+    None."""
+    import torch
+
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def _update(loss, opt, scaler) -> None:
+    """Backward and the optimizer's step, through ``scaler`` where there is one (fp16): the loss times the scale,
+    the gradients unscaled in ``scaler.step`` (skipped on overflow), the scale updated."""
+    if scaler is None:
+        loss.backward()
+        opt.step()
+        return
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def _summed(losses) -> float | None:
+    """A step's losses (the fused runtime's per-model array, a peer's loss tensor or its list) summed, on the host."""
+    if losses is None:
+        return None
+    if isinstance(losses, list):
+        return float(sum(float(v) for v in losses))
+    return float(np.sum(losses.detach().float().cpu().numpy() if hasattr(losses, "detach") else losses))
+
+
 # ---------------------------------------------------------------------------------------------------- the modes
 def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: str, feeds: dict,
                 workdir: str, threads: int = 0, strategy: str = "default", batch: int = 32,
-                compile: str = "off") -> Callable[[], None]:
+                compile: str = "off", precision: str = "fp32") -> Callable[[], object]:
     from onnxfuse.core.passes import fuse_models
 
     from onnxfuse.measure.forms import make_strategy
@@ -239,7 +297,8 @@ def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device:
     fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
                      strategy=make_strategy(strategy, runtime, device, batch, threads, compile=compile))
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
-                           device=device, workdir=workdir, threads=threads or None, compile=compile)
+                           device=device, workdir=workdir, threads=threads or None, compile=compile,
+                           precision=precision)
     return lambda: trainer.step(feeds)
 
 
@@ -255,32 +314,50 @@ def _seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdi
     return step
 
 
-def _seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y) -> Callable[[], None]:
+def _seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y,
+                    precision: str = "fp32") -> Callable[[], list]:
+    """The B models one after another, each with its own AdamW and (fp16) its own GradScaler, as B separate
+    trainings would have; a step returns the B losses."""
     import torch
 
     opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(mods, lrs)]
+    scalers = [_scaler(precision, x.device) for _ in mods]
 
-    def step() -> None:
-        for m, o in zip(mods, opts):
+    def step() -> list:
+        losses = []
+        for m, o, scaler in zip(mods, opts, scalers):
             o.zero_grad(set_to_none=True)
-            _loss(class_last, _output(m, x), y).backward()
-            o.step()
+            with _autocast(precision, x.device):
+                loss = _loss(class_last, _output(m, x), y)
+            _update(loss, o, scaler)
+            losses.append(loss.detach())
+        return losses
     return step
 
 
-def _adamw_step(loss_fn: Callable[[], object], params: list, lr: float, compiled: bool) -> Callable[[], None]:
+def _adamw_step(loss_fn: Callable[[], object], params: list, lr: float, compiled: bool, precision: str = "fp32",
+                device=None) -> Callable[[], object]:
     """One AdamW step of the scalar ``loss_fn()`` over ``params``: as written, or in the best compiled form measured
     (the module docstring): ``torch.compile(loss_fn)`` (forward and loss; AOTAutograd compiles the backward with
-    it), static shapes, and ``AdamW(fused=True)``."""
+    it), static shapes, and ``AdamW(fused=True)``. bf16 / fp16: ``loss_fn`` under autocast (inside what is
+    compiled), fp16 through one GradScaler. A step returns the loss."""
     import torch
 
     opt = torch.optim.AdamW(params, lr=lr, **({"fused": True} if compiled else {}))
-    loss = torch.compile(loss_fn, dynamic=False) if compiled else loss_fn
+    scaler = _scaler(precision, device)
 
-    def step() -> None:
+    def amp_loss():
+        with _autocast(precision, device):
+            return loss_fn()
+
+    forward = loss_fn if precision == "fp32" else amp_loss
+    loss = torch.compile(forward, dynamic=False) if compiled else forward
+
+    def step():
         opt.zero_grad(set_to_none=True)
-        loss().backward()
-        opt.step()
+        value = loss()
+        _update(value, opt, scaler)
+        return value.detach()
     return step
 
 
@@ -342,8 +419,9 @@ def _first_line(e: BaseException) -> str:
 
 
 def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: float, class_last: bool,
-                       device: str, threads: int, cores: list[int]) -> None:
-    """One process of the concurrent mode: builds its model and AdamW (seq-torch's step for one model), says
+                       device: str, threads: int, cores: list[int], precision: str = "fp32") -> None:
+    """One process of the concurrent mode: builds its model and AdamW (seq-torch's step for one model, in
+    ``precision``), says
     ("ready", None), then for each count received runs that many steps and says ("done", its peak MiB), until
     "stop" (or the pipe closes: the parent is gone). A failure is sent as ("error" or "oom", one line)."""
     import torch
@@ -358,7 +436,7 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
 
             keep_heap()  # the allocator setting the fused step's process has (every mode gets it)
         step = _seq_torch_step([_worker_module(source).to(dev).train()], [lr], class_last,
-                               torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev))
+                               torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), precision)
         conn.send(("ready", None))
         while (steps := conn.recv()) != "stop":
             for _ in range(steps):
@@ -388,7 +466,7 @@ class _Concurrent:
     memory, which the bench notes), and every process is stopped."""
 
     def __init__(self, sources: list[tuple], x, y, lrs: list[float], class_last: bool, device, threads: int,
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, precision: str = "fp32"):
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         if ctx.get_start_method() == "forkserver":
@@ -399,7 +477,8 @@ class _Concurrent:
             for b, (source, lr) in enumerate(zip(sources, lrs)):
                 mine, theirs = ctx.Pipe()
                 p = ctx.Process(target=_concurrent_worker, name=f"onnxfuse-bench-concurrent-{b}", daemon=True,
-                                args=(theirs, source, x, y, lr, class_last, str(device), threads, cores or []))
+                                args=(theirs, source, x, y, lr, class_last, str(device), threads, cores or [],
+                                      precision))
                 p.start()
                 theirs.close()
                 self.procs.append(p)
@@ -486,35 +565,45 @@ def _peak_mib(device) -> float:
 
 
 def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, modes: list[str], folder: str,
-             threads: int = 0, strategy: str = "default") -> dict:
+             threads: int = 0, strategy: str = "default", precisions: Sequence[str] = ("fp32",)) -> list[dict]:
+    """Every mode in every precision (the ort runtime's in fp32 only), interleaved in the same rounds; one row per
+    precision, its ratios to seq-torch and dense in that precision."""
     import torch
 
     from onnxfuse.recipe.losses import LABELS, get_loss
 
-    B, n, seq, x, y, last = len(work.protos), work.batch, work.modules, work.x, work.y, work.class_last
+    B, n, x, y, last = len(work.protos), work.batch, work.x, work.y, work.class_last
     lrs = [float(v) for v in np.geomspace(1e-4, 1e-3, B)] if B > 1 else [1e-3]
     loss_name = get_loss("cross-entropy", class_axis=-1) if last else "cross-entropy"
     feeds = {work.input_name: x, LABELS: y}
     host = {k: v.cpu().numpy() for k, v in feeds.items()}  # the ort runtime takes numpy (CPU)
     sources = ([("zoo", work.name, b) for b in range(B)] if work.source == "zoo"
                else [("onnx", p.SerializeToString()) for p in work.protos])
-    losses = {"vmap": lambda: _vmap_loss(seq, last, x, y), "hfta": lambda: _hfta_loss(work.name, seq, last, x, y),
-              "dense": lambda: _dense_loss(work.fresh(), last, x, y, B)}
-    make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder, threads,
-                                         strategy, n),
-            "torch-compiled": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder,
-                                                  threads, strategy, n, compile="on"),
-            "ort": lambda: _fused_step(work.protos, lrs, loss_name, "ort", "cpu", host, os.path.join(folder, "ort"),
-                                       threads, strategy, n),
-            "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y),
-            "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
-                                             threads),
-            # each process gets this process's torch threads split B ways, on as many cores as they are
-            "concurrent": lambda: stack.enter_context(_Concurrent(sources, x, y, lrs, last, device,
-                                                                  max(1, torch.get_num_threads() // B),
-                                                                  _cores(torch.get_num_threads())))}
-    make |= {m + suffix: (lambda loss=loss, c=bool(suffix): _adamw_step(*loss(), lrs[0], compiled=c))
-             for m, loss in losses.items() for suffix in ("", COMPILED)}
+
+    def makers(p: str) -> dict[str, Callable[[], Callable]]:
+        """Precision ``p``'s modes; its own copy of the B torch modules (the first precision: the workload's)."""
+        seq = work.modules if p == precisions[0] else [copy.deepcopy(m) for m in work.modules]
+        losses = {"vmap": lambda: _vmap_loss(seq, last, x, y),
+                  "hfta": lambda: _hfta_loss(work.name, seq, last, x, y),
+                  "dense": lambda: _dense_loss(work.fresh(), last, x, y, B)}
+        make = {"torch": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds, folder,
+                                             threads, strategy, n, precision=p),
+                "torch-compiled": lambda: _fused_step(work.protos, lrs, loss_name, "torch", str(device), feeds,
+                                                      folder, threads, strategy, n, compile="on", precision=p),
+                "ort": lambda: _fused_step(work.protos, lrs, loss_name, "ort", "cpu", host,
+                                           os.path.join(folder, "ort"), threads, strategy, n),
+                "seq-torch": lambda: _seq_torch_step(seq, lrs, last, x, y, p),
+                "seq-ort": lambda: _seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
+                                                 threads),
+                # each process gets this process's torch threads split B ways, on as many cores as they are
+                "concurrent": lambda: stack.enter_context(_Concurrent(sources, x, y, lrs, last, device,
+                                                                      max(1, torch.get_num_threads() // B),
+                                                                      _cores(torch.get_num_threads()), p))}
+        return make | {m + suffix: (lambda loss=loss, c=bool(suffix): _adamw_step(*loss(), lrs[0], compiled=c,
+                                                                                 precision=p, device=device))
+                       for m, loss in losses.items() for suffix in ("", COMPILED)}
+
+    keys = [(m, p) for p in precisions for m in modes if _runs_in(m, p)]  # (mode, precision)
     if any(m.endswith(COMPILED) for m in modes):
         torch._dynamo.reset()  # each measurement compiles its own graphs (no recompile limit across models and B)
 
@@ -523,53 +612,62 @@ def _measure(work: _Workload, steps: int, warmup: int, rounds: int, device, mode
             torch.cuda.synchronize(device)
 
     cuda = device.type == "cuda"
-    peaks: dict[str, float] = {m: 0.0 for m in modes}
+    peaks: dict[tuple, float] = {k: 0.0 for k in keys}
 
-    def reset_peak(mode: str) -> None:
+    def reset_peak(key: tuple) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
-    def read_peak(mode: str) -> None:
-        peaks[mode] = max(peaks[mode], _peak_mib(device))
+    def read_peak(key: tuple) -> None:
+        peaks[key] = max(peaks[key], _peak_mib(device))
 
     with contextlib.ExitStack() as stack:  # the concurrent mode's processes stop however this ends
-        steppers, setup_s, first_s = {}, {}, {}
+        steppers, setup_s, first_s, first_loss = {}, {}, {}, {}
+        make = {p: makers(p) for p in precisions}
         # every mode built before any runs, the concurrent processes last: building the torch runtime sets the
         # process's torch threads (to 1 unless --threads), which compiled graphs are specialized on and the
         # concurrent processes split
-        for mode in sorted(modes, key=lambda m: m == "concurrent"):
+        for mode, p in sorted(keys, key=lambda k: k[0] == "concurrent"):
             with Stopwatch() as setup:
-                steppers[mode] = make[mode]()
-            setup_s[mode] = setup.seconds  # fusing, sessions, optimizers, processes: not timed
+                steppers[mode, p] = make[p][mode]()
+            setup_s[mode, p] = setup.seconds  # fusing, sessions, optimizers, processes: not timed
         threads_now = torch.get_num_threads()
-        for mode in modes:
+        for key in keys:
             sync()
             with Stopwatch() as first:  # the first step: compiling, lazy builds; the first warm-up step
-                steppers[mode]()
+                losses = steppers[key]()
                 sync()
-            first_s[mode] = first.seconds
+            first_s[key] = first.seconds
+            first_loss[key] = _summed(losses)  # the B models' loss before any update (concurrent's: None)
             for _ in range(warmup - 1):
-                steppers[mode]()
-        times = interleaved_rounds({m: steppers[m] for m in modes}, rounds, steps, sync,
+                steppers[key]()
+        times = interleaved_rounds({k: steppers[k] for k in keys}, rounds, steps, sync,
                                    reset_peak if cuda else None, read_peak if cuda else None,
-                                   runs_steps={"concurrent"})
-        if "concurrent" in steppers:
-            peaks["concurrent"] = steppers["concurrent"].peak_mib()  # its processes' own
+                                   runs_steps={k for k in keys if k[0] == "concurrent"})
+        for k in keys:
+            if k[0] == "concurrent":
+                peaks[k] = steppers[k].peak_mib()  # its processes' own
     samples = B * n * steps
-    result = {}
-    for mode in modes:
-        result[mode] = {
-            "samples_s": samples / statistics.median(times[mode]),
-            "over_seq_torch": statistics.median(b / t for t, b in zip(times[mode], times[BASELINE])),
-            "of_dense": (statistics.median(d / t for t, d in zip(times[mode], times[CEILING]))
-                         if CEILING in times else None),
-            "round_s": times[mode], "setup_s": setup_s[mode], "first_call_s": first_s[mode],
-            "peak_mib": peaks[mode] if cuda or mode == "concurrent" else None}
-    if "concurrent" in result:
-        result["concurrent"]["threads_per_process"] = steppers["concurrent"].threads if not cuda else None
-    return {"model": work.name, "source": work.source, "B": B, "batch": n, "device": str(device), "steps": steps,
-            "warmup": warmup, "rounds": rounds, "threads": threads_now, "export_s": work.export_s,
-            "peak_mib": max(peaks.values()) if cuda else _peak_mib(device), "modes": result,
-            **_verdict(result, times)}
+    rows = []
+    for p in precisions:
+        mine = {m: times[m, q] for m, q in keys if q == p}
+        result = {}
+        for mode in mine:
+            result[mode] = {
+                "samples_s": samples / statistics.median(mine[mode]),
+                "over_seq_torch": statistics.median(b / t for t, b in zip(mine[mode], mine[BASELINE])),
+                "of_dense": (statistics.median(d / t for t, d in zip(mine[mode], mine[CEILING]))
+                             if CEILING in mine else None),
+                "round_s": mine[mode], "setup_s": setup_s[mode, p], "first_call_s": first_s[mode, p],
+                "first_loss": first_loss[mode, p],
+                "peak_mib": peaks[mode, p] if cuda or mode == "concurrent" else None}
+        if "concurrent" in result:
+            result["concurrent"]["threads_per_process"] = steppers["concurrent", p].threads if not cuda else None
+        rows.append({"model": work.name, "source": work.source, "B": B, "precision": p, "batch": n,
+                     "device": str(device), "steps": steps, "warmup": warmup, "rounds": rounds, "threads": threads_now,
+                     "export_s": work.export_s,
+                     "peak_mib": max(v for (m, q), v in peaks.items() if q == p) if cuda else _peak_mib(device),
+                     "modes": result, **_verdict(result, mine)})
+    return rows
 
 
 def _verdict(result: dict, times: dict) -> dict:
@@ -595,7 +693,7 @@ def _ort_unavailable(device) -> str | None:
 
 
 def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch: int, steps: int, rounds: int,
-           warmup: int) -> None:
+           warmup: int, precisions: Sequence[str] = ("fp32",)) -> None:
     from onnxfuse.exporters.zoo import ZOO
 
     for name in models:
@@ -605,6 +703,10 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"--modes: unknown mode '{mode}'; choose from: {', '.join(MODES)}")
+    if not precisions:
+        raise ConfigError(f"--precision: give one or more of {', '.join(PRECISIONS)}, comma-separated (e.g. fp32,bf16)")
+    for precision in precisions:
+        check_precision(precision, where="--precision")
     if not Bs or any(isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1 for B in Bs):
         raise ConfigError(f"--B: array sizes must be integers >= 1, e.g. 1,8,16; got {list(Bs)}")
     for flag, v, least in (("--batch", batch, 1), ("--steps", steps, 1), ("--rounds", rounds, 1),
@@ -615,7 +717,7 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
 
 def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequence[str], batch: int, steps: int,
             rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0,
-            strategy: str = "default") -> str:
+            strategy: str = "default", precisions: Sequence[str] = ("fp32",)) -> str:
     """The `onnxfuse bench` command line that reproduces a run."""
     words = ["onnxfuse", "bench", "--models", ",".join(models), "--B", ",".join(map(str, B)), "--device", device,
              "--modes", ",".join(modes), "--batch", str(batch), "--steps", str(steps), "--rounds", str(rounds),
@@ -623,6 +725,7 @@ def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequenc
     words += ["--budget-s", f"{budget_s:g}"] if budget_s else []
     words += ["--threads", str(threads)] if threads else []
     words += ["--strategy", strategy] if strategy != "default" else []
+    words += ["--precision", ",".join(precisions)] if list(precisions) != ["fp32"] else []
     return shell(*words, "-o", out)
 
 
@@ -633,19 +736,20 @@ def mode_title(row: dict, mode: str) -> str:
 
 
 def table(rows: list[dict], modes: list[str]) -> str:
-    """One line per model, B and mode measured: samples/s, the ratio to PyTorch one after another and to the dense
-    ceiling, the first step alone (compiling, for a compiled mode), peak memory (per mode on CUDA and for
-    concurrent's processes; the process's peak RSS so far on the CPU)."""
-    lines = ["| model | B | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) | first call s "
-             "| peak MiB |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    """One line per model, B, precision and mode measured: samples/s, the ratio to PyTorch one after another and to
+    the dense ceiling (both in the row's precision), the first step alone (compiling, for a compiled mode), peak
+    memory (the allocator's per mode and precision on CUDA, and concurrent's processes'; "–" on the CPU, where the
+    process's RSS is one figure for the whole run)."""
+    lines = ["| model | B | precision | mode | samples/s | ÷ PyTorch one after another | ÷ dense (ceiling) "
+             "| first call s | peak MiB |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         for m in (m for m in modes if m in r["modes"]):
             c = r["modes"][m]
             dense = "–" if c["of_dense"] is None else f"{c['of_dense']:.2f}"
-            peak = r["peak_mib"] if c["peak_mib"] is None else c["peak_mib"]
-            lines.append(f"| {r['model']} | {r['B']} | {mode_title(r, m)} | {c['samples_s']:,.0f} | "
-                         f"{c['over_seq_torch']:.2f}× | {dense} | {c['first_call_s']:.1f} | {peak:,.0f} |")
+            peak = "–" if c["peak_mib"] is None else f"{c['peak_mib']:,.0f}"
+            lines.append(f"| {r['model']} | {r['B']} | {r['precision']} | {mode_title(r, m)} | {c['samples_s']:,.0f} "
+                         f"| {c['over_seq_torch']:.2f}× | {dense} | {c['first_call_s']:.1f} | {peak} |")
     return "\n".join(lines)
 
 
@@ -655,26 +759,28 @@ def _fused_of_ceiling(r: dict) -> str:
 
 
 def wide_table(rows: list[dict], modes: list[str]) -> str:
-    """One line per model and B, one column per mode: samples/s and, in brackets, the ratio to PyTorch one after
-    another; then the mode that won (highest samples/s) and the fused array's best mode as a fraction of the
-    better of dense and dense-compiled. A mode no row has is left out."""
+    """One line per model, B and precision, one column per mode: samples/s and, in brackets, the ratio to PyTorch
+    one after another in that precision; then the mode that won (highest samples/s) and the fused array's best mode
+    as a fraction of the better of dense and dense-compiled. A mode no row has is left out."""
     modes = [m for m in modes if any(m in r["modes"] for r in rows)]
     head = [MODE_TITLES[m] for m in modes]
-    lines = ["| model | B | " + " | ".join(head) + " | won | fused best ÷ best dense |",
-             "|---|---:|" + "---:|" * len(modes) + "---|---:|"]
+    lines = ["| model | B | precision | " + " | ".join(head) + " | won | fused best ÷ best dense |",
+             "|---|---:|---|" + "---:|" * len(modes) + "---|---:|"]
     for r in rows:
         cells = [f"{r['modes'][m]['samples_s']:,.0f} ({r['modes'][m]['over_seq_torch']:.2f}×)" if m in r["modes"]
                  else "–" for m in modes]
-        lines.append(f"| {r['model']} | {r['B']} | " + " | ".join(cells)
+        lines.append(f"| {r['model']} | {r['B']} | {r['precision']} | " + " | ".join(cells)
                      + f" | {r['winner']} | {_fused_of_ceiling(r)} |")
     return "\n".join(lines)
 
 
 def verdicts(rows: list[dict]) -> str:
-    """A line per model and B: which mode won, and how near the fused array's best mode came to the ceiling."""
+    """A line per model, B and precision: which mode won, and how near the fused array's best mode came to the
+    ceiling."""
     lines = []
     for r in rows:
-        line = f"- {r['model']} B={r['B']}: {r['winner']} won ({r['modes'][r['winner']]['samples_s']:,.0f} samples/s)"
+        won = r["modes"][r["winner"]]["samples_s"]
+        line = f"- {r['model']} B={r['B']} {r['precision']}: {r['winner']} won ({won:,.0f} samples/s)"
         if r.get("fused_of_ceiling") is not None:
             line += (f"; the fused array's best mode, {r['fused_best']}, reached {r['fused_of_ceiling']:.2f} of "
                      f"{r['ceiling_best']}, the better dense")
@@ -682,12 +788,12 @@ def verdicts(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-_PER_MODE = ("samples_s", "over_seq_torch", "of_dense", "first_call_s")
+_PER_MODE = ("samples_s", "over_seq_torch", "of_dense", "first_call_s", "first_loss", "peak_mib")
 
 
 def _write_csv(path: str, rows: list[dict], modes: list[str]) -> None:
-    cols = ["model", "B", "batch", "device", "steps", "rounds", "peak_mib", "winner", "fused_best", "ceiling_best",
-            "fused_of_ceiling"]
+    cols = ["model", "B", "precision", "batch", "device", "steps", "rounds", "peak_mib", "winner", "fused_best",
+            "ceiling_best", "fused_of_ceiling"]
     per_mode = [f"{m} {k}" for m in modes for k in _PER_MODE]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -703,13 +809,13 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    models = list(dict.fromkeys(r["model"] for r in rows)) or ["(no measurement)"]
+    panels = list(dict.fromkeys(_panel(r) for r in rows)) or [("(no measurement)", "fp32")]
     if rows and len({r["B"] for r in rows}) == 1:  # one B: a bar per mode (a line needs two points)
-        _bars(plt, path, rows, modes, models, title)
+        _bars(plt, path, rows, modes, panels, title)
         return
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], models):
-        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["B"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        mine = sorted((r for r in rows if _panel(r) == panel), key=lambda r: r["B"])
         for mode in modes:
             pts = [(r["B"], r["modes"][mode]["samples_s"]) for r in mine if mode in r["modes"]]
             if pts:
@@ -718,24 +824,35 @@ def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["B"] for r in mine}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(os.path.basename(name))
+        ax.set_title(_panel_title(panel, rows))
         ax.set_xlabel("B (models in the array)")
         ax.set_ylabel("training samples/s (all B models)")
         ax.grid(True, alpha=0.3)
         if ax is axes[0][0] or (mine and mine[0].get("source") == "onnx"):  # a file's titles differ
             ax.legend(fontsize=7)
-    fig.suptitle(textwrap.fill(title, 60 * len(models)), fontsize=8)
+    fig.suptitle(textwrap.fill(title, 60 * len(panels)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _bars(plt, path: str, rows: list[dict], modes: list[str], models: list[str], title: str) -> None:
-    """One panel per model: each mode's samples/s as a bar, the ratio to PyTorch one after another written on it;
-    fused modes dark, the baseline and the ceilings hatched."""
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 0.42 * len(modes) + 1.6), squeeze=False)
-    for ax, name in zip(axes[0], models):
-        row = next(r for r in rows if r["model"] == name)
+def _panel(row: dict) -> tuple[str, str]:
+    """The plot's panel a row is drawn in: one per model and precision."""
+    return row["model"], row["precision"]
+
+
+def _panel_title(panel: tuple[str, str], rows: list[dict]) -> str:
+    """The model's file name, and the precision where the run measured more than one."""
+    name, precision = panel
+    return os.path.basename(name) + (f" ({precision})" if len({r["precision"] for r in rows}) > 1 else "")
+
+
+def _bars(plt, path: str, rows: list[dict], modes: list[str], panels: list[tuple[str, str]], title: str) -> None:
+    """One panel per model and precision: each mode's samples/s as a bar, the ratio to PyTorch one after another
+    (in that precision) written on it; fused modes dark, the baseline and the ceilings hatched."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.42 * len(modes) + 1.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        row = next(r for r in rows if _panel(r) == panel)
         mine = [m for m in modes if m in row["modes"]][::-1]
         values = [row["modes"][m]["samples_s"] for m in mine]
         colors = ["#1f4e99" if m in FUSED_MODES else "#9aa5b1" for m in mine]
@@ -745,7 +862,7 @@ def _bars(plt, path: str, rows: list[dict], modes: list[str], models: list[str],
                 bar.set_hatch("//")
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
                     f" {row['modes'][m]['over_seq_torch']:.2f}×", va="center", fontsize=7)
-        ax.set_title(f"{os.path.basename(name)}, B = {row['B']}")
+        ax.set_title(f"{_panel_title(panel, rows)}, B = {row['B']}")
         ax.set_xlabel("samples/s over all B models (× : vs one after another)", fontsize=8)
         ax.set_xlim(0, max(values) * 1.18)
         ax.xaxis.set_major_locator(plt.MaxNLocator(5))
@@ -753,7 +870,7 @@ def _bars(plt, path: str, rows: list[dict], modes: list[str], models: list[str],
         ax.tick_params(axis="x", labelsize=8)
         ax.tick_params(axis="y", labelsize=7)
         ax.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(textwrap.fill(title, 70 * len(models)), fontsize=7)
+    fig.suptitle(textwrap.fill(title, 70 * len(panels)), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -764,21 +881,23 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
               device: Device | str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10,
               rounds: int = 3,
               warmup: int = 3, out: str | os.PathLike = "onnxfuse-bench", budget_s: float = 0, threads: int = 0,
-              strategy: str = "default", progress: bool = True) -> list[dict]:
-    """Measure every mode for every model and B (see the module docstring); write bench.json, bench.csv, bench.md
-    and bench.png to ``out``; return one dict per (model, B) with each mode's samples/s and ratios under
-    ``row["modes"][mode]``. ``budget_s`` > 0: no new measurement starts after that many seconds. ``strategy``: the
-    fusion strategy of the fused modes (``onnxfuse fuse --strategy``; ``auto`` measures each node's forms on the
-    mode's own runtime first, outside the timed rounds)."""
+              strategy: str = "default", progress: bool = True, precisions: Sequence[str] = ("fp32",)) -> list[dict]:
+    """Measure every mode for every model, B and precision (see the module docstring); write bench.json, bench.csv,
+    bench.md and bench.png to ``out``; return one dict per (model, B, precision) with each mode's samples/s and
+    ratios (to the modes in the same precision) under ``row["modes"][mode]``; ``precisions``: of
+    :data:`~onnxfuse.recipe.runtimes.PRECISIONS`. ``budget_s`` > 0: no new measurement starts after that many
+    seconds. ``strategy``: the fusion strategy of the fused modes (``onnxfuse fuse --strategy``; ``auto`` measures
+    each node's forms on the mode's own runtime first, outside the timed rounds)."""
     import torch
 
     models, Bs = list(models), list(B)
-    modes = list(dict.fromkeys(modes))
-    _check(models, Bs, modes, batch, steps, rounds, warmup)
+    modes, precisions = list(dict.fromkeys(modes)), list(dict.fromkeys(precisions))
+    _check(models, Bs, modes, batch, steps, rounds, warmup, precisions)
     where = Device.of(device, "--device: ")
     out = os.fspath(out)
     with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
-        cmd = command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy)
+        cmd = command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy,
+                      precisions)
         say = print if progress else (lambda *a, **k: None)
         why = where.available()
         if why is not None:
@@ -797,13 +916,19 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         if why:
             notes.append(f"left out {', '.join(m for m in modes if m in _ORT_MODES)}: {why}")
             modes = [m for m in modes if m not in _ORT_MODES]
+        fp32_only = [m for m in modes if any(not _runs_in(m, p) for p in precisions)]
+        if fp32_only:
+            reduced = [p for p in precisions if not _runs_in(fp32_only[0], p)]
+            notes.append(f"{', '.join(fp32_only)} left out at {', '.join(reduced)}: the ort runtime trains in "
+                         f"{', '.join(RUNTIMES['ort'].precisions)} only")
         measured = modes if BASELINE in modes else [BASELINE] + modes  # every ratio is to PyTorch one after another
         files = {name: load_onnx_file(name, batch) for name in models if is_onnx_file(name)}  # all checked before measuring
         plan = _plan(models, measured, files, notes)
         env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
         say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
-            f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes {','.join(measured)}")
+            f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes "
+            f"{','.join(measured)}; precision {','.join(precisions)}")
         for note in notes:
             say(note)
         rows: list[dict] = []
@@ -818,7 +943,8 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                     try:
                         work = (_file_workload(files[name], b, dev) if name in files
                                 else _zoo_workload(name, b, batch, dev, folder))
-                        r = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads, strategy)
+                        measured_rows = _measure(work, steps, warmup, rounds, dev, plan[name], folder, threads,
+                                                 strategy, precisions)
                     except torch.OutOfMemoryError as e:
                         say(f"{name} B={b}: out of memory ({str(e).splitlines()[0][:120]})")
                         notes.append(f"{name} B={b}: out of memory")
@@ -827,25 +953,29 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                         if dev.type == "cuda":
                             torch.cuda.empty_cache()
                             torch.cuda.reset_peak_memory_stats(dev)
-                    rows.append(r)
-                    cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
-                                      + (f" [first {c['first_call_s']:.1f} s]" if m.endswith(COMPILED) else "")
-                                      for m, c in r["modes"].items())
-                    say(f"{name:>14} B={b:<3} {cells}  peak {r['peak_mib']:,.0f} MiB  won: {r['winner']}", flush=True)
+                    rows.extend(measured_rows)
+                    for r in measured_rows:
+                        cells = "  ".join(f"{m} {c['samples_s']:,.0f}/s ({c['over_seq_torch']:.2f}x)"
+                                          + (f" [first {c['first_call_s']:.1f} s]" if m.endswith(COMPILED) else "")
+                                          for m, c in r["modes"].items())
+                        say(f"{name:>14} B={b:<3} {r['precision']}  {cells}  peak {r['peak_mib']:,.0f} MiB  "
+                            f"won: {r['winner']}", flush=True)
         ran = sorted({r["threads"] for r in rows})
         if ran:  # building the torch runtime sets the process's threads (1 unless --threads): what the rounds ran
             env["threads"] = ran[0] if len(ran) == 1 else ran
         with open(os.path.join(out, "bench.json"), "w") as f:
-            json.dump({"command": cmd, "env": env, "modes": measured, "notes": notes, "rows": rows}, f, indent=1)
+            json.dump({"command": cmd, "env": env, "modes": measured, "precisions": precisions, "notes": notes,
+                       "rows": rows}, f, indent=1)
         _write_csv(os.path.join(out, "bench.csv"), rows, measured)
         text = table(rows, measured)
         with open(os.path.join(out, "bench.md"), "w") as f:
             f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
-                    "all B models (median round); ratios are medians of per-round ratios.\n\n"
+                    "all B models (median round); ratios are medians of per-round "
+                    "ratios, each within one precision.\n\n"
                     + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
-                    + "\n\nWhich mode won, per model and B:\n\n" + verdicts(rows)
+                    + "\n\nWhich mode won, per model, B and precision:\n\n" + verdicts(rows)
                     + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
-                    "time of a compiled mode; not in samples/s) and peak memory:\n\n" + text + "\n")
+                    "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator):\n\n" + text + "\n")
         _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
         say(text)
         say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
