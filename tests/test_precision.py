@@ -194,7 +194,8 @@ def ratios(arr, reduced, full):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_model_trains_as_torch_autocast_trains_it_alone(case, precision, digits, tokens):
-    step1, drift, reduced, trace = measured_ratios(case, precision, {"digits": digits, "tokens": tokens}[CASES[case][3]])
+    batches = {"digits": digits, "tokens": tokens}[CASES[case][3]]
+    step1, drift, reduced, trace = measured_ratios(case, precision, batches)
     assert max(step1) < STEP1, step1
     assert max(drift) < DRIFT, drift
     if precision == "fp16":  # every model's loss scale and skipped steps are its GradScaler's

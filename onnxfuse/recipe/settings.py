@@ -414,13 +414,14 @@ RUN_SETTINGS: tuple[Setting, ...] = (
                   "loss scale per model), or fp32 throughout"), "precision"),
     Setting(Param("loss_scale", real(gt=0.0), LossScale.INIT, "fp16: each model's initial loss scale "
                   "(torch.amp.GradScaler's init_scale)", per_model=True), "loss_scale"),
-    Setting(Param("loss_scale_growth", real(gt=1.0), LossScale.growth, "fp16: a model's scale is multiplied by this after "
-                  "--loss-scale-interval steps without overflow (GradScaler's growth_factor)"), "loss_scale_growth"),
-    Setting(Param("loss_scale_backoff", real(gt=0.0, lt=1.0), LossScale.backoff, "fp16: a model's scale is multiplied by this at "
-                  "a step whose gradient overflows, and that model's step is skipped (GradScaler's backoff_factor)"),
-            "loss_scale_backoff"),
-    Setting(Param("loss_scale_interval", _POS, LossScale.interval, "fp16: steps without overflow before a model's scale grows "
-                  "(GradScaler's growth_interval)"), "loss_scale_interval"),
+    Setting(Param("loss_scale_growth", real(gt=1.0), LossScale.growth, "fp16: a model's scale is multiplied by "
+                  "this after --loss-scale-interval steps without overflow (GradScaler's growth_factor)"),
+            "loss_scale_growth"),
+    Setting(Param("loss_scale_backoff", real(gt=0.0, lt=1.0), LossScale.backoff, "fp16: a model's scale is "
+                  "multiplied by this at a step whose gradient overflows, and that model's step is skipped "
+                  "(GradScaler's backoff_factor)"), "loss_scale_backoff"),
+    Setting(Param("loss_scale_interval", _POS, LossScale.interval, "fp16: steps without overflow before a model's "
+                  "scale grows (GradScaler's growth_interval)"), "loss_scale_interval"),
     Setting(Param("log_every", _POS, 1, "write training metrics (and read the losses back from the device) every K "
                   "steps"), "log_every", resumable=True),
     Setting(Param("verify_steps", _NONNEG, 1, "before training, check the first K steps of every model against "

@@ -569,8 +569,8 @@ class ArrayStep:
                                      options=TorchOptions(update_stats=False))
         self.n_inputs = len(array.input_names)
         if loss_scale is not None and not isinstance(loss_scale, LossScale):
-            values = [float(v) for v in (loss_scale if isinstance(loss_scale, (list, tuple)) else [loss_scale] * array.B)]
-            loss_scale = LossScale(tuple(values))
+            each = loss_scale if isinstance(loss_scale, (list, tuple)) else [loss_scale] * array.B
+            loss_scale = LossScale(tuple(float(v) for v in each))
         self.step = TrainStep(optimizer, self._forward, stats, check_compile(compile, "train_step(compile=)"),
                               precision=check_precision(precision, where="train_step(precision=)"),
                               loss_scale=loss_scale)

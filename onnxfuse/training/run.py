@@ -4,7 +4,8 @@ isolation, successive halving, periodic checkpoints and exact resume.
 Files in the array folder (``onnxfuse.core.array.ArrayDir`` owns them; a run holds the folder's lock throughout):
 
     run.json                         the current run: id, settings hash, data hash, start time
-    metrics.csv                      step,model,split,loss,accuracy,lr,loss_scale,elapsed_s,status,run  (model: original index)
+    metrics.csv                      step,model,split,loss,accuracy,lr,loss_scale,elapsed_s,status,run
+                                     (model: the original index)
     checkpoints/step_00000120/       weights, optimizer state, dropped models, state.json (with the run's id);
                                      written atomically, the last ``keep_checkpoints`` kept
     trained/                         the final state: weights.safetensors of the surviving array (array.json
