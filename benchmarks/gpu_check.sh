@@ -12,19 +12,26 @@
 #    by hand, and one model at batch B*N (the ceiling), each peer eager and under torch.compile (mode "default"),
 #    on LeNet, a small Transformer LM and ResNet-18. The ort modes run on the CPU only: left out with a note.
 #    The bench's per-mode "first call s" is the compile time, cold (the script's compile cache starts empty).
+# 3. mixed precision (`onnxfuse bench --precision fp32,bf16,fp16`): one model at one B, every mode but the compiled
+#    peers in each precision, interleaved in the same rounds: the fused array eager and compiled with the torch
+#    runtime's precision=, each peer's forward and loss under torch.autocast (fp16: GradScaler), and each mode's
+#    peak memory per precision (the allocator's); to OUT_DIR/precision/. Its own compile cache, cold too.
 #
-# Sizes (environment): BENCH_MODELS (lenet,transformer_lm,resnet18), BENCH_B (16,64), BENCH_BUDGET_S (360: no
-# new measurement starts after that many seconds; the compiled modes compile once per model and B, 10-60 s each).
+# Sizes (environment): BENCH_MODELS (lenet,transformer_lm,resnet18), BENCH_B (16,64), BENCH_BUDGET_S (300: no
+# new measurement starts after that many seconds; the compiled modes compile once per model and B, 10-60 s each);
+# PRECISION_MODEL (transformer_lm), PRECISION_B (16), PRECISION_MODES (torch,torch-compiled,seq-torch,vmap,hfta,
+# dense: three compiles of the fused step, about a minute and a half in all).
 #
 # Needs Python with torch built for CUDA, onnx, numpy, safetensors, pyyaml, tqdm, matplotlib, scikit-learn (newer
 # versions are fine). What is missing is installed from benchmarks/wheels/ (pydantic, pytest; fetch them where
 # there is internet with `make gpu-wheels`). onnxfuse itself is not installed: it is imported from this checkout
 # (the package is the folder onnxfuse/ at its root).
-# Everything goes to OUT_DIR: versions.txt, nvidia-smi.txt, tests.txt, bench.{md,json,csv,png}, log.txt.
+# Everything goes to OUT_DIR: versions.txt, nvidia-smi.txt, tests.txt, bench.{md,json,csv,png},
+# precision/bench.{md,json,csv,png}, log.txt.
 # On a machine where torch sees no CUDA device it says so and exits 0. GPU_CHECK_DRY_RUN=1 runs the same steps on
 # the CPU with tiny sizes, to test the script itself (its figures mean nothing): every mode, ort ones included, on
 # LeNet alone at B = 2, one step per round, one round (about 2-4 min on a 2-core CPU with inductor's cache cold:
-# four compiled modes compile LeNet).
+# four compiled modes compile LeNet), then the precision bench on LeNet at B = 2 (three more compiles).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -34,9 +41,14 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
 
 DEVICE=cuda MODELS=${BENCH_MODELS:-lenet,transformer_lm,resnet18}
-BENCH_ARGS=(--B "${BENCH_B:-16,64}" --steps 10 --rounds 3 --budget-s "${BENCH_BUDGET_S:-360}")
+BENCH_ARGS=(--B "${BENCH_B:-16,64}" --steps 10 --rounds 3 --budget-s "${BENCH_BUDGET_S:-300}")
+PRECISION_MODEL=${PRECISION_MODEL:-transformer_lm}
+PRECISION_ARGS=(--B "${PRECISION_B:-16}" --steps 10 --rounds 2 --warmup 2
+                --modes "${PRECISION_MODES:-torch,torch-compiled,seq-torch,vmap,hfta,dense}")
 if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
     DEVICE=cpu MODELS=lenet BENCH_ARGS=(--B 2 --steps 1 --rounds 1 --warmup 1)
+    PRECISION_MODEL=lenet PRECISION_ARGS=(--B 2 --steps 1 --rounds 1 --warmup 1
+                                          --modes torch,torch-compiled,seq-torch,vmap,hfta,dense)
     echo "gpu_check: dry run on the CPU"
 elif ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_check: skipped: $PY has no torch that sees a CUDA device (torch.cuda.is_available() is False)"
@@ -82,3 +94,12 @@ t0=$SECONDS
 # marked cuda print it too ("CUDA graph: on|off").
 "$PY" -m onnxfuse bench --device $DEVICE --models "$MODELS" "${BENCH_ARGS[@]}" -o "$OUT"
 echo "benchmark: $((SECONDS - t0)) s"
+
+echo "== mixed precision"
+t0=$SECONDS
+# every mode in fp32, bf16 and fp16 in the same interleaved rounds (ratios within one precision); a compile cache
+# of its own, so that the fp32 fused step compiles cold here too
+TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor-precision ONNXFUSE_CACHE_DIR=$CACHE/precision \
+    "$PY" -m onnxfuse bench --device $DEVICE --models "$PRECISION_MODEL" "${PRECISION_ARGS[@]}" \
+    --precision fp32,bf16,fp16 -o "$OUT/precision"
+echo "mixed precision: $((SECONDS - t0)) s"
