@@ -26,7 +26,7 @@ from onnxfuse.core._graph import Names
 
 from onnxfuse.recipe.runtimes import LossScale
 
-__all__ = ["DTYPES", "DOMAIN", "autocast", "LossScales", "biased_products"]
+__all__ = ["DTYPES", "DOMAIN", "autocast", "LossScales", "biased_products", "loss_in_fp32"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DOMAIN = "onnxfuse.torch"  # the torch runtime's own ops (biased_products' MatMulAdd)
@@ -70,6 +70,26 @@ def biased_products(model: onnx.ModelProto) -> onnx.ModelProto:
         graph.node.extend(n for n in nodes if id(n) not in merged)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def loss_in_fp32(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
+    """A copy of ``model`` whose nodes reading ``output`` (the fused model's output: the loss graph's nodes) read it
+    cast to float32. torch.autocast runs its losses (``cross_entropy``, ``nll_loss``, ``mse_loss``, ``l1_loss``,
+    ``binary_cross_entropy_with_logits``) in float32; the loss graph is ONNX ops (LogSoftmax, ...), which would
+    run in the bf16 / fp16 of the logits."""
+    model = copy.deepcopy(model)
+    graph = model.graph
+    readers = [n for n in graph.node if output in n.input]
+    if not readers:
+        return model
+    names = Names.of(graph)
+    wide = names.fresh(f"{output}_fp32")
+    at = next(k for k, n in enumerate(graph.node) if output in n.input)
+    for node in readers:
+        node.input[:] = [wide if i == output else i for i in node.input]
+    graph.node.insert(at, helper.make_node("Cast", [output], [wide], to=onnx.TensorProto.FLOAT,
+                                           name=names.fresh(f"{output}/loss_in_fp32")))
     return model
 
 

@@ -107,11 +107,15 @@ class TorchTrainer:
         self.python = self.loss if isinstance(self.loss, PythonLoss) else None
         options = TorchOptions(update_stats=False)
         if self.python is None:
+            from onnxfuse.runtime.precision import loss_in_fp32
+
+            # in bf16 / fp16 the loss reads the output in float32, as torch.autocast runs its losses
+            wide = (lambda m: m) if precision == "fp32" else (lambda m: loss_in_fp32(m, spec.outputs[0]["name"]))
             train, _ = add_loss_pass(train, spec, self.loss)
-            self._train = self.array.program(train, outputs=["loss", "per_model_loss"] + stat_outputs,
+            self._train = self.array.program(wide(train), outputs=["loss", "per_model_loss"] + stat_outputs,
                                              options=options)
             # eval graph: inference mode + loss (outputs per_model_loss, the model's output)
-            self._eval = self.array.program(inference_loss_pass(fused, spec, self.loss)).eval()
+            self._eval = self.array.program(wide(inference_loss_pass(fused, spec, self.loss))).eval()
             self.inputs = self.graph_inputs + ([LABELS] if self.loss.has_labels else [])
         else:  # the graph's output; the Python function computes the per-model losses from it
             output = spec.outputs[0]["name"]
