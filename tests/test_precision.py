@@ -27,36 +27,11 @@ from sklearn.datasets import load_digits
 import onnxfuse
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.exporters.zoo import TransformerLM
+from test_torch_loop import DigitsCNN, DigitsMLP  # the same BatchNorm CNN and LayerNorm MLP
 
 B, N = 3, 32
 STEP1, DRIFT = 0.5, 1.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class DigitsCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(6)
-        self.conv2 = nn.Conv2d(6, 8, 3, stride=2, bias=False)
-        self.bn2 = nn.BatchNorm2d(8)
-        self.head = nn.Linear(8 * 3 * 3, 10)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.relu(self.bn2(self.conv2(x)))
-        return self.head(x.flatten(1))
-
-
-class DigitsMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(64, 32)
-        self.norm = nn.LayerNorm(32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.norm(self.fc1(x.flatten(1)))))
 
 
 def class_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
