@@ -241,48 +241,16 @@ def test_a_killed_fp16_run_resumes_to_the_uninterrupted_runs_weights_and_scales(
     """``onnxfuse train --precision fp16`` SIGKILLed twice at random moments and resumed: the final weights are
     bit-identical to an uninterrupted run's, and so is every model's loss scale in metrics.csv (the scales grow
     every 25 steps and back off at overflows: both happen in this run)."""
-    import glob
-    import os
-    import random
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from safetensors.numpy import load_file
 
-    from test_run import data_file, make_array, metrics
+    from test_run import data_file, metrics
+    from test_torch_compile import _killed_and_resumed
 
     data = data_file(tmp_path, n=128)
-    exe = os.path.join(os.path.dirname(sys.executable), "onnxfuse")
     args = ["--data", str(data), "--steps", "600", "--batch-size", "16", "--optimizer", "adamw", "--lr",
             "0.01,0.003,0.001", "--precision", "fp16", "--loss-scale", "1e6", "--loss-scale-interval", "25",
             "--checkpoint-every", "20", "--runtime", "torch", "--compile", "off", "-q"]
-    arr_ref, _ = make_array(tmp_path / "ref", 3)
-    subprocess.run([exe, "train", str(arr_ref), *args], check=True, capture_output=True)
-    arr, _ = make_array(tmp_path / "killed", 3)
-
-    def newest() -> int:
-        found = sorted(glob.glob(os.path.join(arr, "checkpoints", "step_*")))
-        return int(os.path.basename(found[-1])[5:]) if found else 0
-
-    rnd, kills = random.Random(1), 0
-    while True:
-        p = subprocess.Popen([exe, "train", str(arr), *(["--resume", "-q"] if newest() else args)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if kills < 2:
-            start, deadline = newest(), time.time() + 60
-            while p.poll() is None and newest() <= start and time.time() < deadline:
-                time.sleep(0.02)
-            time.sleep(rnd.uniform(0.0, 0.2))
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-                kills += 1
-                continue
-        _, err = p.communicate()
-        assert p.returncode == 0, err.decode()[-2000:]
-        break
+    arr_ref, arr, kills = _killed_and_resumed(tmp_path, args)
     assert kills == 2
     ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
     got = load_file(str(arr / "trained" / "weights.safetensors"))

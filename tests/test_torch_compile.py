@@ -201,9 +201,9 @@ def _killed_and_resumed(tmp_path, args, kills_wanted=2):
         cmd = [exe, "train", str(arr), *(["--resume", "-q"] if latest else args)]
         log = open(tmp_path / "stderr.txt", "w+")
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-        if kills < kills_wanted:
-            start, deadline = len(latest), time.time() + 120
-            while p.poll() is None and len(glob.glob(os.path.join(arr, "checkpoints", "step_*"))) <= start \
+        if kills < kills_wanted:  # wait for a newer checkpoint (the folders kept may stay as many), then kill
+            start, deadline = latest[-1:], time.time() + 120
+            while p.poll() is None and sorted(glob.glob(os.path.join(arr, "checkpoints", "step_*")))[-1:] <= start \
                     and time.time() < deadline:
                 time.sleep(0.02)
             time.sleep(rnd.uniform(0.0, 0.2))
