@@ -37,14 +37,16 @@ test-all: $(STAMP)
 
 # a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3 (nodes in the form
 # STRATEGY: default, grouped or per-model), trained on RUNTIME (ort, torch, loop: the array as a torch module in a plain loop, both or all) and compared with torch;
-# COMPILE=on: the torch runtime's step compiled whole (make fuzz RUNTIME=torch COMPILE=on)
+# COMPILE=on: the torch runtime's step compiled whole (make fuzz RUNTIME=torch COMPILE=on);
+# PRECISION=bf16|fp16: trained under torch.autocast, each model against torch.autocast alone (torch; bf16 also loop)
 N        ?= 500
 SEED     ?= 1000
 RUNTIME  ?= all
 STRATEGY ?= default
 COMPILE  ?= off
+PRECISION ?= fp32
 fuzz: $(STAMP)
-	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --runtime $(RUNTIME) --strategy $(STRATEGY) --compile $(COMPILE) --out fuzz-out
+	$(BIN)/python -m fuzz --n $(N) --seed $(SEED) --runtime $(RUNTIME) --strategy $(STRATEGY) --compile $(COMPILE) --precision $(PRECISION) --out fuzz-out
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/fused_vs_sequential.py

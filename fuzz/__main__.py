@@ -1,5 +1,5 @@
-"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out] [--runtime ort|torch|loop|all]``
-(``make fuzz N=500 SEED=0 RUNTIME=all``).
+"""A fuzz campaign: ``python -m fuzz --n 500 --seed 0 [--out fuzz-out] [--runtime ort|torch|loop|all]
+[--precision fp32|bf16|fp16]`` (``make fuzz N=500 SEED=0 RUNTIME=all PRECISION=fp32``).
 
 Generates N random models (seeds SEED .. SEED+N-1), checks each at B = 1, 2, 3 against torch on each runtime
 asked for (default all: onnxruntime-training, PyTorch, and a user's own torch loop on the array as a module train
@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 
 from .grammar import generate, render
 from .campaign import Worker
-from .harness import RUNTIMES
+from .harness import REDUCED_RUNTIMES, RUNTIMES, check_precision_runtime
 from .shrink import shrink
 
 
@@ -41,8 +41,21 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", choices=("off", "on"), default="off",
                     help="on: the torch runtime captures its whole step with torch.compile (onnxfuse train "
                          "--compile on); seconds of compiling per array")
+    from onnxfuse.recipe.runtimes import PRECISIONS
+
+    ap.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                    help="bf16 / fp16: train under torch.autocast and compare each model with torch.autocast alone "
+                         "(on the runtimes that train in it; 'all' means those)")
     args = ap.parse_args(argv)
     runtimes = {"all": RUNTIMES, "both": RUNTIMES[:2]}.get(args.runtime, (args.runtime,))
+    if args.precision != "fp32":
+        if args.runtime in ("all", "both"):
+            runtimes = tuple(rt for rt in runtimes if rt in REDUCED_RUNTIMES[args.precision])
+        try:
+            for rt in runtimes:
+                check_precision_runtime(args.precision, rt)
+        except ValueError as e:
+            ap.error(str(e))
 
     from tqdm import tqdm
 
@@ -65,7 +78,8 @@ def main(argv=None) -> int:
         spec = generate(seed)
         kinds_seen.update(render(spec).kinds)
         for rt in runtimes:
-            out = worker.check(spec, runtime=rt, strategy=args.strategy, compile=args.compile)
+            out = worker.check(spec, runtime=rt, strategy=args.strategy, compile=args.compile,
+                               precision=args.precision)
             counts[rt][out.status] += 1
             if out.status in ("pass", "sensitive", "runtime") and rt == runtimes[0]:
                 fractions.append(out.fused_fraction)
@@ -77,7 +91,7 @@ def main(argv=None) -> int:
     bar.close()
 
     report = {"seeds": [args.seed, args.seed + args.n - 1], "runtimes": list(runtimes), "strategy": args.strategy,
-              "compile": args.compile,
+              "compile": args.compile, "precision": args.precision,
               "counts": {rt: dict(c) for rt, c in counts.items()}, "seconds": round(time.time() - t0),
               "layer_kinds": dict(kinds_seen), "causes": []}
     print()
@@ -93,7 +107,8 @@ def main(argv=None) -> int:
     for k, ((rt, cause), items) in enumerate(sorted(causes.items(), key=lambda kv: -len(kv[1]))):
         seed, spec, out = items[0]
         if out.status == "fail" and not args.no_shrink:
-            spec, out = shrink(spec, out, lambda s, Bs, rt=rt: worker.check(s, Bs, runtime=rt, strategy=args.strategy))
+            spec, out = shrink(spec, out, lambda s, Bs, rt=rt: worker.check(
+                s, Bs, runtime=rt, strategy=args.strategy, compile=args.compile, precision=args.precision))
         src = render(spec).source
         name = os.path.join(args.out, f"cause_{k}.py")
         with open(name, "w") as f:

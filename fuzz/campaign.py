@@ -12,7 +12,8 @@ from .harness import Outcome, check_model
 __all__ = ["Worker"]
 
 
-def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str, strategy: str = "default", compile: str = "off") -> Outcome:
+def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str, strategy: str = "default", compile: str = "off",
+                 precision: str = "fp32") -> Outcome:
     import logging
 
     try:  # the torch runtime needs no onnxruntime (the torch extra alone)
@@ -22,7 +23,7 @@ def _quiet_check(spec: ModelSpec, Bs: tuple, runtime: str, strategy: str = "defa
     except ImportError:
         pass
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    return check_model(spec, Bs=Bs, runtime=runtime, strategy=strategy, compile=compile)
+    return check_model(spec, Bs=Bs, runtime=runtime, strategy=strategy, compile=compile, precision=precision)
 
 
 class Worker:
@@ -32,11 +33,11 @@ class Worker:
         self._pool: ProcessPoolExecutor | None = None
 
     def check(self, spec: ModelSpec, Bs: tuple = (1, 2, 3), runtime: str = "ort", strategy: str = "default",
-              compile: str = "off") -> Outcome:
+              compile: str = "off", precision: str = "fp32") -> Outcome:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return self._pool.submit(_quiet_check, spec, Bs, runtime, strategy, compile).result()
+            return self._pool.submit(_quiet_check, spec, Bs, runtime, strategy, compile, precision).result()
         except BrokenProcessPool:
             self.close()
             return Outcome("fail", "crash", "the process died (a native crash in torch or onnxruntime)",

@@ -24,6 +24,12 @@ On the ``torch`` runtime the forward stage runs the fused graph as the runtime d
 instead of ONNX Runtime's inference session; its kernels are torch's, so there is no second reference: a result
 beyond a bound and beyond 3x the sensitivity is a failure.
 
+``precision`` bf16 / fp16 (the torch runtime; bf16 also ``loop``, the forward under the user's torch.autocast):
+the forward stage is float32's; the training stages compare each fused model with the model trained alone under
+``torch.autocast`` (+ its own ``torch.amp.GradScaler`` for fp16) as a ratio (``STEP1_RATIO``, ``DRIFT_RATIO``),
+and fp16's loss scales and skipped steps exactly. Beyond a bound, a model whose own bf16 / fp16 training moves as
+far (within 3x) when its weights are nudged by 1e-7 is ``sensitive``.
+
 Outcomes: ``pass``; ``fail`` (onnxfuse computed something else, or crashed with an internal error); ``sensitive``;
 ``runtime``; ``refused`` (onnxfuse stopped with one of its own clear errors, e.g. an op ONNX Runtime cannot train);
 ``invalid`` (torch itself could not run or export the generated model: a grammar problem, not onnxfuse's).
@@ -44,13 +50,22 @@ import torch
 from .grammar import BATCH, ModelSpec, Rendered, render
 from .native import native_output_to
 
-__all__ = ["Outcome", "check_model", "check_source", "module_class", "rel_err", "RUNTIMES"]
+__all__ = ["Outcome", "check_model", "check_source", "check_precision_runtime", "module_class", "rel_err", "RUNTIMES",
+           "REDUCED_RUNTIMES", "STEP1_RATIO", "DRIFT_RATIO"]
 
 # onnxfuse/recipe/runtimes.py's RUNTIMES, named here without importing a runtime, and ``loop``: the user's own torch
 # loop on the array as a module (``FusedArray``, ``onnxfuse.optim``, a torch loss per model, ``backward``)
 RUNTIMES = ("ort", "torch", "loop")
 STEPS = 3
 FORWARD_TOL, SGD_TOL, STAT_TOL, ADAMW_TOL = 1e-4, 1e-4, 1e-5, 1e-3
+# mixed precision (``precision`` bf16 / fp16): ||fused - alone|| / ||alone - alone in fp32|| over every weight and
+# buffer, the fused model's distance to the model alone under torch.autocast as a fraction of what reduced precision
+# moves that model; at step 1 (SGD: the gradient) and after STEPS steps. An op run in another precision than torch
+# runs it gives ~1 at step 1. tests/test_precision.py bounds its cases by the same two.
+STEP1_RATIO, DRIFT_RATIO = 0.5, 1.0
+# the runtimes a reduced precision is checked on, by precision: the torch runtime's step, and a user's own loop
+# under torch.autocast (bf16; fp16 needs a loss scale per model: train_step's)
+REDUCED_RUNTIMES = {"bf16": ("torch", "loop"), "fp16": ("torch",)}
 
 
 @dataclass
@@ -137,7 +152,9 @@ class _Case:
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.r.loss == "mse":
-            return torch.nn.functional.mse_loss(out, y.to(out.dtype))
+            # targets as given (float32), but float64 for the float64 reference; not to a reduced precision:
+            # torch.autocast runs mse_loss in float32 on float32 targets
+            return torch.nn.functional.mse_loss(out, y.double() if out.dtype == torch.float64 else y)
         if self.r.class_axis == -1:
             return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         return torch.nn.functional.cross_entropy(out, y)
@@ -156,6 +173,34 @@ class _Case:
         return losses
 
 
+    def train_autocast(self, mod, kind, lr, batches, precision, init_scale: float = 2.0 ** 16) -> dict:
+        """``mod`` trained by plain torch in ``precision``: the forward and the loss under torch.autocast (+ a
+        GradScaler for fp16, from ``init_scale``), torch.optim; fp32: none. Each step's state_dict, losses, scales
+        and skipped steps."""
+        from onnxfuse.runtime.precision import DTYPES
+
+        opt = _torch_optimizer(kind, mod.parameters(), lr)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if precision == "fp16" else None
+        seen = {"states": [], "losses": [], "scales": [], "skipped": []}
+        for x, y in batches:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=DTYPES.get(precision, torch.bfloat16), enabled=precision != "fp32"):
+                loss = self.loss(mod.train()(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                before = scaler.get_scale()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                seen["scales"].append(scaler.get_scale())
+                seen["skipped"].append(scaler.get_scale() < before)  # a backoff is a skipped step
+            seen["losses"].append(float(loss.detach()))
+            seen["states"].append(copy.deepcopy(mod.state_dict()))
+        return seen
+
+
 # per-model learning rates and the shared hyper-parameters (torch's keywords) of the two optimizers checked
 LRS = {"sgd": [1e-2, 3e-3, 5e-3], "adamw": [1e-3, 3e-4, 5e-4]}
 HYPER = {"sgd": {"momentum": 0.9, "weight_decay": 1e-4}, "adamw": {"weight_decay": 1e-2, "eps": 1e-6}}
@@ -167,20 +212,24 @@ def _torch_optimizer(kind, params, lr):
 
 
 def check_model(spec: ModelSpec, Bs=(1, 2, 3), optimizers=("sgd", "adamw"), workdir: str | None = None,
-                runtime: str = "ort", strategy: str = "default", compile: str = "off") -> Outcome:
+                runtime: str = "ort", strategy: str = "default", compile: str = "off",
+                precision: str = "fp32") -> Outcome:
     """Check generated model ``spec`` at each B in ``Bs`` on ``runtime``, fused with ``strategy`` (``default`` or a
-    form, ``onnxfuse.core.passes.FORMS``); the first outcome that is not a pass, else a pass."""
+    form, ``onnxfuse.core.passes.FORMS``), trained in ``precision``; the first outcome that is not a pass, else a
+    pass."""
     return check_source(render(spec), spec.seed, spec.per_model_inputs, Bs, optimizers, workdir, runtime, strategy,
-                        compile)
+                        compile, precision)
 
 
 def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=(1, 2, 3),
                  optimizers=("sgd", "adamw"), workdir: str | None = None, runtime: str = "ort",
-                 strategy: str = "default", compile: str = "off") -> Outcome:
+                 strategy: str = "default", compile: str = "off", precision: str = "fp32") -> Outcome:
     """Check the model whose source ``r.source`` defines ``FuzzNet`` (any module, written by hand or rendered).
-    ``compile``: the torch runtime's ``compile`` (``on``: the whole step captured by torch.compile)."""
+    ``compile``: the torch runtime's ``compile`` (``on``: the whole step captured by torch.compile);
+    ``precision``: fp32, or bf16 / fp16 on a runtime of :data:`REDUCED_RUNTIMES`."""
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
+    check_precision_runtime(precision, runtime)
     with tempfile.TemporaryDirectory(dir=workdir, prefix="fuzz-") as tmp:
         try:
             case = _Case(r, seed, per_model_inputs, max(Bs))
@@ -189,7 +238,8 @@ def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=
             return Outcome("invalid", "export", str(e))
         last = Outcome("pass")
         for B in Bs:
-            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime, strategy, compile)
+            out = _check_B(case, paths, B, optimizers, os.path.join(tmp, f"B{B}"), runtime, strategy, compile,
+                           precision)
             out.B = B
             if out.status in ("fail", "refused"):
                 return out
@@ -200,6 +250,18 @@ def check_source(r: Rendered, seed: int = 0, per_model_inputs: bool = False, Bs=
 
 class _Invalid(Exception):
     pass
+
+
+def check_precision_runtime(precision: str, runtime: str) -> None:
+    """A ValueError (one line) when ``runtime`` is not checked in ``precision``."""
+    from onnxfuse.recipe.runtimes import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
+    if precision != "fp32" and runtime not in REDUCED_RUNTIMES[precision]:
+        raise ValueError(f"precision {precision} is checked on runtime(s) {', '.join(REDUCED_RUNTIMES[precision])}, "
+                         f"not {runtime}" + (" (fp16 needs a loss scale per model: train_step's)"
+                                             if runtime == "loop" else ""))
 
 
 def _export(case: _Case, tmp: str) -> list[str]:
@@ -237,7 +299,7 @@ def _fail_from(stage: str, e: Exception) -> Outcome:
 
 
 def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, runtime: str,
-             strategy: str = "default", compile: str = "off") -> Outcome:
+             strategy: str = "default", compile: str = "off", precision: str = "fp32") -> Outcome:
     from onnxfuse import fuse_models
 
     os.makedirs(folder, exist_ok=True)
@@ -251,7 +313,9 @@ def _check_B(case: _Case, paths: list[str], B: int, optimizers, folder: str, run
     frac = fa.spec.summary.get("fused_fraction", 1.0)
     sub = _Sub(case, B, paths)
     stages = [("forward", lambda: _forward(sub, fa, runtime))]
-    stages += [(f"train-{k}", (lambda k=k: _train(sub, fa, k, folder, runtime, compile))) for k in optimizers]
+    train = _train if precision == "fp32" else (
+        lambda *a: _train_reduced(*a, precision=precision))
+    stages += [(f"train-{k}", (lambda k=k: train(sub, fa, k, folder, runtime, compile))) for k in optimizers]
     note = Outcome("pass", fused_fraction=frac)
     for stage, fn in stages:
         try:
@@ -551,3 +615,102 @@ def _compare_modules(kind, case, b, ref, ref_losses, other, other_losses, batche
     a = _probe_outputs(case, other, b, batches, as_double)
     r = _probe_outputs(case, ref, b, batches)
     return max(beyond, *(_beyond(x, y, ADAMW_TOL) for x, y in zip(a, r)))
+
+
+def _ratio(got: dict, alone: dict, full: dict) -> float:
+    """||got - alone|| / ||alone - full|| over every float tensor of the state_dicts, the denominator at least
+    1e-6 ||alone||, float32's rounding of the weights (a model that reduced precision does not move must match as
+    in float32)."""
+    def flat(state):
+        return np.concatenate([np.asarray(v, np.float64).ravel() for k, v in sorted(state.items())
+                               if np.issubdtype(np.asarray(v).dtype, np.floating)])
+    g, a, f = flat(got), flat(alone), flat(full)
+    if g.shape != a.shape:
+        return np.inf
+    return float(np.linalg.norm(g - a) / max(np.linalg.norm(a - f), 1e-6 * np.linalg.norm(a), 1e-12))
+
+
+def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime: str, compile: str,
+                   precision: str) -> dict:
+    """The fused array trained in ``precision``: each step's B split states, losses [B], scales [B] and skipped
+    steps [B] (fp16). ``torch``: the runtime's trainer; ``loop``: the array as a module, its forward and a torch loss
+    under the user's torch.autocast, onnxfuse.optim."""
+    from onnxfuse.core.split import split_weights
+    from onnxfuse.recipe.optim import StepValues
+    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.precision import DTYPES
+    from onnxfuse.training import get_loss, make_optimizer
+
+    case, B = sub.case, sub.B
+    seen = {"states": [], "losses": [], "scales": [], "skipped": []}
+    if runtime == "loop":
+        import onnxfuse
+        from onnxfuse.runtime.array_module import FusedArray
+
+        arr = FusedArray(fa)
+        opt = onnxfuse.optim.optimizer_class(kind)(arr, lr=lrs, **HYPER[kind])
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=DTYPES[precision]):
+                out = arr(x)
+                losses = torch.stack([case.loss(out[b], y) for b in range(B)])
+            opt.zero_grad()
+            losses.sum().backward()
+            opt.step()
+            seen["losses"].append(losses.detach().float().numpy())
+            seen["states"].append([{k: v.numpy() for k, v in sd.items()} for sd in arr.state_dicts()])
+        return seen
+    opt = make_optimizer(kind, B, lr=lrs, **HYPER[kind])
+    loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
+    trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind),
+                           compile=compile, precision=precision)
+    values = StepValues(list(opt.lr), opt.cycled(), [True] * B)
+    for t, (x, y) in enumerate(batches):
+        feeds = {"input": x.numpy()}
+        feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
+        trainer.launch(feeds, values, lambda n: [values] * n)
+        o = trainer.observe()
+        seen["losses"].append(o.losses)
+        if o.scale is not None:
+            seen["scales"].append([float(v) for v in o.scale])
+            seen["skipped"].append([not bool(v) for v in o.ok])
+        seen["states"].append(split_weights(fa.spec, trainer.weights(), steps=t + 1))
+    return seen
+
+
+def _train_reduced(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "off", *,
+                   precision: str) -> Outcome | None:
+    """Each model of the array trained in ``precision`` against it alone under torch.autocast (see the module
+    docstring): the ratio at step 1 (SGD) and after STEPS steps, fp16's scales and skipped steps exactly."""
+    case, B = sub.case, sub.B
+    lrs = LRS[kind][:B]
+    batches = [(sub.inputs(), case.targets()) for _ in range(STEPS)]
+    fused = _fused_reduced(sub, fa, kind, lrs, batches, folder, runtime, compile, precision)
+    for b in range(B):
+        mine = [(case.model_input(x, b), y) for x, y in batches]
+        alone = case.train_autocast(copy.deepcopy(sub.mods[b]), kind, lrs[b], mine, precision)
+        if not all(np.isfinite(v.numpy()).all() for v in alone["states"][-1].values() if v.is_floating_point()):
+            return Outcome("sensitive", message=f"model {b}: torch.autocast alone trains it to non-finite weights")
+        if precision == "fp16":
+            got = ([s[b] for s in fused["scales"]], [s[b] for s in fused["skipped"]])
+            if got != (alone["scales"], alone["skipped"]):
+                # an overflow within 1/16 of fp16's limit: the model alone overflows elsewhere at a scale 1/16 off
+                near = any(case.train_autocast(copy.deepcopy(sub.mods[b]), kind, lrs[b], mine, precision,
+                                               2.0 ** 16 * f)["skipped"] != alone["skipped"] for f in (17 / 16, 15 / 16))
+                return Outcome("sensitive" if near else "fail",
+                               message=f"model {b}: loss scales {got[0]} (skipped {got[1]}) vs GradScaler's "
+                                       f"{alone['scales']} (skipped {alone['skipped']})"
+                                       + ("; alone at a scale 1/16 off skips other steps" if near else ""))
+        full = case.train_autocast(copy.deepcopy(sub.mods[b]), kind, lrs[b], mine, "fp32")
+        checks = ([(0, STEP1_RATIO)] if kind == "sgd" else []) + [(STEPS - 1, DRIFT_RATIO)]
+        for t, bound in checks:
+            ratio = _ratio(fused["states"][t][b], alone["states"][t], full["states"][t])
+            if ratio <= bound:
+                continue
+            nudged = case.train_autocast(_nudged(sub.mods[b]), kind, lrs[b], mine, precision)
+            sens = _ratio(nudged["states"][t], alone["states"][t], full["states"][t])
+            status = "sensitive" if ratio <= 3 * max(sens, 1e-9) else "fail"
+            return Outcome(status, message=f"model {b}: after step {t + 1} in {precision} the fused model is "
+                                           f"{ratio:.3g} of its own {precision}-vs-fp32 difference from torch.autocast "
+                                           f"alone (bound {bound:g}; weights nudged by 1e-7: {sens:.3g})",
+                           details={"ratio": ratio, "sensitivity": sens})
+    return None

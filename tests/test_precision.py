@@ -27,10 +27,11 @@ from sklearn.datasets import load_digits
 import onnxfuse
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.exporters.zoo import TransformerLM
+from fuzz.harness import DRIFT_RATIO, STEP1_RATIO
 from test_torch_loop import DigitsCNN, DigitsMLP  # the same BatchNorm CNN and LayerNorm MLP
 
 B, N = 3, 32
-STEP1, DRIFT = 0.5, 1.0
+STEP1, DRIFT = STEP1_RATIO, DRIFT_RATIO  # the fuzzer's bounds (0.5, 1.0): one definition
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -318,3 +319,31 @@ def test_zoo_models_in_bf16_take_the_step_torch_autocast_takes_alone(name):
     batches, make = zoo_batches(name)
     ratio = ratios(*train((make, "SGD", {"lr": [1.0] * B}, None), batches, "bf16", 1)[:3])
     assert max(ratio) < STEP1, ratio
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_users_own_loop_under_torch_autocast_trains_as_each_model_alone(case, digits, tokens):
+    """The array in a user's own loop (``arr(x)`` under ``torch.autocast(bf16)``, a torch loss, ``backward``,
+    ``onnxfuse.optim``): each model as torch.autocast trains it alone. The array's module runs each fused Linear
+    as nn.Linear runs under autocast (one product with its bias); without that, step 1 is ~1."""
+    make, kind, hyper, data = CASES[case]
+    batches = {"digits": digits, "tokens": tokens}[data]
+    for one_step in (True, False):
+        kind_, hyper_, steps = ("SGD", {"lr": [1.0] * B}, 1) if one_step else (kind, hyper, 6)
+        torch.manual_seed(0)
+        mods = [make() for _ in range(B)]
+        reduced = [Alone(copy.deepcopy(m), kind_, {k: v[b] for k, v in hyper_.items()}, "bf16")
+                   for b, m in enumerate(mods)]
+        full = [Alone(copy.deepcopy(m), kind_, {k: v[b] for k, v in hyper_.items()}, "fp32")
+                for b, m in enumerate(mods)]
+        arr = onnxfuse.fuse(mods, batches[0][0][:2])
+        opt = getattr(onnxfuse.optim, kind_)(arr, **hyper_)
+        for x, y in batches[:steps]:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = class_loss(arr(x), y).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for a in reduced + full:
+                a.step(x, y)
+        assert max(ratios(arr, reduced, full)) < (STEP1 if one_step else DRIFT), (one_step, ratios(arr, reduced, full))

@@ -38,6 +38,7 @@ from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
 from onnxfuse.core.split import split_weights
 from onnxfuse.runtime.ort_artifacts import weights_as_inputs_pass
+from onnxfuse.runtime.precision import autocast_graph
 from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
 
 __all__ = ["FusedArray", "fuse", "ArrayProgram"]
@@ -71,7 +72,8 @@ class FusedArray(torch.nn.Module):
         self._graph, self._sources = graph.model, list(graph.sources)
         self.opset = onnx_opset(graph.model)
         self.trainable, self.buffer_names = graph.spec.parameter_names()
-        self.module = OnnxModule.from_array(graph.model, graph.spec, lazy=lazy)
+        # float32 bits unchanged; under a user's torch.autocast each model's arithmetic alone (autocast_graph)
+        self.module = OnnxModule.from_array(autocast_graph(graph.model, sum(graph.spec.parameter_names(), [])), graph.spec, lazy=lazy)
         self.input_names = [i["name"] for i in graph.spec.inputs]
         self.per_model_inputs = [i["name"] for i in graph.spec.inputs if i.get("per_model")]
         self.output_names = [o["name"] for o in graph.spec.outputs]

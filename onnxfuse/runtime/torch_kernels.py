@@ -377,10 +377,25 @@ def clip(spec: NodeSpec) -> Kernel:
     return _k(lambda x: torch.clamp(x, lo, hi), 0)
 
 
+def autocast_lowered(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as torch.autocast hands them to an op it runs in lower precision (``prelu``, ...): the floating
+    ones cast to the autocast dtype while autocast is on for their device, else as they are. For a kernel that
+    computes such an op with other torch ops, which autocast would leave in their inputs' precision."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 @op("PRelu")
 def prelu(spec: NodeSpec) -> Kernel:
-    """x where x > 0, else slope * x (slope broadcast to x); the gradient of F.prelu."""
-    return _k(lambda x, slope: torch.where(x > 0, x, x * slope), 0, 1)
+    """x where x > 0, else slope * x (slope broadcast to x); the gradient of F.prelu. Under autocast in its lower
+    precision, as autocast runs ``prelu``."""
+    def fn(x, slope):
+        x, slope = autocast_lowered(x, slope)
+        return torch.where(x > 0, x, x * slope)
+    return _k(fn, 0, 1)
 
 
 @op("Dropout")
@@ -406,13 +421,39 @@ def dropout(spec: NodeSpec) -> Kernel:
 
 
 # ------------------------------------------------------------------------------------------ matrix products
+def _own_dims(b: torch.Tensor) -> int:
+    """How many leading dims of a fused weight ``b`` [B, 1.., K, N] are its own (the models' axis and any before
+    the size-1 dims it broadcasts over); at least 1: axis 0 is the models' (size 1 at B = 1)."""
+    k = b.dim() - 2
+    while k > 1 and b.shape[k - 1] == 1:
+        k -= 1
+    return k
+
+
+def _per_model_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A shared input ``a`` (fewer dims than ``b``: no model axis yet) broadcast to each model of ``b``, so that a
+    product folds to one per model (a copy per model). Under autocast torch.matmul would otherwise broadcast ``b``
+    over ``a``'s batch entries and sum the weight's gradient from per-entry bf16 / fp16 products, where the model
+    alone (``linear``, ``matmul`` of a 2-D weight) runs one product over every row."""
+    if not 1 <= a.dim() < b.dim() or b.dim() < 3:
+        return a
+    a = a.reshape((1,) * (b.dim() - a.dim()) + tuple(a.shape))
+    k = _own_dims(b)
+    if all(d == 1 for d in a.shape[:k]):
+        a = a.expand(*b.shape[:k], *a.shape[k:])
+    return a
+
+
 def folded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)``, with the batch dims over which ``b`` broadcasts folded into ``a``'s rows.
 
     A fused Linear is ``x [B, N.., T, C] @ W [B, 1.., C, D]``: torch.matmul expands W to every (N.., T) batch entry
     and runs that many small products (and their gradient sums the expanded copies); folded, it is one product per
     model, ``[B, N..*T, C] @ [B, C, D]``, as HFTA's batched Linear computes it (3-4x faster forward and backward
-    at the zoo's Transformer sizes on this CPU). Same values up to summation order."""
+    at the zoo's Transformer sizes on this CPU). Same values up to summation order. Under autocast a shared input
+    is broadcast to the models first (:func:`_per_model_rows`)."""
+    if torch.is_autocast_enabled(a.device.type):
+        a = _per_model_rows(a, b)
     lead = b.dim() - 2
     if lead < 1 or a.dim() < b.dim():
         return torch.matmul(a, b)
@@ -427,20 +468,37 @@ def folded_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return y.reshape(*own, *rows, b.shape[-1])
 
 
+def _linear_unfused(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's ``linear`` on one model's input runs ``matmul`` and a separate bias add: an input of more
+    than 2 dims that is not contiguous. A fused input with the models' axis is contiguous for this when it is a
+    contiguous tensor with that axis moved (the fusion's packing: models interleaved at the samples or channels,
+    each model's rows as dense as alone); a shared input is itself."""
+    if a.dim() < b.dim():
+        return a.dim() > 2 and not a.is_contiguous()
+    if a.dim() <= 3:
+        return False
+    return not any(a.movedim(0, p).is_contiguous() for p in range(a.dim()))
+
+
 def folded_baddbmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``a @ b + c`` as one product (``torch.baddbmm``, nn.Linear's arithmetic: the bias added before the product
-    rounds), folded as :func:`folded_matmul` folds; a bias ``[B, 1.., D]`` broadcasts over the rows. Shapes it
-    cannot fold are ``matmul`` and an add in the product's dtype."""
-    lead = b.dim() - 2
-    k = lead
-    while k > 0 and b.shape[k - 1] == 1:
-        k -= 1
+    """``a @ b + c`` as nn.Linear computes it under autocast, folded as :func:`folded_matmul` folds; a bias
+    ``[B, 1.., D]`` broadcasts over the rows. torch's ``linear`` adds the bias inside the product (one rounding to
+    bf16 / fp16) for a 2-D or a contiguous input: here one ``torch.baddbmm`` per array, a shared input broadcast to
+    every model. For a non-contiguous input of more dims (a transpose's or a slice's view) ``linear`` runs
+    ``matmul`` and then adds the bias in the product's dtype (two roundings), and so does this (the model's slice
+    of ``a`` decides). Without autocast it is ``matmul`` and an add: the bits of the ``MatMul -> Add`` it
+    replaces, so a graph with the node computes float32 exactly as one without."""
+    if not torch.is_autocast_enabled(a.device.type) or _linear_unfused(a, b):
+        y = folded_matmul(a, b)
+        return y + c.to(y.dtype)
+    a = _per_model_rows(a, b)
+    k = _own_dims(b)
     own = tuple(b.shape[:k])
-    if (lead >= 1 and k >= 1 and a.dim() == b.dim() and tuple(a.shape[:k]) == own and c.dim() == a.dim()
+    if (b.dim() >= 3 and a.dim() == b.dim() and tuple(a.shape[:k]) == own and c.dim() == a.dim()
             and tuple(c.shape[:k]) == own and all(d == 1 for d in c.shape[k:-1]) and c.shape[-1] == b.shape[-1]):
         rows = a.shape[k:-1]
-        y = torch.baddbmm(c.reshape(int(np.prod(own)), 1, c.shape[-1]), a.reshape(int(np.prod(own)), -1, a.shape[-1]),
-                          b.reshape(int(np.prod(own)), *b.shape[-2:]))
+        n = int(np.prod(own))
+        y = torch.baddbmm(c.reshape(n, 1, c.shape[-1]), a.reshape(n, -1, a.shape[-1]), b.reshape(n, *b.shape[-2:]))
         return y.reshape(*own, *rows, b.shape[-1])
     y = folded_matmul(a, b)
     return y + c.to(y.dtype)
@@ -820,6 +878,29 @@ def layer_norm(spec: NodeSpec) -> Kernel:
         var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
         return (y, mean, torch.rsqrt(var + eps))[:n_out]
     return _k(fn, *ins)
+
+
+@OPS.register("LayerNormAffine", domain="onnxfuse.torch")
+def layer_norm_affine(spec: NodeSpec) -> Kernel:
+    """``LayerNormalization(x, 1, 0) -> Mul(W) -> Add(C)`` of a fused LayerNorm (``runtime/precision.py``'s
+    ``norms_in_fp32``); x ``[B, .., *S]`` over the normalized axes S from ``axis``, W and C ``[B, 1.., *S]``.
+    Without autocast, or for a float32 input, those three ops (their bits). Under autocast for a bf16 / fp16
+    input, each model's ``F.layer_norm(x[b], S, W[b], C[b])``: the mixed-dtype kernel the model alone runs, its
+    affine's gradient included; where W or C is not one per model, the three ops in float32, rounded once."""
+    axis, eps = int(spec.attr("axis", -1)), float(spec.attr("epsilon", 1e-5))
+
+    def fn(x, w, c):
+        a = _norm(axis, x.dim())
+        shape = x.shape[a:]
+        if x.dtype == torch.float32 or not torch.is_autocast_enabled(x.device.type):
+            return F.layer_norm(x, shape, None, None, eps) * w + c
+        B = x.shape[0]
+        if a >= 1 and all(t.dim() == x.dim() and t.shape[0] == B and all(d == 1 for d in t.shape[1:a])
+                          for t in (w, c)):
+            ws, cs = (t.reshape(B, *t.shape[a:]).expand(B, *shape) for t in (w, c))
+            return torch.stack([F.layer_norm(x[b], shape, ws[b], cs[b], eps) for b in range(B)])
+        return (F.layer_norm(x.float(), shape, None, None, eps) * w + c).to(x.dtype)
+    return _k(fn, 0, 1, 2)
 
 
 @op("InstanceNormalization")
@@ -1408,3 +1489,4 @@ def control_flow(spec: NodeSpec) -> Kernel:
     spec.fail("control flow (subgraphs) is not supported by the torch runtime, and no fusion rule accepts it",
               "export the model without data-dependent control flow, or train this array with --runtime ort")
     raise AssertionError  # unreachable
+

@@ -97,10 +97,10 @@ class TorchTrainer:
         # computed by torch's own kernel) as outputs 1 and 2, which the optimizer writes for the models whose step
         # it applies
         check_precision(precision, where="precision")
-        if precision != "fp32":  # a fused Linear's bias added inside its product, as nn.Linear adds it
-            from onnxfuse.runtime.precision import biased_products
+        if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
+            from onnxfuse.runtime.precision import autocast_graph
 
-            fused = biased_products(fused)
+            fused = autocast_graph(fused, sum(spec.parameter_names(), []))
         train = copy.deepcopy(fused)
         self.stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
         self.graph_inputs = [i["name"] for i in spec.inputs]

@@ -560,10 +560,10 @@ class ArrayStep:
             raise TypeError("train_step: the optimizer was made for another array; give the array it steps")
         self.array, self.loss = array, loss
         train = copy.deepcopy(array._graph)
-        if precision != "fp32":  # a fused Linear's bias added inside its product, as nn.Linear adds it
-            from onnxfuse.runtime.precision import biased_products
+        if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
+            from onnxfuse.runtime.precision import autocast_graph
 
-            train = biased_products(train)
+            train = autocast_graph(train, array.trainable + array.buffer_names)
         stats, stat_outputs = batchnorm_outputs(train, set(array.buffer_names))
         self.program = array.program(train, outputs=list(array.output_names) + stat_outputs,
                                      options=TorchOptions(update_stats=False))
