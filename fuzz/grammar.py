@@ -683,6 +683,33 @@ def _gram_emit(p, shape, n, src, dst):
     return [], [f"{dst} = torch.bmm({src}, {src}.transpose(1, 2)) / {D}"], (T, T)
 
 
+def _recurrent_sample(rng, shape):
+    if len(shape) != 2:
+        return None
+    return dict(cell=rng.choice(["LSTM", "GRU", "RNN"]), hidden=rng.choice([4, 8, 12]), bi=rng.random() < 0.4,
+                relu=rng.random() < 0.3, read=rng.choice(["seq", "seq", "last"]))
+
+
+def _recurrent_emit(p, shape, n, src, dst):
+    """nn.LSTM / GRU / RNN over [T, D] (batch_first, uni- or bidirectional): its sequence output, or the final
+    hidden state of each direction."""
+    if len(shape) != 2:
+        return None
+    T, D = shape
+    if D > 64 or T > 32:
+        return None
+    options = ", bidirectional=True" if p["bi"] else ""
+    if p["cell"] == "RNN" and p["relu"]:
+        options += ", nonlinearity='relu'"
+    H = p["hidden"] * (2 if p["bi"] else 1)
+    init = [f"self.{n} = nn.{p['cell']}({D}, {p['hidden']}, batch_first=True{options})"]
+    if p["read"] == "seq":
+        return init, [f"{dst} = self.{n}({src})[0]"], (T, H)
+    h = f"{n}_h[0]" if p["cell"] == "LSTM" else f"{n}_h"
+    return init, [f"{n}_y, {n}_h = self.{n}({src})",
+                  f"{dst} = {h}.transpose(0, 1).reshape({src}.shape[0], 1, {H})"], (1, H)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # composite layers: an inner layer whose output has the input's shape
 
@@ -751,7 +778,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("gram", _gram_sample, _gram_emit, 0.4),
     Kind("tied", _tied_sample, _tied_emit, 0.6),
     Kind("residual", _residual_sample, _residual_emit, 1.5, nested=True),
+    # weight 0: never drawn from the seed's main stream (so every other seed's model stays what it was); generate
+    # inserts it from a stream of its own (RECURRENT_RATE)
+    Kind("recurrent", _recurrent_sample, _recurrent_emit, 0.0),
 ]}
+RECURRENT_RATE = 0.25  # per layer position whose shape is [T, D]: a recurrent layer first
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -776,7 +807,14 @@ def generate(seed: int, max_layers: int = 6) -> ModelSpec:
     inp = _sample_input(rng)
     shape = tuple(inp["shape"]) if inp["kind"] == "float" else (inp["T"], inp["dim"])
     layers: list[Layer] = []
+    recurrent = random.Random(f"recurrent-{seed}")  # its own stream: the main one draws what it drew before
     for _ in range(rng.randint(1, max_layers)):
+        if len(shape) == 2 and recurrent.random() < RECURRENT_RATE:
+            p = _recurrent_sample(recurrent, shape)
+            out = _recurrent_emit(p, shape, "t", "x", "x")
+            if out is not None:
+                layers.append(Layer("recurrent", p))
+                shape = tuple(out[2])
         for _attempt in range(12):
             names = list(KINDS)
             kind = rng.choices(names, weights=[KINDS[k].weight for k in names])[0]

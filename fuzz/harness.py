@@ -684,7 +684,16 @@ def _train_reduced(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile:
     case, B = sub.case, sub.B
     lrs = LRS[kind][:B]
     batches = [(sub.inputs(), case.targets()) for _ in range(STEPS)]
-    fused = _fused_reduced(sub, fa, kind, lrs, batches, folder, runtime, compile, precision)
+    try:
+        fused = _fused_reduced(sub, fa, kind, lrs, batches, folder, runtime, compile, precision)
+    except Exception:
+        try:  # torch itself may not run the model in this precision (CPU oneDNN has no fp16 LSTM)
+            case.train_autocast(copy.deepcopy(sub.mods[0]), kind, lrs[0], [(case.model_input(x, 0), y)
+                                                                             for x, y in batches], precision)
+        except Exception as e:
+            return Outcome("invalid", message=f"torch alone cannot train it in {precision}: "
+                                              f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}")
+        raise
     for b in range(B):
         mine = [(case.model_input(x, b), y) for x, y in batches]
         alone = case.train_autocast(copy.deepcopy(sub.mods[b]), kind, lrs[b], mine, precision)

@@ -1490,3 +1490,86 @@ def control_flow(spec: NodeSpec) -> Kernel:
               "export the model without data-dependent control flow, or train this array with --runtime ort")
     raise AssertionError  # unreachable
 
+
+# ------------------------------------------------------------------------------------------------ recurrent
+# ONNX's gate order per op, and torch's (_VF.lstm / gru / rnn_*): the same gates, stacked differently
+_GATES = {"LSTM": ("iofc", "ifco"), "GRU": ("zrh", "rzh"), "RNN": ("h", "h")}
+
+
+def _torch_gates(w: torch.Tensor, op_type: str) -> torch.Tensor:
+    """An ONNX recurrent weight or bias of one direction, gates stacked on axis 0 in ONNX's order, restacked in
+    torch's (LSTM: i o f c -> i f c o; GRU: z r h -> r z h)."""
+    onnx_order, torch_order = _GATES[op_type]
+    if onnx_order == torch_order:
+        return w
+    blocks = w.chunk(len(onnx_order), 0)
+    return torch.cat([blocks[onnx_order.index(g)] for g in torch_order], 0)
+
+
+@op("LSTM", "GRU", "RNN")
+def recurrent(spec: NodeSpec) -> Kernel:
+    """ONNX LSTM / GRU / RNN as torch's own recurrent kernels (``torch._VF.lstm``, ``gru``, ``rnn_tanh``,
+    ``rnn_relu``: what ``nn.LSTM``/``nn.GRU``/``nn.RNN`` run, so the same numerics), one layer, forward, reverse
+    or bidirectional, layout 0 (X [T, N, I]) or 1 ([N, T, I]), with initial states. The weights W [D, G*H, I],
+    R [D, G*H, H] and bias B [D, 2*G*H] are restacked from ONNX's gate order to torch's. Y: [T, D, N, H]
+    (layout 1: [N, T, D, H]); Y_h, Y_c: [D, N, H] ([N, D, H]).
+
+    Refused (one line each): sequence_lens that are not constant full lengths, LSTM peepholes, clip,
+    input_forget, activations other than the defaults (RNN: Tanh or Relu), GRU with linear_before_reset=0
+    (torch's GRU applies the reset gate after its recurrent product)."""
+    t = spec.op_type
+    H = int(spec.attr("hidden_size", 0) or 0)
+    direction = spec.attr("direction", "forward")
+    layout = int(spec.attr("layout", 0))
+    acts = [a.decode() if isinstance(a, bytes) else a for a in (spec.attr("activations") or [])]
+    defaults = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}[t]
+    D = 2 if direction == "bidirectional" else 1
+    named = [a.lower() for a in acts]
+    relu = t == "RNN" and named == ["relu"] * D
+    if named and named != [a.lower() for a in defaults] * D and not relu:
+        spec.fail(f"activations {acts} have no torch kernel", "use the default activations (nn.LSTM/GRU/RNN)")
+    if spec.attr("clip") is not None:
+        spec.fail("clip has no torch kernel", "train it with --runtime ort")
+    if int(spec.attr("input_forget", 0)):
+        spec.fail("input_forget has no torch kernel", "train it with --runtime ort")
+    if t == "GRU" and not int(spec.attr("linear_before_reset", 0)):
+        spec.fail("linear_before_reset=0 has no torch kernel (torch's GRU resets after its recurrent product)",
+                  "export the GRU from torch (nn.GRU), or train it with --runtime ort")
+    if t == "LSTM" and spec.has(7):
+        p = spec.const(7)
+        if p is None or bool((p != 0).any()):
+            spec.fail("peepholes have no torch kernel", "train it with --runtime ort")
+    fn_vf = {"LSTM": torch._VF.lstm, "GRU": torch._VF.gru}.get(t) or (torch._VF.rnn_relu if relu else torch._VF.rnn_tanh)
+    lens = spec.const(4) if spec.has(4) else None
+    if spec.has(4) and lens is None:
+        spec.need_const(4, "sequence_lens")
+    n_out = spec.n_outputs
+
+    def fn(x, w, r, b=None, seq_lens=None, h0=None, c0=None, peepholes=None):
+        T_axis, N_axis = (1, 0) if layout else (0, 1)
+        if lens is not None and bool((lens != x.shape[T_axis]).any()):
+            spec.fail("sequence_lens shorter than the sequence have no torch kernel",
+                      "pad every sequence to the same length, or train it with --runtime ort")
+        N = x.shape[N_axis]
+        params = []
+        for d in range(D):
+            params += [_torch_gates(w[d], t), _torch_gates(r[d], t)]
+            if b is not None:
+                wb, rb = b[d].chunk(2, 0)
+                params += [_torch_gates(wb, t), _torch_gates(rb, t)]
+
+        def state(s):
+            if s is None:
+                return x.new_zeros(D, N, H)
+            return s.transpose(0, 1) if layout else s
+        hx = (state(h0), state(c0)) if t == "LSTM" else state(h0)
+        seq = x.flip(T_axis) if direction == "reverse" else x
+        y, *states = fn_vf(seq, hx, params, b is not None, 1, 0.0, spec.training, D == 2, bool(layout))
+        if direction == "reverse":
+            y = y.flip(T_axis)
+        y = y.reshape(*y.shape[:2], D, H)  # [T, N, D, H] or [N, T, D, H]
+        if not layout:
+            y = y.permute(0, 2, 1, 3)  # [T, D, N, H]
+        states = [s.transpose(0, 1) if layout else s for s in states]
+        return ((y, *states) + (None,) * 3)[:n_out] if n_out > 1 else y
+    return _k(fn, *range(len(spec.node.input)))

@@ -1,0 +1,160 @@
+"""Recurrent nets in ORT 1.19: its LSTMGrad and GRUGrad kernels train the forward direction only ("LSTM and
+LSTMGrad kernel only supports the forward direction for now"), and RNN has no gradient builder. A reverse or
+bidirectional LSTM / GRU becomes one forward node per direction, the reverse one on the sequence reversed; an RNN
+is unrolled over its (static) time steps into MatMul, Add and its activation."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
+
+__all__ = ["lstm_gru_directions", "rnn_unrolled"]
+
+_STATES = {"LSTM": 2, "GRU": 1, "RNN": 1}  # Y_h (and Y_c) after Y
+
+
+def _inputs(node: onnx.NodeProto) -> list[str]:
+    return list(node.input) + [""] * (8 - len(node.input))
+
+
+def _axes(layout: int) -> tuple[int, int, int]:
+    """(time axis of X and Y, direction axis of Y, direction axis of Y_h / Y_c) for ``layout``."""
+    return (1, 2, 1) if layout else (0, 1, 0)
+
+
+def _check(node: onnx.NodeProto, ctx: Context, ins: list[str]) -> int:
+    """The static sequence length; refuses sequence_lens (a reversed direction would reverse within each length)."""
+    if ins[4]:
+        raise ctx.error(node, "it has sequence_lens, which its reverse direction cannot be rewritten with",
+                        "pad the sequences to one length without sequence_lens, or train it with --runtime torch")
+    layout = int(ctx.attrs(node).get("layout", 0))
+    return ctx.static_dim(node, ins[0], _axes(layout)[0], "reversing the sequence of a recurrent op")
+
+
+def _direction(em: Emitter, name: str, d: int) -> str:
+    """Direction d of a per-direction tensor (axis 0: W, R, B, and initial states in layout 0)."""
+    return em.slice(name, [d], [d + 1], [0]) if name else ""
+
+
+def _state(em: Emitter, name: str, d: int, layout: int) -> str:
+    return em.slice(name, [d], [d + 1], [1 if layout else 0]) if name else ""
+
+
+def _reversed(em: Emitter, x: str, T: int, axis: int) -> str:
+    return em.op("Gather", [x, em.const(np.arange(T - 1, -1, -1), hint="reversed")], axis=axis)
+
+
+@rewrite("LSTM", "GRU")
+def lstm_gru_directions(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """LSTM / GRU with direction reverse or bidirectional  ==>  per direction d, the same op with direction forward
+    on W[d], R[d], B[d] and the initial states' d; the reverse one reads X reversed along time (Gather) and its Y is
+    reversed back; Y, Y_h, Y_c are the directions concatenated (forward first, as ONNX orders them).
+
+    Layout: X [T, N, I] (layout 1: [N, T, I]), Y [T, D, N, H] ([N, T, D, H]), Y_h [D, N, H] ([N, D, H]).
+    Math: a reverse direction is the forward recurrence over the reversed sequence, its outputs at reversed time
+    steps; the gradient flows through the same Gathers.
+    """
+    attrs = ctx.attrs(node)
+    direction = attrs.get("direction", "forward")
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    if direction == "forward":
+        return None
+    ins = _inputs(node)
+    T = _check(node, ctx, ins)
+    layout = int(attrs.get("layout", 0))
+    t_axis, y_dir, h_dir = _axes(layout)
+    em = Emitter(node, ctx)
+    kept = {k: v for k, v in attrs.items() if k not in ("direction", "activations", "activation_alpha",
+                                                        "activation_beta")}
+    acts = attrs.get("activations")
+    n_acts = len(acts) // (2 if direction == "bidirectional" else 1) if acts else 0
+    dirs = [0, 1] if direction == "bidirectional" else [0]
+    outs = [o for o in node.output]
+    n_states = _STATES[node.op_type]
+    results: list[list[str]] = []
+    for d in dirs:
+        reverse = direction == "reverse" or d == 1
+        x = _reversed(em, ins[0], T, t_axis) if reverse else ins[0]
+        sub = [x, _direction(em, ins[1], d), _direction(em, ins[2], d), _direction(em, ins[3], d), "",
+               _state(em, ins[5], d, layout)]
+        if node.op_type == "LSTM":
+            sub += [_state(em, ins[6], d, layout), _direction(em, ins[7], d)]
+        while sub and not sub[-1]:
+            sub.pop()
+        extra = {"activations": list(acts[d * n_acts:(d + 1) * n_acts])} if acts else {}
+        o = em.op(node.op_type, sub, 1 + n_states, direction="forward", **kept, **extra)
+        y, *states = o
+        if reverse:
+            y = _reversed(em, y, T, t_axis)
+        results.append([y, *states])
+    for k, out in enumerate(outs):
+        if not out:
+            continue
+        parts = [r[k] for r in results]
+        axis = y_dir if k == 0 else h_dir
+        if len(parts) == 1:
+            em.op("Identity", parts, [out])
+        else:
+            em.op("Concat", parts, [out], axis=axis)
+    return em.nodes
+
+
+@rewrite("RNN")
+def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """RNN  ==>  per direction, T steps of H_t = f(X_t W^T + Wb + H_{t-1} R^T + Rb) (f: Tanh or Relu), X_t a
+    Gather of time step t (reversed order for the reverse direction), H_0 the initial state or zeros; Y the H_t
+    stacked on time (Unsqueeze, Concat) and the directions concatenated; Y_h each direction's last H.
+
+    Layout: X [T, N, I] (layout 1: [N, T, I]), W [D, H, I], R [D, H, H], B [D, 2H], initial_h [D, N, H]
+    ([N, D, H]); Y [T, D, N, H] ([N, T, D, H]), Y_h [D, N, H] ([N, D, H]).
+    Math: ONNX's (and torch's) recurrence, step by step; ORT differentiates each op.
+    """
+    attrs = ctx.attrs(node)
+    ins = _inputs(node)
+    T = _check(node, ctx, ins)
+    layout = int(attrs.get("layout", 0))
+    t_axis, y_dir, h_dir = _axes(layout)
+    direction = attrs.get("direction", "forward")
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    dirs = [0, 1] if direction == "bidirectional" else [0]
+    acts = [a.decode() if isinstance(a, bytes) else a for a in (attrs.get("activations") or ["Tanh"] * len(dirs))]
+    if any(a not in ("Tanh", "Relu") for a in acts) or attrs.get("clip") is not None:
+        raise ctx.error(node, f"activations {acts} (or clip) have no rewrite", "use Tanh or Relu without clip")
+    H = int(attrs["hidden_size"])
+    em = Emitter(node, ctx)
+    ys, hs = [], []
+    for d in dirs:
+        reverse = direction == "reverse" or d == 1
+        w = em.transpose(em.squeeze(_direction(em, ins[1], d), [0]), [1, 0])  # [I, H]
+        r = em.transpose(em.squeeze(_direction(em, ins[2], d), [0]), [1, 0])  # [H, H]
+        bias = None
+        if ins[3]:
+            wb, rb = em.op("Split", [em.squeeze(_direction(em, ins[3], d), [0]), em.const([H, H], hint="halves")],
+                           2, axis=0)
+            bias = em.op("Add", [wb, rb])
+        if ins[5]:
+            h = em.squeeze(_state(em, ins[5], d, layout), [1 if layout else 0])  # [N, H]
+        else:
+            n = em.op("Gather", [em.op("Shape", [ins[0]]), em.const(1 - t_axis if layout else 1, hint="batch")])
+            h = em.op("ConstantOfShape", [em.op("Concat", [em.unsqueeze(n, [0]), em.const([H], hint="H")], axis=0)],
+                      value=onnx.helper.make_tensor("zero", ctx.dtype(ins[0]), [1], [0]))
+        steps = []
+        for t in (range(T - 1, -1, -1) if reverse else range(T)):
+            x_t = em.op("Gather", [ins[0], em.const(t, hint="t")], axis=t_axis)  # [N, I]
+            a = em.op("Add", [em.op("MatMul", [x_t, w]), em.op("MatMul", [h, r])])
+            if bias is not None:
+                a = em.op("Add", [a, bias])
+            h = em.op(acts[d if len(acts) > 1 else 0], [a])
+            steps.append(h)
+        if reverse:
+            steps = steps[::-1]
+        # Y of this direction: [T, 1, N, H] (layout 1: [N, T, 1, H])
+        stacked = em.op("Concat", [em.unsqueeze(s, [t_axis]) for s in steps], axis=t_axis)
+        ys.append(em.unsqueeze(stacked, [y_dir]))
+        hs.append(em.unsqueeze(h, [h_dir]))
+    outs = list(node.output) + ["", ""]
+    for out, parts, axis in ((outs[0], ys, y_dir), (outs[1], hs, h_dir)):
+        if out:
+            em.op("Concat", parts, [out], axis=axis) if len(parts) > 1 else em.op("Identity", parts, [out])
+    return em.nodes
