@@ -167,7 +167,24 @@ def cmd_report(args) -> int:
 def cmd_split(args) -> int:
     from onnxfuse.core.split import split_array
 
-    paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial)
+    like = None
+    if args.like:
+        from onnxfuse.core.array import ArrayDir
+        from onnxfuse.core.split import graph_keys
+        from onnxfuse.exporters import load_factory
+        from onnxfuse.exporters.torch_export import module_extra_state
+
+        like = module_extra_state(load_factory(args.like)(), graph_keys(ArrayDir(args.array).load_spec()))
+    else:
+        from onnxfuse.core.array import ArrayDir
+        from onnxfuse.core.split import plain_export_note
+
+        array = ArrayDir(args.array)
+        array.check_exists()
+        note = plain_export_note(array.load_spec(), [array.load_source(0)])
+        if note:
+            logging.getLogger("onnxfuse").warning(note)
+    paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial, like=like)
     what = "initial weights" if args.initial else "trained weights"
     print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for "
           "inference, model_b.safetensors state_dicts)")
@@ -312,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "holding it)")
     s.add_argument("--initial", action="store_true",
                    help="split the weights the array was fused with (an untrained array is refused without it)")
+    s.add_argument("--like", metavar="MODULE:FACTORY",
+                   help="the models' torch module (path.py:make, as export takes it): write the keys a plain "
+                        "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked)")
     s.set_defaults(func=cmd_split)
 
     r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Sequence
@@ -19,7 +20,7 @@ from onnxfuse.core.engine import Strategy, fuse_aligned
 from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.core.identity import check_identical
 from onnxfuse.core.rules import RULES
-from onnxfuse.core.source import SourceModel, load_source, resolve_static_pass
+from onnxfuse.core.source import FLOAT_TYPES, SourceModel, load_source, resolve_static_pass
 from onnxfuse.core.weights import ArraySpec
 
 __all__ = ["FusedGraph", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
@@ -108,10 +109,30 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         inputs=io(src.inputs, set(per_model_inputs)),
         outputs=io(src.outputs),
         weights=result.weights,
-        extra_state=[dict(s.meta.get("extra_state", {})) for s in sources],
+        extra_state=[_extra_state(s) for s in sources],
         summary=summary,
     )
     return FusedGraph(model=model, spec=spec, sources=sources)
+
+
+# a state_dict key: dotted module path and name (an export's own constants are "onnx::Reshape_3", "/Constant_output_0")
+_STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)+$")
+
+
+def _extra_state(src: SourceModel) -> dict:
+    """State that ``split`` writes besides the trained weights: the exporter's record (aliases, BatchNorm counters,
+    constants); for a graph from a plain export, which has none, every non-float initializer named like a
+    state_dict key (a module's integer buffer, e.g. Swin's ``relative_position_index``), as the constant it is."""
+    extra = dict(src.meta.get("extra_state", {}))
+    if "trainable" in src.meta:
+        return extra
+    for name, t in src.initializers.items():
+        if t.data_type in FLOAT_TYPES or name in src.weight_names or name in extra or not _STATE_KEY.match(name):
+            continue
+        arr = src.array(name)
+        extra[name] = {"dtype": str(arr.dtype), "shape": list(arr.shape), "value": arr.reshape(-1).tolist(),
+                       "kind": "constant"}
+    return extra
 
 
 def _labels(models) -> list[str]:

@@ -18,6 +18,7 @@ from onnxfuse.core._io import atomic_dir
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.array import ArrayDir, check_output_location, model_file, model_weights_file
 from onnxfuse.core.errors import InputFileError
+from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.core.weights import ArraySpec, unpack_weight
 
 __all__ = ["to_inference", "split_weights", "model_steps", "final_states", "split_array"]
@@ -45,8 +46,8 @@ def model_steps(status: dict | None, steps: int) -> int:
     return steps if diverged is None else min(steps, int(diverged) - 1)
 
 
-def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Sequence[int] = 0
-                  ) -> list[dict[str, np.ndarray]]:
+def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Sequence[int] = 0,
+                  like: dict | None = None) -> list[dict[str, np.ndarray]]:
     """Per-model {state_dict key: tensor}: every key the exporter recorded, so that torch's
     ``load_state_dict(strict=True)`` accepts it. ``steps``: the optimizer steps taken, one for all models or one
     per model (``model_steps``).
@@ -56,13 +57,16 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
     trained value of the key it aliases, copied), ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the
     number of training steps, as torch does once per training forward) and ``constant`` (its value at export time).
     Arrays made before aliases were recorded carry tied weights as constants (their export-time value).
-    ``fused`` may hold torch tensors: the unpacked weights are then torch tensors too (the extra state stays numpy)."""
+    ``fused`` may hold torch tensors: the unpacked weights are then torch tensors too (the extra state stays numpy).
+    ``like``: extra state of the same kinds, for the keys the array does not know (a graph from a plain export
+    holds no record of them): :func:`onnxfuse.exporters.torch_export.module_extra_state` of the source module."""
     per_model = list(steps) if isinstance(steps, (list, tuple)) else [steps] * spec.B
     out = []
     for b in range(spec.B):
         state = {fw.sources[b]: unpack_weight(fw, fused[fw.name], b) for fw in spec.weights.values()}
+        known = {**{k: e for k, e in (like or {}).items() if k not in state}, **spec.extra_state[b]}
         aliases = {}
-        for key, e in spec.extra_state[b].items():
+        for key, e in known.items():
             if e.get("kind") == "alias":
                 aliases[key] = e["of"]
                 continue
@@ -79,7 +83,7 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
     return out
 
 
-def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = False
+def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = False, like: dict | None = None
                  ) -> list[dict[str, np.ndarray]]:
     """Every original model's state_dict after the current run (``initial``: as fused), from what
     :meth:`ArrayDir.trained` gives. A run that shrank the array (successive halving) stored the surviving array
@@ -96,7 +100,7 @@ def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = 
     states: list = [None] * spec.B
     for b, state in zip(models, split_weights(current, trained.weights,
                                               [model_steps(trained.status.get(str(b)), trained.steps)
-                                               for b in models])):
+                                               for b in models], like)):
         states[b] = state
     for b in range(spec.B):
         if states[b] is None:
@@ -106,26 +110,45 @@ def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = 
 
 
 def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
-                initial: bool = False) -> list[str]:
+                initial: bool = False, like: dict | None = None) -> list[str]:
     """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths.
 
     The weights are the current run's trained ones (an array without them is refused); ``initial``: the
-    weights the array was fused with. ``out_dir`` may not be, be inside, or contain the array folder. Holds the
-    array folder's lock."""
+    weights the array was fused with. ``like``: the keys a plain export's graph cannot hold, from the source
+    module (``split --like MODULE:FACTORY``; see :func:`split_weights`). ``out_dir`` may not be, be inside, or
+    contain the array folder. Holds the array folder's lock."""
     array, out_dir = ArrayDir(array_dir), os.fspath(out_dir)
     array.check_exists()
     check_output_location(out_dir, [array.path])
     with array.locked("split"):
-        return _split_locked(array, out_dir, overwrite, initial)
+        return _split_locked(array, out_dir, overwrite, initial, like)
 
 
-def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool) -> list[str]:
+def graph_keys(spec: ArraySpec) -> set[str]:
+    """The state_dict keys model 0's split state has without ``like``: its weights and recorded extra state."""
+    return {fw.sources[0] for fw in spec.weights.values()} | set(spec.extra_state[0])
+
+
+def plain_export_note(spec: ArraySpec, sources: Sequence[onnx.ModelProto]) -> str | None:
+    """What a split of models from a plain export may lack, and how to get it (None for onnxfuse's exporter,
+    whose metadata records every state_dict key)."""
+    if not sources or any(p.key == METADATA_KEY for p in sources[0].metadata_props):
+        return None
+    bn = any(n.op_type == "BatchNormalization" for n in sources[0].graph.node)
+    lacks = "BatchNorm's num_batches_tracked, " if bn else ""
+    return (f"the models come from a plain export, whose graph holds no record of the state_dict keys it cannot "
+            f"hold ({lacks}tied weights' second names): the split files have the graph's tensors only; pass "
+            f"--like MODULE:FACTORY (split_array(like=...)) to write every key of the module")
+
+
+def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool, like: dict | None = None
+                  ) -> list[str]:
     from safetensors.numpy import save_file
 
     spec = array.load_spec()
     if not initial:
         array.check_one_run()
-    per_model = final_states(array.path, spec, initial)
+    per_model = final_states(array.path, spec, initial, like)
     sources = [array.load_source(b) for b in range(spec.B)]
     paths = []
     with atomic_dir(out_dir, overwrite, command="split") as tmp:

@@ -103,6 +103,13 @@ def _state_metadata(module: torch.nn.Module, graph_inits: set[str]) -> dict:
     return meta
 
 
+def module_extra_state(module: torch.nn.Module, graph_keys: set[str]) -> dict:
+    """The state ``split`` writes for the keys of ``module``'s state_dict that are not in ``graph_keys`` (the keys
+    a split already has): tied aliases, BatchNorm counters (advanced by the steps trained) and constants, as
+    :func:`_state_metadata` records them at export. For models from a plain export (``split --like``)."""
+    return _state_metadata(module, set(graph_keys))["extra_state"]
+
+
 def export_module(
     module: torch.nn.Module,
     path: str | os.PathLike | None,

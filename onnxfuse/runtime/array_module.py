@@ -135,13 +135,21 @@ class FusedArray(torch.nn.Module):
 
     # ---- per-model state
     @torch.no_grad()
-    def state_dicts(self) -> list[dict[str, torch.Tensor]]:
+    def state_dicts(self, like: torch.nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
         """B state_dicts of torch tensors on the array's device, every key the source module has (``split``'s),
         for ``module.load_state_dict(sd, strict=True)``: trained weights unpacked, BatchNorm's
-        ``num_batches_tracked`` advanced by the training forwards, other state as exported."""
+        ``num_batches_tracked`` advanced by the training forwards, other state as exported. ``like``: a module
+        of the models' architecture, for an array of plain exports (ONNX files without onnxfuse's metadata):
+        the keys their graphs cannot hold (tied weights, num_batches_tracked) from its structure."""
         fused = {n: t.detach() for n, t in self.onnx_state().items()}
         device = self.device
-        dicts = split_weights(self.spec, fused, int(self.forwards))
+        extra = None
+        if like is not None:
+            from onnxfuse.core.split import graph_keys
+            from onnxfuse.exporters.torch_export import module_extra_state
+
+            extra = module_extra_state(like, graph_keys(self.spec))
+        dicts = split_weights(self.spec, fused, int(self.forwards), extra)
         return [{k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)).to(device)
                  for k, v in d.items()} for d in dicts]
 
