@@ -242,9 +242,7 @@ def test_a_killed_fp16_run_resumes_to_the_uninterrupted_runs_weights_and_scales(
     """``onnxfuse train --precision fp16`` SIGKILLed twice at random moments and resumed: the final weights are
     bit-identical to an uninterrupted run's, and so is every model's loss scale in metrics.csv (the scales grow
     every 25 steps and back off at overflows: both happen in this run)."""
-    from safetensors.numpy import load_file
-
-    from test_run import data_file, metrics
+    from test_run import assert_same_trained_weights, data_file, metrics
     from test_torch_compile import _killed_and_resumed
 
     data = data_file(tmp_path, n=128)
@@ -253,10 +251,7 @@ def test_a_killed_fp16_run_resumes_to_the_uninterrupted_runs_weights_and_scales(
             "--checkpoint-every", "20", "--runtime", "torch", "--compile", "off", "-q"]
     arr_ref, arr, kills = _killed_and_resumed(tmp_path, args)
     assert kills == 2
-    ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
-    got = load_file(str(arr / "trained" / "weights.safetensors"))
-    for k in ref:
-        assert ref[k].tobytes() == got[k].tobytes(), k
+    assert_same_trained_weights(arr_ref, arr)
 
     def scales(folder):
         return [(r["step"], r["model"], r["loss_scale"], r["status"]) for r in metrics(folder) if r["split"] == "train"]

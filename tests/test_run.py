@@ -33,6 +33,15 @@ def make_array(folder, B, seed0=30, name="mlp"):
     return folder / "array", mods
 
 
+def assert_same_trained_weights(arr_ref, arr) -> None:
+    """The two array folders' trained weights are bit-identical, tensor by tensor."""
+    ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
+    got = load_file(str(arr / "trained" / "weights.safetensors"))
+    assert set(ref) == set(got)
+    for k in ref:
+        assert ref[k].tobytes() == got[k].tobytes(), k
+
+
 def data_file(folder, n=96, seed=0):
     rng = np.random.default_rng(seed)
     path = folder / "data.npz"
@@ -192,11 +201,7 @@ def test_killed_run_resumes_to_identical_weights(runtime, tmp_path):
         assert code == 0, log.read()[-2000:]
         break
     assert kills == 3
-    ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
-    got = load_file(str(arr / "trained" / "weights.safetensors"))
-    assert ref.keys() == got.keys()
-    for k in ref:
-        assert ref[k].tobytes() == got[k].tobytes(), k
+    assert_same_trained_weights(arr_ref, arr)
     steps = [int(r["step"]) for r in metrics(arr) if r["split"] == "train" and r["model"] == "0"]
     assert steps == list(range(1, 3001))  # a resumed run rewrites the metrics from its checkpoint on: each once
 

@@ -19,12 +19,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
 from onnxfuse.training import TrainConfig, train_array
-from test_run import SHAPE, _torch_alone, data_file, first_nonfinite_step, make_array, metrics, states
+from test_run import (SHAPE, _torch_alone, assert_same_trained_weights, data_file, first_nonfinite_step,
+                      make_array, metrics, states)
 
 
 def _regression_data(tmp_path, n=96):
@@ -226,10 +226,7 @@ def test_a_killed_compiled_run_resumes_bit_identical_to_an_uninterrupted_compile
             "--compile", "on", "--log-every", "10", "-q"]
     arr_ref, arr, kills = _killed_and_resumed(tmp_path, args)
     assert kills == 2
-    ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
-    got = load_file(str(arr / "trained" / "weights.safetensors"))
-    for k in ref:
-        assert ref[k].tobytes() == got[k].tobytes(), k
+    assert_same_trained_weights(arr_ref, arr)
 
 
 @pytest.mark.slow
