@@ -1540,9 +1540,8 @@ def recurrent(spec: NodeSpec) -> Kernel:
         if p is None or bool((p != 0).any()):
             spec.fail("peepholes have no torch kernel", "train it with --runtime ort")
     fn_vf = {"LSTM": torch._VF.lstm, "GRU": torch._VF.gru}.get(t) or (torch._VF.rnn_relu if relu else torch._VF.rnn_tanh)
-    lens = spec.const(4) if spec.has(4) else None
-    if spec.has(4) and lens is None:
-        spec.need_const(4, "sequence_lens")
+    spec.need_const(4, "sequence_lens")
+    lens = spec.const(4)
     n_out = spec.n_outputs
 
     def fn(x, w, r, b=None, seq_lens=None, h0=None, c0=None, peepholes=None):

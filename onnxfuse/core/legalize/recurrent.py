@@ -136,7 +136,7 @@ def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | N
         if ins[5]:
             h = em.squeeze(_state(em, ins[5], d, layout), [1 if layout else 0])  # [N, H]
         else:
-            n = em.op("Gather", [em.op("Shape", [ins[0]]), em.const(1 - t_axis if layout else 1, hint="batch")])
+            n = em.op("Gather", [em.op("Shape", [ins[0]]), em.const(0 if layout else 1, hint="batch")])
             h = em.op("ConstantOfShape", [em.op("Concat", [em.unsqueeze(n, [0]), em.const([H], hint="H")], axis=0)],
                       value=onnx.helper.make_tensor("zero", ctx.dtype(ins[0]), [1], [0]))
         steps = []
