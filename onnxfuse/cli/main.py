@@ -83,6 +83,7 @@ def cmd_fuse(args) -> int:
 def _fuse(args) -> int:
     from onnxfuse.core.array import ArrayDir
     from onnxfuse.core.passes import fuse_models, save_array
+    from onnxfuse.core.semantics import parse_padding_rows
     from onnxfuse.measure.forms import make_strategy
 
     files = _model_files(args.models)
@@ -91,7 +92,9 @@ def _fuse(args) -> int:
                              progress=lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr), compile=args.compile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy)
+        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy,
+                         padding_rows=parse_padding_rows(args.padding_rows),
+                         frozen=[n for n in (args.frozen or "").split(",") if n])
     for w in caught:
         print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
@@ -291,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail on a node without a fusion rule instead of running it once per model")
     f.add_argument("--per-model-inputs", metavar="NAME,...",
                    help="graph inputs that differ per model (the fused input gains a leading model axis)")
+    f.add_argument("--padding-rows", metavar="TABLE=ROW,...",
+                   help="for plain torch.onnx.export files: embedding rows whose lookups pass no gradient, as "
+                   "nn.Embedding(padding_idx=ROW) keeps them (onnxfuse export records these itself)")
+    f.add_argument("--frozen", metavar="NAME,...",
+                   help="for plain torch.onnx.export files: weights (names or glob patterns, e.g. 'encoder.*') "
+                   "that are not trained, as requires_grad=False keeps them (onnxfuse export records these itself)")
     from onnxfuse.measure.forms import STRATEGY_CHOICES
     f.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
                    help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model): "

@@ -5,11 +5,12 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import onnx
 from onnx import numpy_helper
@@ -20,7 +21,8 @@ from onnxfuse.core.engine import Strategy, fuse_aligned
 from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.core.identity import check_identical
 from onnxfuse.core.rules import RULES
-from onnxfuse.core.source import FLOAT_TYPES, SourceModel, load_source, resolve_static_pass
+from onnxfuse.core.semantics import apply_options, plain_export_warnings, record_semantics
+from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY, SourceModel, load_source, resolve_static_pass
 from onnxfuse.core.weights import ArraySpec
 
 __all__ = ["FusedGraph", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
@@ -59,7 +61,8 @@ def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None,
                 strict: bool = False, per_model_inputs: Sequence[str] = (),
-                strategy: str | Strategy | None = None) -> FusedGraph:
+                strategy: str | Strategy | None = None, padding_rows: Mapping[str, Sequence[int]] | None = None,
+                frozen: Sequence[str] = ()) -> FusedGraph:
     """Fuse B models that are the same graph up to weights into one horizontally fused model.
 
     ``per_model_inputs`` names graph inputs that differ per model: the fused graph takes them as [B, ...].
@@ -68,6 +71,9 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
     the same maths and the same weight layout): None or "default" (each rule's first: grouped convolutions), a form
     name (:data:`FORMS`, that form wherever offered), or a callable (:data:`onnxfuse.core.engine.Strategy`;
     ``onnxfuse.measure.forms.measured_strategy`` measures each node's forms on a runtime and device).
+    ``padding_rows`` ({embedding table: rows}) and ``frozen`` (weight names or glob patterns) say what a plain
+    export's graph cannot (:mod:`onnxfuse.core.semantics`; onnxfuse's exporter records both): without them, each
+    embedding lookup of a plain export is warned about.
     """
     if isinstance(strategy, str):
         strategy = None if strategy == "default" else fixed_strategy(strategy)
@@ -87,6 +93,13 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
                           f"(its inputs: {', '.join(sorted(names))})")
     aligned = check_identical(sources)
     result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs), strategy=strategy)
+    metas = [s.meta for s in sources]
+    if padding_rows or frozen:
+        apply_options(result.weights, metas, padding_rows, frozen)
+    elif not sources[0].meta:  # a plain export, and nothing said about it
+        for message in plain_export_warnings(sources[0].model, sources[0].weight_names):
+            warnings.warn(message, stacklevel=2)
+    record_semantics(result.weights, metas)
     if result.summary["unfused"]:
         listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
         more = len(result.summary["unfused"]) - 10
@@ -143,9 +156,15 @@ def _labels(models) -> list[str]:
 
 
 def _strip_weights(src: SourceModel) -> onnx.ModelProto:
-    """The source graph without its weight data (split puts trained weights back)."""
+    """The source graph without its weight data (split puts trained weights back), with its metadata as fusion
+    read it (the options of :func:`~onnxfuse.core.semantics.apply_options` included)."""
     m = onnx.ModelProto()
     m.CopyFrom(src.model)
+    if src.meta:
+        kept = [p for p in m.metadata_props if p.key != METADATA_KEY]
+        del m.metadata_props[:]
+        m.metadata_props.extend(kept)
+        m.metadata_props.add(key=METADATA_KEY, value=json.dumps(src.meta))
     keep = [t for t in m.graph.initializer if t.name not in src.weight_names]
     del m.graph.initializer[:]
     m.graph.initializer.extend(keep)

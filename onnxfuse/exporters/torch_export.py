@@ -19,6 +19,7 @@ from onnx import numpy_helper
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.semantics import PADDING_ROWS
 from onnxfuse.core.source import METADATA_KEY
 
 __all__ = ["export_module", "export_array", "load_factory", "DEFAULT_OPSET"]
@@ -103,6 +104,40 @@ def _state_metadata(module: torch.nn.Module, graph_inits: set[str]) -> dict:
     return meta
 
 
+def _padding_rows(module: torch.nn.Module, graph_inits: set[str]) -> dict:
+    """``{table: [row]}``: the rows of embedding tables whose lookups pass no gradient to them
+    (``nn.Embedding(padding_idx=)``), by the name the graph holds the (maybe tied) table under. The graph reads
+    the table with a plain Gather, so fusion records this and both runtimes honour it
+    (``onnxfuse/core/semantics.py``).
+    What a graph cannot hold and no runtime trains as torch does is refused here, before torch exports anything:
+    ``max_norm`` (the forward renormalizes rows in place), ``scale_grad_by_freq`` (the gradient divided by each
+    row's count in the batch) and BatchNorm's ``momentum=None`` (a cumulative average, exported as momentum 0)."""
+    state = module.state_dict(keep_vars=True)
+    in_graph = {_storage_key(state[k]): k for k in graph_inits if k in state and state[k].numel()}
+    rows: dict[str, list[int]] = {}
+    for name, m in module.named_modules():
+        label = f"{type(m).__name__} '{name or type(module).__name__}'"
+        if isinstance(m, torch.nn.Embedding):
+            if m.max_norm is not None:
+                raise ConfigError(f"{label} has max_norm={m.max_norm}: its forward renormalizes the looked-up rows "
+                                  "in place, which an ONNX graph cannot hold, so no runtime could train it as torch "
+                                  "does; remove max_norm (or clip the rows after each step yourself)")
+            if m.scale_grad_by_freq:
+                raise ConfigError(f"{label} has scale_grad_by_freq=True: torch divides each row's gradient by its "
+                                  "count in the batch, which onnxfuse's runtimes do not; remove it to train this "
+                                  "model")
+            if m.padding_idx is not None:
+                key = in_graph.get(_storage_key(m.weight))
+                if key is not None:
+                    rows.setdefault(key, []).append(int(m.padding_idx) % m.num_embeddings)
+        elif (isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None
+              and m.track_running_stats):
+            raise ConfigError(f"{label} has momentum=None (running statistics as a cumulative average): the export "
+                              "writes momentum 0, which would make them the last batch's; give it a momentum "
+                              "(torch's default is 0.1)")
+    return {k: sorted(set(v)) for k, v in rows.items()}
+
+
 def module_extra_state(module: torch.nn.Module, graph_keys: set[str]) -> dict:
     """The state ``split`` writes for the keys of ``module``'s state_dict that are not in ``graph_keys`` (the keys
     a split already has): tied aliases, BatchNorm counters (advanced by the steps trained) and constants, as
@@ -127,6 +162,7 @@ def export_module(
     restored afterwards and the ONNX initializers hold the values from before the export.
     """
     check_opset(opset)
+    _padding_rows(module, set())  # what no runtime can train is refused before torch exports it
     if example_inputs is None:
         if input_shape is None:
             raise ConfigError("export_module needs input_shape or example_inputs")
@@ -157,7 +193,8 @@ def export_module(
     for init in proto.graph.initializer:
         if init.name in snapshot:
             init.CopyFrom(numpy_helper.from_array(snapshot[init.name].cpu().numpy(), init.name))
-    meta = _state_metadata(module, {i.name for i in proto.graph.initializer})
+    inits = {i.name for i in proto.graph.initializer}
+    meta = {**_state_metadata(module, inits), PADDING_ROWS: _padding_rows(module, inits)}
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(meta))
     proto.ir_version = min(proto.ir_version, 10)
     if path is not None:

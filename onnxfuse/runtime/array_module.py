@@ -35,13 +35,15 @@ from onnx import numpy_helper
 
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import ConfigError, DataError
+from onnxfuse.core._graph import Names
 from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
+from onnxfuse.core.semantics import padding_lookups
 from onnxfuse.core.split import split_weights
 from onnxfuse.runtime.ort_artifacts import weights_as_inputs_pass
-from onnxfuse.runtime.precision import autocast_graph
+from onnxfuse.runtime.precision import DOMAIN, autocast_graph
 from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
 
-__all__ = ["FusedArray", "fuse", "ArrayProgram"]
+__all__ = ["FusedArray", "fuse", "ArrayProgram", "keep_padding_rows"]
 
 
 class ArrayProgram(torch.nn.Module):
@@ -73,7 +75,9 @@ class FusedArray(torch.nn.Module):
         self.opset = onnx_opset(graph.model)
         self.trainable, self.buffer_names = graph.spec.parameter_names()
         # float32 bits unchanged; under a user's torch.autocast each model's arithmetic alone (autocast_graph)
-        self.module = OnnxModule.from_array(autocast_graph(graph.model, sum(graph.spec.parameter_names(), [])), graph.spec, lazy=lazy)
+        held = sum(graph.spec.parameter_names(), [])
+        self.module = OnnxModule.from_array(autocast_graph(keep_padding_rows(graph.model, graph.spec), held),
+                                            graph.spec, lazy=lazy)
         self.input_names = [i["name"] for i in graph.spec.inputs]
         self.per_model_inputs = [i["name"] for i in graph.spec.inputs if i.get("per_model")]
         self.output_names = [o["name"] for o in graph.spec.outputs]
@@ -130,8 +134,8 @@ class FusedArray(torch.nn.Module):
     def program(self, model: onnx.ModelProto, outputs: Sequence[str] | None = None,
                 options: TorchOptions | None = None) -> ArrayProgram:
         """``model`` (a graph over this array's fused weights: the fused graph with passes applied) run with this
-        array's tensors as its weights."""
-        return ArrayProgram(self, model, outputs, options)
+        array's tensors as its weights (padding rows kept: :func:`keep_padding_rows`)."""
+        return ArrayProgram(self, keep_padding_rows(model, self.spec), outputs, options)
 
     # ---- per-model state
     @torch.no_grad()
@@ -190,6 +194,29 @@ class FusedArray(torch.nn.Module):
         return f"B={self.B}, inputs={self.input_names}, outputs={self.output_names}"
 
 
+def keep_padding_rows(model: onnx.ModelProto, spec) -> onnx.ModelProto:
+    """``model`` with each lookup of a table that has padding rows (``onnxfuse.core.semantics``) run as the torch
+    runtime's ``GatherKeepRows``: the same values, no gradient to those rows through it (``nn.Embedding``'s
+    ``padding_idx``). ``model`` itself when no table has any."""
+    lookups = {lk.output: lk for lk in padding_lookups(model, spec)}
+    if not lookups:
+        return model
+    model = copy.deepcopy(model)
+    names = Names.of(model.graph)
+    for node in model.graph.node:
+        lk = lookups.get(node.output[0]) if node.op_type == "Gather" and node.domain in ("", "ai.onnx") else None
+        if lk is None:
+            continue
+        rows = names.fresh(f"{lk.table}__padding_rows")
+        model.graph.initializer.append(numpy_helper.from_array(np.array(lk.rows, np.int64), rows))
+        node.op_type, node.domain = "GatherKeepRows", DOMAIN
+        node.input.append(rows)
+        del node.attribute[:]  # axis 0, the only one a lookup has
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
 def _as_tuple(example_inputs) -> tuple:
     if example_inputs is None:
         return ()
@@ -219,12 +246,14 @@ def _count_outputs(module: torch.nn.Module, example: tuple) -> int:
 
 def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Sequence[str | int] = (),
          strategy: str = "default", input_names: Sequence[str] | None = None,
-         output_names: Sequence[str] | None = None, strict: bool = False, opset: int | None = None) -> FusedArray:
+         output_names: Sequence[str] | None = None, strict: bool = False, opset: int | None = None,
+         padding_rows: dict[str, Sequence[int]] | None = None, frozen: Sequence[str] = ()) -> FusedArray:
     """Fuse B models into a :class:`FusedArray`, in memory: torch modules (exported with ``example_inputs``, one
     model's inputs: a tensor or a tuple), ONNX files or ``onnx.ModelProto``s (as ``onnxfuse fuse`` reads them).
     ``per_model_inputs``: the inputs (names, or positions) each model is given its own of (``[B, ...]`` when
     called); ``strategy``: the fused form of nodes offering several (``onnxfuse fuse --strategy``); ``opset``: the
-    export's (default ``DEFAULT_OPSET``, the CLI's). The models must
+    export's (default ``DEFAULT_OPSET``, the CLI's); ``padding_rows`` / ``frozen``: what a plain export's graph
+    cannot say (``fuse_models``'; a torch module's own are recorded by its export). The models must
     be one architecture up to weights (``NotFusibleError`` says where they differ). The array is on the device of
     the first module's parameters (CPU for files)."""
     from onnxfuse.exporters.torch_export import DEFAULT_OPSET, export_module  # torch.onnx: imported when exporting
@@ -262,7 +291,8 @@ def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Seque
             chosen.append(names[p])
         else:
             chosen.append(p)
-    graph = fuse_models(protos, labels, strict=strict, per_model_inputs=chosen, strategy=strategy)
+    graph = fuse_models(protos, labels, strict=strict, per_model_inputs=chosen, strategy=strategy,
+                        padding_rows=padding_rows, frozen=frozen)
     arr = FusedArray(graph)
     device = next((p.device for m in torch_modules for p in m.parameters()), None)
     return arr.to(device) if device is not None else arr

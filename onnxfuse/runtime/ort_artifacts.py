@@ -13,6 +13,7 @@ Passes, in order (each a function of the model):
 3. ``optimizer_state_pass`` zero-initialized optimizer state as extra (frozen) checkpoint parameters
 4. gradient graph (onnxruntime.training.onnxblock); ``rename_added_initializers_pass`` renames what its
    transformers added (they run again at session start and would add the same names)
+   ``padding_rows_pass``    an embedding's padding rows get no gradient from their lookups (``padding_idx``)
 5. ``update_pass``          drop ORT's gradient accumulation, append the running-stat writes and the optimizer
                             update (one flat [B, P] update that reads every gradient, so no parameter is
                             overwritten before the backward pass is done with it)
@@ -34,11 +35,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxfuse.core._graph import all_nodes, node_label
+from onnxfuse.core._graph import Names, all_nodes, node_label
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
-from onnxfuse.core.legalize import legalize
+from onnxfuse.core.legalize import legalize, standard_onnx
 from onnxfuse.core.registry import op_key, op_names
+from onnxfuse.core.semantics import Lookup, padding_lookups, row_mask
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
@@ -331,6 +333,34 @@ def rename_added_initializers_pass(tm: onnx.ModelProto, before: set[str]) -> Non
         node.input[:] = [renames.get(x, x) for x in node.input]
 
 
+def padding_rows_pass(tm: onnx.ModelProto, lookups: Sequence[Lookup]) -> None:
+    """Each padding-row lookup's gradient without those rows (``nn.Embedding(padding_idx=)``, see
+    ``onnxfuse/core/semantics.py``): ORT differentiates the lookup ``Gather(table, idx)`` as ``GatherGrad(shape, idx,
+    dY)``, a scatter-add of dY into the table's rows; its result times a row mask (ones, zeros at the rows) is that
+    lookup's gradient with the padding lookups' share left out, as torch's embedding backward leaves it out. The
+    table's other readers (a tied output projection) still add theirs."""
+    g = tm.graph
+    names = Names.of(g)
+    after: dict[int, list[onnx.NodeProto]] = {}
+    for lk in lookups:
+        grads = [k for k, n in enumerate(g.node) if n.op_type == "GatherGrad" and len(n.input) > 1
+                 and n.input[1] == lk.indices]
+        if not grads:
+            raise OnnxFuseError(f"internal error: no GatherGrad reads lookup '{lk.node}''s indices '{lk.indices}' in "
+                                "the gradient graph, so its padding rows cannot be kept; train with --runtime torch")
+        mask = names.fresh(f"{lk.table}__padding_mask")
+        g.initializer.append(numpy_helper.from_array(row_mask(lk.shape[0], lk.rows, len(lk.shape)), mask))
+        for k in grads:
+            node = g.node[k]
+            raw = names.fresh(f"{node.output[0]}__with_padding")
+            after.setdefault(k, []).append(helper.make_node("Mul", [raw, mask], [node.output[0]],
+                                                            name=names.fresh(f"{lk.node}/keep_padding_rows")))
+            node.output[0] = raw
+    nodes = [m for k, n in enumerate(g.node) for m in [n, *after.get(k, [])]]
+    del g.node[:]
+    g.node.extend(nodes)
+
+
 def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: list[str],
                 opt: OptimizerConfig, n_user_inputs: int) -> None:
     g = tm.graph
@@ -432,9 +462,10 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     except Exception as e:
         raise ort_failure(e, fused, device, "building the gradient graph", graphs=[fwd]) from e
     rename_added_initializers_pass(tm, {t.name for t in fwd.graph.initializer})
+    padding_rows_pass(tm, padding_lookups(fwd, spec))
     update_pass(tm, writes, trainable, opt, n_user_inputs=len(user_inputs) + 1)
     param_inputs = [i for i in tm.graph.input if i.name in set(trainable) | set(frozen)]
-    em = eval_model(fused, spec, loss, [i.name for i in param_inputs],
+    em = eval_model(standard_onnx(fused), spec, loss, [i.name for i in param_inputs],
                     [i for i in param_inputs if i.name in set(state)])
 
     paths = {k: os.path.join(folder, f) for k, f in

@@ -1316,6 +1316,22 @@ def gather(spec: NodeSpec) -> Kernel:
     return _k(fn, 0, 1)
 
 
+@OPS.register("GatherKeepRows", domain="onnxfuse.torch")
+def gather_keep_rows(spec: NodeSpec) -> Kernel:
+    """An embedding lookup ``Gather(table, idx)`` (axis 0) whose lookups of ``rows`` (input 2, constant) pass no
+    gradient to the table: ``nn.Embedding(padding_idx=)``'s backward, the fused table's padding rows
+    (``onnxfuse/core/semantics.py``). The same values as Gather; those positions' outputs are detached."""
+    spec.need_const(2, "rows")
+    rows = spec.const(2).reshape(-1).to(torch.int64)
+
+    def fn(x, i):
+        i = torch.where(i < 0, i + x.shape[0], i)
+        y = x.index_select(0, i.reshape(-1)).reshape(i.shape + x.shape[1:])
+        kept = torch.isin(i, rows if rows.device == i.device else rows.to(i.device))
+        return torch.where(kept.reshape(kept.shape + (1,) * (x.dim() - 1)), y.detach(), y)
+    return _k(fn, 0, 1)
+
+
 @op("GatherElements")
 def gather_elements(spec: NodeSpec) -> Kernel:
     axis = int(spec.attr("axis", 0))
