@@ -308,6 +308,13 @@ class NodeGroup:
         """Input i's value when it is a constant known now (shared initializer or Constant node output)."""
         return self._st.consts.get(self.node.input[i]) if self.has_input(i) else None
 
+    @property
+    def batch_dims(self) -> set[str]:
+        """The symbolic names of the graph inputs' first dims (the batch, e.g. {"N"}), for a strategy that runs the
+        node alone and must set them wherever they appear (an LSTM's X [T, N, I] has its batch second)."""
+        shapes = (self._st.src.shapes.get(vi.name) for vi in self._st.src.inputs)
+        return {s[0] for s in shapes if s and isinstance(s[0], str)}
+
     def weight_sources(self, i: int) -> list[str]:
         return [n.input[i] for n in self.nodes]
 
@@ -567,8 +574,11 @@ def _assemble(st: FusionState) -> onnx.ModelProto:
         inputs.append(vi)
     graph = helper.make_graph(st.nodes, f"fused_{st.B}x_{st.src.model.graph.name or 'model'}", inputs, outputs, inits,
                               value_info=_fused_value_info(st, {o.name for o in outputs} | {i.name for i in inputs}))
-    model = helper.make_model(graph, opset_imports=list(st.src.model.opset_import),
-                              producer_name="onnxfuse")
+    opsets = list(st.src.model.opset_import)
+    imported = {"" if o.domain == "ai.onnx" else o.domain for o in opsets}
+    for domain in dict.fromkeys(n.domain for n in st.nodes if n.domain not in imported | {"ai.onnx"}):
+        opsets.append(helper.make_opsetid(domain, 1))  # a rule's own ops (e.g. the torch runtime's), version 1
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="onnxfuse")
     model.ir_version = min(st.src.model.ir_version, 10)
     return model
 

@@ -77,11 +77,13 @@ def _device_key(runtime: str, device: Device, threads: int) -> str:
     return f"{runtime} {version} | {name} | {os.cpu_count()} cpus | {threads} threads"
 
 
-def _concrete(shape, batch: int) -> list[int] | None:
-    """A tensor shape with its batch dimension (the first, symbolic) set to ``batch``; None if another is unknown."""
+def _concrete(shape, batch: int, batch_dims: set[str] = frozenset()) -> list[int] | None:
+    """A tensor shape with its batch dimension (the first if symbolic, and any named as one of ``batch_dims``, the
+    graph inputs' batch: a recurrent op's X [T, N, I]) set to ``batch``; None if another is unknown."""
     if shape is None:
         return None
-    out = [batch if k == 0 and not isinstance(d, int) else d for k, d in enumerate(shape)]
+    out = [batch if (k == 0 and not isinstance(d, int)) or (isinstance(d, str) and d in batch_dims) else d
+           for k, d in enumerate(shape)]
     return out if all(isinstance(d, int) and d > 0 for d in out) else None
 
 
@@ -90,7 +92,7 @@ def _standalone(g: "NodeGroup", batch: int) -> tuple[list[onnx.ModelProto], list
     None when the node cannot be measured alone (an input that is neither a weight nor a float activation of
     known shape)."""
     node = g.node
-    out_shape = _concrete(g.output_shape(0), batch)
+    out_shape = _concrete(g.output_shape(0), batch, g.batch_dims)
     if out_shape is None:
         return None
     inputs, per_model, shapes, pre = [], [], {}, []
@@ -99,7 +101,7 @@ def _standalone(g: "NodeGroup", batch: int) -> tuple[list[onnx.ModelProto], list
         if not t or g.is_weight(i):
             names.append(t)
             continue
-        shape = _concrete(g.input_shape(i), batch)
+        shape = _concrete(g.input_shape(i), batch, g.batch_dims)
         if shape is None or g.const(i) is not None:
             return None
         x = f"x{i}"

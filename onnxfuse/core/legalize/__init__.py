@@ -7,7 +7,8 @@ The engine (``_engine.py``) applies one registered rewrite per op type; each fam
 ``norm`` (LayerNormalization outputs, InstanceNormalization), ``reduce`` (ReduceMax/Min/L1/SumSquare/LogSum),
 ``conv`` (1-D and grouped N-D Conv), ``pad`` (reflect, edge, wrap), ``pool`` (AveragePool, GlobalMaxPool), ``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu, Sign), ``einsum``, ``cumsum``,
 ``conv_transpose``, ``resize``, ``depth_space`` (DepthToSpace, SpaceToDepth), ``split`` (unused outputs),
-``slicing`` (a negative step on the last axis) and ``recurrent`` (reverse and bidirectional LSTM / GRU, RNN). A node that needs a rewrite but has a form none supports raises
+``slicing`` (a negative step on the last axis) and ``recurrent`` (reverse and bidirectional LSTM / GRU, RNN,
+the recurrent rule's batched form). A node that needs a rewrite but has a form none supports raises
 :class:`onnxfuse.core.errors.UntrainableOpError` naming it.
 """
 from __future__ import annotations
@@ -19,8 +20,9 @@ from onnxfuse.core.legalize import (activation, conv, conv_transpose, cumsum, de
                                     pad, pool, recurrent, reduce, resize, slicing, split)
 from onnxfuse.core.errors import UntrainableOpError
 from onnxfuse.core.legalize._engine import REWRITES, apply_rewrites
+from onnxfuse.core.registry import op_key
 
-__all__ = ["legalize", "legalized_ops"]
+__all__ = ["legalize", "legalized_ops", "standard_onnx"]
 
 
 _MAX_ROUNDS = 8
@@ -41,6 +43,15 @@ def legalize(model: onnx.ModelProto, parameters: set[str] | None = None) -> tupl
         applied += new
     raise UntrainableOpError(f"legalization did not reach a fixed point in {_MAX_ROUNDS} rounds (last: {new[:3]}); "
                              "report it with the model")
+
+
+def standard_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the nodes of onnxfuse's own domains (the torch runtime's ops that a fusion rule emits: the
+    recurrent rule's batched form) rewritten into standard ONNX ops computing the same values, and nothing else
+    changed: a graph any ONNX runtime runs as it is (an onnxruntime ``InferenceSession``). The input is not
+    modified."""
+    out, _ = apply_rewrites(model, only=lambda node: op_key(node)[0] != "")
+    return out
 
 
 def legalized_ops() -> list[str]:

@@ -209,8 +209,10 @@ class Emitter(GraphEmitter):
             self.op("Identity", [value], [output])
 
 
-def apply_rewrites(model: onnx.ModelProto, parameters: set[str] | None = None) -> tuple[onnx.ModelProto, list[str]]:
-    """Replace every node whose rewrite returns nodes; returns the new model and one line per rewrite applied."""
+def apply_rewrites(model: onnx.ModelProto, parameters: set[str] | None = None,
+                   only: Callable[[onnx.NodeProto], bool] | None = None) -> tuple[onnx.ModelProto, list[str]]:
+    """Replace every node whose rewrite returns nodes (``only``: of the nodes it accepts); returns the new model and
+    one line per rewrite applied."""
     out = copy.deepcopy(model)
     ctx = Context(out, parameters)
     g = out.graph
@@ -218,7 +220,7 @@ def apply_rewrites(model: onnx.ModelProto, parameters: set[str] | None = None) -
     applied: list[str] = []
     for node in g.node:
         fn = REWRITES.lookup(node)
-        if fn is None or node.doc_string == FINAL:
+        if fn is None or node.doc_string == FINAL or (only is not None and not only(node)):
             new_nodes.append(node)
             continue
         try:

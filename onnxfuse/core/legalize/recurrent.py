@@ -1,15 +1,17 @@
 """Recurrent nets in ORT 1.19: its LSTMGrad and GRUGrad kernels train the forward direction only ("LSTM and
 LSTMGrad kernel only supports the forward direction for now"), and RNN has no gradient builder. A reverse or
 bidirectional LSTM / GRU becomes one forward node per direction, the reverse one on the sequence reversed; an RNN
-is unrolled over its (static) time steps into MatMul, Add and its activation."""
+is unrolled over its (static) time steps into MatMul, Add and its activation. The recurrent rule's batched form, the
+torch runtime's own op, becomes one standard node per model (which the rewrites above then legalize)."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 
 from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
+from onnxfuse.core.rules.recurrent import BATCHED, TORCH_DOMAIN
 
-__all__ = ["lstm_gru_directions", "rnn_unrolled"]
+__all__ = ["lstm_gru_directions", "rnn_unrolled", "batched_per_model"]
 
 _STATES = {"LSTM": 2, "GRU": 1, "RNN": 1}  # Y_h (and Y_c) after Y
 
@@ -157,4 +159,31 @@ def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | N
     for out, parts, axis in ((outs[0], ys, y_dir), (outs[1], hs, h_dir)):
         if out:
             em.op("Concat", parts, [out], axis=axis) if len(parts) > 1 else em.op("Identity", parts, [out])
+    return em.nodes
+
+
+@rewrite(*BATCHED.values(), domain=TORCH_DOMAIN)
+def batched_per_model(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
+    """``onnxfuse.torch::Batched<op>`` (B models' recurrences, every per-model tensor [B, ...])  ==>  per model b,
+    the standard op on its slices (Gather b on the model axis) with the same attributes; each output the B results
+    stacked again (Unsqueeze, Concat on axis 0).
+
+    Layout: X [B, T, N, I] or shared [T, N, I] (rank 3); initial states [B, D, N, H] or shared [D, N, H]; weights
+    [B, ...]; sequence_lens shared. Math: the batched op is defined as exactly these B recurrences.
+    """
+    op_type = next(op for op, batched in BATCHED.items() if batched == node.op_type)
+    em = Emitter(node, ctx)
+    ins = _inputs(node)[:len(node.input)]
+    B = ctx.static_dim(node, ins[1], 0, "taking each model's weights")
+    shared = {0: 3, 5: 3, 6: 3}  # inputs whose shared form has this rank (the others are per model, or shared lens)
+    per_model = [bool(t) and k != 4 and (k not in shared or ctx.rank(node, t) > shared[k]) for k, t in enumerate(ins)]
+    results = []
+    for b in range(B):
+        index = em.const(b, hint="model")
+        sub = [em.op("Gather", [t, index], axis=0) if per_model[k] else t for k, t in enumerate(ins)]
+        outs = [ctx.fresh(f"{out}__model{b}") if out else "" for out in node.output]
+        results.append(em.emit(op_type, sub, outs, **ctx.attrs(node)))
+    for j, out in enumerate(node.output):
+        if out:
+            em.op("Concat", [em.unsqueeze(r[j], [0]) for r in results], [out], axis=0)
     return em.nodes
