@@ -38,10 +38,11 @@ class ModelSpec:
     layers: list[Layer]
     head: str = "auto"  # auto | regress | classify | lm | lm-tied
     per_model_inputs: bool = False
+    frozen_layer: int = -1  # the layer (k-th rendered) whose parameters are frozen (requires_grad=False); -1: none
 
     def replace(self, **kw) -> "ModelSpec":
         d = dict(seed=self.seed, input=self.input, layers=list(self.layers), head=self.head,
-                 per_model_inputs=self.per_model_inputs)
+                 per_model_inputs=self.per_model_inputs, frozen_layer=self.frozen_layer)
         d.update(kw)
         return ModelSpec(**d)
 
@@ -783,6 +784,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("recurrent", _recurrent_sample, _recurrent_emit, 0.0),
 ]}
 RECURRENT_RATE = 0.25  # per layer position whose shape is [T, D]: a recurrent layer first
+# Training semantics the graph cannot hold (onnxfuse/core/semantics.py), from a stream of their own as well:
+PADDING_RATE = 0.5  # a token model's embedding has a padding_idx (a random row, looked up like any other)
+FROZEN_RATE = 0.2  # one layer's parameters are frozen (requires_grad=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -830,7 +834,12 @@ def generate(seed: int, max_layers: int = 6) -> ModelSpec:
     head = "auto"
     if inp["kind"] == "tokens":
         head = rng.choice(["lm", "lm-tied", "auto"])
-    return ModelSpec(seed, inp, layers, head, per_model_inputs=inp["kind"] == "float" and rng.random() < 0.2)
+    per_model = inp["kind"] == "float" and rng.random() < 0.2
+    semantics = random.Random(f"semantics-{seed}")
+    if inp["kind"] == "tokens" and semantics.random() < PADDING_RATE:
+        inp = {**inp, "padding_idx": semantics.randrange(inp["vocab"])}
+    frozen = semantics.randrange(len(layers)) if layers and semantics.random() < FROZEN_RATE else -1
+    return ModelSpec(seed, inp, layers, head, per_model_inputs=per_model, frozen_layer=frozen)
 
 
 def _has_parameters(init_line: str) -> bool:
@@ -849,15 +858,19 @@ def render(spec: ModelSpec) -> Rendered:
     inp = spec.input
     if inp["kind"] == "tokens":
         in_shape = (inp["T"],)
-        init.append(f"self.emb = nn.Embedding({inp['vocab']}, {inp['dim']})")
+        padding = f", padding_idx={inp['padding_idx']}" if inp.get("padding_idx") is not None else ""
+        init.append(f"self.emb = nn.Embedding({inp['vocab']}, {inp['dim']}{padding})")
         fwd.append("x = self.emb(x)")
         shape = (inp["T"], inp["dim"])
     else:
         in_shape = shape = tuple(inp["shape"])
+    frozen: list[str] = []  # the frozen layer's lines
     for layer in spec.layers:
         out = KINDS[layer.kind].emit(layer.p, shape, f"l{len(used)}", "x", "x")
         if out is None:
             continue
+        if len(used) == spec.frozen_layer and any(_has_parameters(line) for line in out[0]):
+            frozen = out[0]
         init += out[0]
         fwd += out[1]
         shape = tuple(out[2])
@@ -879,10 +892,14 @@ def render(spec: ModelSpec) -> Rendered:
         init.append(f"self.head = nn.Linear({shape[0]}, {K})")
         fwd.append("x = self.head(x)")
         shape, loss = (K,), "cross-entropy"
-    if not any(_has_parameters(line) for line in init):  # something to train: a per-feature scale and shift
+    if not any(_has_parameters(line) for line in init if line not in frozen):  # a per-feature scale and shift to train
         init += [f"self.head_g = nn.Parameter(1 + 0.1 * torch.randn({shape[-1]}))",
                  f"self.head_b = nn.Parameter(0.1 * torch.randn({shape[-1]}))"]
         fwd.append("x = x * self.head_g + self.head_b")
+    if frozen:  # after every layer is made: the frozen layer's parameters (l3, l3_a, l3_w ...) by name
+        init += ["for _name, _p in self.named_parameters():",
+                 f"    if _name.split('.')[0].split('_')[0] == 'l{spec.frozen_layer}':",
+                 "        _p.requires_grad_(False)"]
     body_init = "\n".join("        " + line for line in init) or "        pass"
     body_fwd = "\n".join("        " + line for line in fwd)
     source = (

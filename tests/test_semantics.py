@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import onnxfuse
-from conftest import rel_err
+from conftest import RUNTIME_PARAMS, rel_err
 from onnxfuse import fuse_models
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.split import split_weights
@@ -216,3 +216,24 @@ def test_fuse_cli_takes_the_facts_and_keeps_them_with_the_sources(tmp_path, caps
     assert main(["fuse", *paths, "-o", str(tmp_path / "bad"), "--padding-rows", "emb.weight=x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not NAME=ROW" in err[0], err
+
+
+@pytest.mark.parametrize("layer", ["nn.LSTM(8, 4, batch_first=True, bidirectional=True)",
+                                   "nn.GRU(8, 4, batch_first=True)"])
+@pytest.mark.parametrize("runtime", [RUNTIME_PARAMS[0]])  # ort: the torch runtime is in the fuzz seeds
+def test_a_frozen_recurrent_layer_trains_what_is_around_it(layer, runtime):
+    """A frozen LSTM / GRU between trained layers: ORT 1.19's LSTMGrad and GRUGrad crashed the process (a
+    segmentation fault) when the input needs a gradient and the weights do not; they are differentiated and not
+    updated (``ort_artifacts.weights_ort_must_differentiate``). Fuzz seed 1007 found it."""
+    from fuzz.grammar import Rendered
+    from fuzz.harness import check_source
+
+    source = ("import torch\nimport torch.nn as nn\n\n\nclass FuzzNet(nn.Module):\n    def __init__(self):\n"
+              "        super().__init__()\n        self.pre = nn.Linear(8, 8)\n"
+              f"        self.rnn = {layer}\n"
+              "        self.head = nn.Linear(self.rnn.hidden_size * (1 + self.rnn.bidirectional), 5)\n"
+              "        self.rnn.requires_grad_(False)\n\n    def forward(self, x):\n"
+              "        return self.head(self.rnn(self.pre(x))[0][:, -1])\n")
+    out = check_source(Rendered(source, (6, 8), "float", (5,), "cross-entropy", 1, 5), seed=5, runtime=runtime,
+                       Bs=(1, 2))
+    assert out.status in ("pass", "sensitive"), (out.B, out.stage, out.message)

@@ -41,6 +41,7 @@ from onnxfuse.core.errors import ConfigError, OnnxFuseError, UntrainableOpError,
 from onnxfuse.core.legalize import legalize, standard_onnx
 from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core.semantics import Lookup, padding_lookups, row_mask
+from onnxfuse.core.source import FLOAT_TYPES
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
@@ -292,6 +293,33 @@ def ort_failure(e: Exception, fused: onnx.ModelProto, device: str, doing: str, p
                               f"To fix this, {fix}.")
 
 
+# Ops whose ORT 1.19 gradient kernel crashes the process (a segmentation fault in the first step) when an input
+# needs a gradient and a weight does not: LSTMGrad and GRUGrad write every weight's gradient unconditionally.
+_WEIGHT_GRADIENTS_WRITTEN = ("LSTM", "GRU")
+
+
+def weights_ort_must_differentiate(model: onnx.ModelProto, untrained: Sequence[str]) -> list[str]:
+    """The untrained weights (frozen parameters; ``untrained``) that ORT must still differentiate: those an
+    LSTM or GRU reads (:data:`_WEIGHT_GRADIENTS_WRITTEN`), directly or through the ops that slice or lay out the
+    fused weight for it. Their gradients are computed and never applied (the update reads the trained
+    parameters' alone), so they stay as they are, as requires_grad=False leaves them."""
+    made_by = {o: n for n in model.graph.node for o in n.output if n.op_type not in ("Shape", "Size")}
+    floats = {t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES}
+    keep, found, seen = set(untrained) & floats, set(), set()
+    todo = [i for n in model.graph.node if n.op_type in _WEIGHT_GRADIENTS_WRITTEN and n.domain in ("", "ai.onnx")
+            for k, i in enumerate(n.input) if i and k not in (0, 4)]  # not X, not sequence_lens
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in keep:
+            found.add(name)
+        elif name in made_by:
+            todo.extend(i for i in made_by[name].input if i)
+    return [w for w in untrained if w in found]
+
+
 def _build_gradient(model: onnx.ModelProto, trainable: list[str], frozen: list[str], outputs: list[str]):
     from onnxruntime.training import onnxblock
 
@@ -453,10 +481,11 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     fwd, _ = add_loss_pass(fwd, spec, loss)
     writes = batchnorm_pass(fwd)
     state = optimizer_state_pass(fwd, trainable, opt)
-    frozen = buffers + state
+    untrained = weights_ort_must_differentiate(fwd, buffers)
+    frozen = [b for b in buffers if b not in untrained] + state
     outputs = ["loss", "per_model_loss"] + [v for _, v in writes]
     try:
-        tm, parameters = _build_gradient(fwd, trainable, frozen, outputs)
+        tm, parameters = _build_gradient(fwd, trainable + untrained, frozen, outputs)
     except OnnxFuseError:
         raise
     except Exception as e:
@@ -464,7 +493,7 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
     rename_added_initializers_pass(tm, {t.name for t in fwd.graph.initializer})
     padding_rows_pass(tm, padding_lookups(fwd, spec))
     update_pass(tm, writes, trainable, opt, n_user_inputs=len(user_inputs) + 1)
-    param_inputs = [i for i in tm.graph.input if i.name in set(trainable) | set(frozen)]
+    param_inputs = [i for i in tm.graph.input if i.name in set(trainable) | set(buffers) | set(state)]
     em = eval_model(standard_onnx(fused), spec, loss, [i.name for i in param_inputs],
                     [i for i in param_inputs if i.name in set(state)])
 
