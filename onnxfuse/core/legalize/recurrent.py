@@ -2,7 +2,8 @@
 LSTMGrad kernel only supports the forward direction for now"), and RNN has no gradient builder. A reverse or
 bidirectional LSTM / GRU becomes one forward node per direction, the reverse one on the sequence reversed; an RNN
 is unrolled over its (static) time steps into MatMul, Add and its activation. The recurrent rule's batched form, the
-torch runtime's own op, becomes one standard node per model (which the rewrites above then legalize)."""
+torch runtime's own op, becomes one standard node per model (LSTM, GRU: which the rewrites above then legalize), or
+for an RNN the unrolled steps with a model axis (one batched MatMul per step for all models)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,7 @@ import onnx
 from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
 from onnxfuse.core.rules.recurrent import BATCHED, TORCH_DOMAIN
 
-__all__ = ["lstm_gru_directions", "rnn_unrolled", "batched_per_model"]
+__all__ = ["lstm_gru_directions", "rnn_unrolled", "batched_rnn_unrolled", "batched_per_model"]
 
 _STATES = {"LSTM": 2, "GRU": 1, "RNN": 1}  # Y_h (and Y_c) after Y
 
@@ -25,13 +26,17 @@ def _axes(layout: int) -> tuple[int, int, int]:
     return (1, 2, 1) if layout else (0, 1, 0)
 
 
-def _check(node: onnx.NodeProto, ctx: Context, ins: list[str]) -> int:
-    """The static sequence length; refuses sequence_lens (a reversed direction would reverse within each length)."""
-    if ins[4]:
+def _check(node: onnx.NodeProto, ctx: Context, ins: list[str], model_axes: int = 0) -> int:
+    """The static sequence length (X's time axis after ``model_axes`` leading model axes); refuses sequence_lens
+    other than a constant full length (a reversed direction would reverse within each length; the rewrites drop
+    full lengths)."""
+    layout = int(ctx.attrs(node).get("layout", 0))
+    T = ctx.static_dim(node, ins[0], _axes(layout)[0] + model_axes, "reversing the sequence of a recurrent op")
+    lens = ctx.constant(ins[4]) if ins[4] else None
+    if ins[4] and (lens is None or bool((lens != T).any())):
         raise ctx.error(node, "it has sequence_lens, which its reverse direction cannot be rewritten with",
                         "pad the sequences to one length without sequence_lens, or train it with --runtime torch")
-    layout = int(ctx.attrs(node).get("layout", 0))
-    return ctx.static_dim(node, ins[0], _axes(layout)[0], "reversing the sequence of a recurrent op")
+    return T
 
 
 def _direction(em: Emitter, name: str, d: int) -> str:
@@ -112,11 +117,32 @@ def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | N
     ([N, D, H]); Y [T, D, N, H] ([N, T, D, H]), Y_h [D, N, H] ([N, D, H]).
     Math: ONNX's (and torch's) recurrence, step by step; ORT differentiates each op.
     """
+    return _unrolled(node, ctx, models=False)
+
+
+@rewrite(BATCHED["RNN"], domain=TORCH_DOMAIN)
+def batched_rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
+    """``onnxfuse.torch::BatchedRNN`` (B models' RNNs)  ==>  the unrolled RNN of :func:`rnn_unrolled` with a leading
+    model axis: each step one batched MatMul over the models, [B, N, I] @ [B, I, H] (a shared X_t [N, I] and H_0
+    broadcast over the models), instead of B unrolled RNNs.
+
+    Layout: X [B, T, N, I] or shared [T, N, I]; W [B, D, H, I], R [B, D, H, H], B [B, D, 2H]; initial_h
+    [B, D, N, H] or shared [D, N, H]; outputs [B, ...] (layout 1 as for RNN, after the model axis).
+    Math: MatMul broadcasting pairs model b's operands only; each model's recurrence is :func:`rnn_unrolled`'s."""
+    return _unrolled(node, ctx, models=True)
+
+
+def _unrolled(node: onnx.NodeProto, ctx: Context, models: bool) -> list[onnx.NodeProto]:
+    """The unrolled RNN; ``models``: every weight has a leading model axis, X and initial_h have one where their
+    rank says so, and so does every output."""
     attrs = ctx.attrs(node)
     ins = _inputs(node)
-    T = _check(node, ctx, ins)
+    m = int(models)  # the weights' and outputs' model axis offset
+    xo = int(models and ctx.rank(node, ins[0]) == 4)  # X's
+    so = int(models and bool(ins[5]) and ctx.rank(node, ins[5]) == 4)  # initial_h's
     layout = int(attrs.get("layout", 0))
-    t_axis, y_dir, h_dir = _axes(layout)
+    T = _check(node, ctx, ins, xo)
+    t_axis, y_dir, h_dir = (a + m for a in _axes(layout))
     direction = attrs.get("direction", "forward")
     direction = direction.decode() if isinstance(direction, bytes) else direction
     dirs = [0, 1] if direction == "bidirectional" else [0]
@@ -125,25 +151,32 @@ def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | N
         raise ctx.error(node, f"activations {acts} (or clip) have no rewrite", "use Tanh or Relu without clip")
     H = int(attrs["hidden_size"])
     em = Emitter(node, ctx)
+    swap = [0, 2, 1] if m else [1, 0]  # the last two axes
     ys, hs = [], []
     for d in dirs:
         reverse = direction == "reverse" or d == 1
-        w = em.transpose(em.squeeze(_direction(em, ins[1], d), [0]), [1, 0])  # [I, H]
-        r = em.transpose(em.squeeze(_direction(em, ins[2], d), [0]), [1, 0])  # [H, H]
+        w = em.transpose(em.squeeze(em.slice(ins[1], [d], [d + 1], [m]), [m]), swap)  # [(B,) I, H]
+        r = em.transpose(em.squeeze(em.slice(ins[2], [d], [d + 1], [m]), [m]), swap)  # [(B,) H, H]
         bias = None
         if ins[3]:
-            wb, rb = em.op("Split", [em.squeeze(_direction(em, ins[3], d), [0]), em.const([H, H], hint="halves")],
-                           2, axis=0)
-            bias = em.op("Add", [wb, rb])
+            halves = em.squeeze(em.slice(ins[3], [d], [d + 1], [m]), [m])
+            wb, rb = em.op("Split", [halves, em.const([H, H], hint="halves")], 2, axis=m)
+            bias = em.op("Add", [wb, rb])  # [(B,) H]
+            if m:
+                bias = em.unsqueeze(bias, [1])  # [B, 1, H]
         if ins[5]:
-            h = em.squeeze(_state(em, ins[5], d, layout), [1 if layout else 0])  # [N, H]
+            axis = (1 if layout else 0) + so
+            h = em.squeeze(em.slice(ins[5], [d], [d + 1], [axis]), [axis])  # [(B,) N, H]
         else:
-            n = em.op("Gather", [em.op("Shape", [ins[0]]), em.const(0 if layout else 1, hint="batch")])
-            h = em.op("ConstantOfShape", [em.op("Concat", [em.unsqueeze(n, [0]), em.const([H], hint="H")], axis=0)],
+            n = em.op("Gather", [em.op("Shape", [ins[0]]), em.const((0 if layout else 1) + xo, hint="batch")])
+            dims = [em.unsqueeze(n, [0]), em.const([H], hint="H")]
+            if m:
+                dims.insert(0, em.op("Gather", [em.op("Shape", [ins[1]]), em.const([0], hint="models")]))
+            h = em.op("ConstantOfShape", [em.op("Concat", dims, axis=0)],
                       value=onnx.helper.make_tensor("zero", ctx.dtype(ins[0]), [1], [0]))
         steps = []
         for t in (range(T - 1, -1, -1) if reverse else range(T)):
-            x_t = em.op("Gather", [ins[0], em.const(t, hint="t")], axis=t_axis)  # [N, I]
+            x_t = em.op("Gather", [ins[0], em.const(t, hint="t")], axis=_axes(layout)[0] + xo)  # [(B,) N, I]
             a = em.op("Add", [em.op("MatMul", [x_t, w]), em.op("MatMul", [h, r])])
             if bias is not None:
                 a = em.op("Add", [a, bias])
@@ -151,7 +184,7 @@ def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | N
             steps.append(h)
         if reverse:
             steps = steps[::-1]
-        # Y of this direction: [T, 1, N, H] (layout 1: [N, T, 1, H])
+        # Y of this direction: [(B,) T, 1, N, H] (layout 1: [(B,) N, T, 1, H])
         stacked = em.op("Concat", [em.unsqueeze(s, [t_axis]) for s in steps], axis=t_axis)
         ys.append(em.unsqueeze(stacked, [y_dir]))
         hs.append(em.unsqueeze(h, [h_dir]))
@@ -162,7 +195,7 @@ def rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | N
     return em.nodes
 
 
-@rewrite(*BATCHED.values(), domain=TORCH_DOMAIN)
+@rewrite(BATCHED["LSTM"], BATCHED["GRU"], domain=TORCH_DOMAIN)
 def batched_per_model(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
     """``onnxfuse.torch::Batched<op>`` (B models' recurrences, every per-model tensor [B, ...])  ==>  per model b,
     the standard op on its slices (Gather b on the model axis) with the same attributes; each output the B results
