@@ -14,6 +14,7 @@ import importlib.abc
 import importlib.util
 import sys
 
+from onnxfuse.core._version import __version__
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import (ConfigError, DataError, InputFileError, NotFusibleError, OnnxFuseError,
                                   UnsupportedOpError)
@@ -22,7 +23,6 @@ from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
 from onnxfuse.core.rules import supported_ops
 from onnxfuse.core.weights import ArraySpec, FusedWeight, WeightSlot, pack_weights, unpack_weight
 
-__version__ = "0.1.0"
 
 __all__ = [
     "fuse", "FusedArray", "optim", "fuse_models", "save_array", "FusedGraph", "ArrayDir", "ArraySpec", "FusedWeight", "WeightSlot", "pack_weights",

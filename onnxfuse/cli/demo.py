@@ -37,8 +37,9 @@ def _lrs(models: int) -> list[float]:
 
 def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, batch_size: int = 64,
              progress: bool = True, runtime: str = "auto", precision: str = "fp32") -> list[dict]:
-    """The demo (see the module docstring); ``precision``: the training's (``--precision``: bf16 and fp16 train
-    the fp32 weights under autocast; the split models are evaluated in fp32, as any checkpoint would be)."""
+    """The demo (see the module docstring); ``progress``: its step lines and the progress bar; ``precision``: the
+    training's (``--precision``: bf16 and fp16 train the fp32 weights under autocast; the split models are
+    evaluated in fp32, as any checkpoint would be)."""
     import torch
     from safetensors.torch import load_file
 
@@ -58,24 +59,25 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
         raise ConfigError(f"'{out_dir}' holds {repr(other[0]) if other else 'a file'}, which `onnxfuse demo` did not "
                           f"write; the demo replaces {', '.join(DEMO_FILES)} there: give -o a new folder")
     runtime = resolve_runtime(runtime, "cpu", precision)
+    say = print if progress else (lambda *a, **k: None)  # the progress lines ([1/4] ...); -q: the table alone
     clock = Stopwatch()
     (xtr, ytr), (xte, yte) = digits_data()
     os.makedirs(out_dir, exist_ok=True)
     data = os.path.join(out_dir, "digits_train.npz")
     np.savez(data, input=xtr, labels=ytr)
     lrs = _lrs(models)
-    print(f"[1/4] exporting {models} DigitsCNN models (seeds 0..{models - 1}) to {out_dir}/jobs")
+    say(f"[1/4] exporting {models} DigitsCNN models (seeds 0..{models - 1}) to {out_dir}/jobs")
     paths = export_array(zoo.DigitsCNN, os.path.join(out_dir, "jobs"), models, [batch_size, 1, 8, 8], overwrite=True)
-    print(f"[2/4] fusing them into {out_dir}/array")
+    say(f"[2/4] fusing them into {out_dir}/array")
     fa = fuse_models(paths)
     save_array(fa, os.path.join(out_dir, "array"), overwrite=True)
-    print(f"[3/4] training all {models} at once for {steps} steps on the {runtime} runtime"
+    say(f"[3/4] training all {models} at once for {steps} steps on the {runtime} runtime"
           f"{'' if precision == 'fp32' else ' in ' + precision} (SGD, momentum 0.9, lr "
           f"{', '.join(f'{v:g}' for v in lrs)})")
     cfg = TrainConfig(steps=steps, batch_size=batch_size, optimizer="sgd", lr=lrs, momentum=0.9, seed=0,
                       log_every=10, runtime=runtime, precision=precision)
     res = train_array(os.path.join(out_dir, "array"), data, cfg, progress=progress)
-    print(f"[4/4] splitting into {out_dir}/models and evaluating each model alone: its checkpoint in a plain "
+    say(f"[4/4] splitting into {out_dir}/models and evaluating each model alone: its checkpoint in a plain "
           "zoo.DigitsCNN")
     split_array(os.path.join(out_dir, "array"), os.path.join(out_dir, "models"), overwrite=True)
     rows = []

@@ -57,17 +57,19 @@ def _model_files(items: list[str]) -> list[str]:
 def cmd_export(args) -> int:
     from onnxfuse.core.array import check_output_location
     from onnxfuse.exporters import export_array, load_factory
+    from onnxfuse.exporters.factory import factory_args, inputs_from_flags, model_inputs
 
-    shape = _numbers(args.input_shape, "--input-shape", int)
-    if not shape or any(d < 1 for d in shape):
-        raise ConfigError(f"--input-shape must be positive integers like 32,3,32,32, got '{args.input_shape}'")
+    shape, dtype = inputs_from_flags(args.input_shape, args.input_dtype)
+    model_inputs(shape, dtype, key="--input-shape", dtype_key="--input-dtype")
+    factory_kwargs = factory_args(args.args, "--args")
     seeds = _numbers(args.seeds, "--seeds", int)
     module_file = args.factory.rpartition(":")[0]
     check_output_location(args.output, [module_file] if module_file.endswith(".py") else [])
     factory = load_factory(args.factory)
     paths = export_array(factory, args.output, args.count, shape, seeds=seeds, overwrite=args.overwrite,
-                         opset=args.opset)
-    print(f"exported {len(paths)} models to {args.output}/ (model_0.onnx .. model_{len(paths) - 1}.onnx)")
+                         opset=args.opset, factory_args=factory_kwargs, input_dtype=dtype)
+    files = "model_0.onnx" + (f" .. model_{len(paths) - 1}.onnx" if len(paths) > 1 else "")
+    print(f"exported {len(paths)} model{'s' if len(paths) != 1 else ''} to {args.output}/ ({files})")
     return 0
 
 
@@ -88,8 +90,9 @@ def _fuse(args) -> int:
 
     files = _model_files(args.models)
     per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
-    strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads,
-                             progress=lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr), compile=args.compile)
+    say = None if args.quiet else (lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr))
+    strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads, progress=say,
+                             compile=args.compile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy,
@@ -208,7 +211,7 @@ def cmd_bench(args) -> int:
     run_bench(models=[m for m in args.models.split(",") if m], B=_numbers(args.B, "--B", int), device=args.device,
               modes=[m for m in args.modes.split(",") if m], batch=args.batch, steps=args.steps, rounds=args.rounds,
               warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads,
-              strategy=args.strategy, precisions=[p for p in args.precision.split(",") if p])
+              strategy=args.strategy, precisions=[p for p in args.precision.split(",") if p], progress=not args.quiet)
     return 0
 
 
@@ -270,26 +273,70 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p)  # every training setting, from onnxfuse/recipe/settings.py (the registries included)
 
 
+def _add_common_flags(p: argparse.ArgumentParser, default) -> None:
+    """The flags of every command, given before or after the subcommand: ``-q`` and ``-v``. A subcommand's parser
+    parses into a namespace of its own and copies it over the top parser's, so there they default to SUPPRESS
+    (not given: not copied; the top parser's False stays)."""
+    p.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="only warnings and errors on stderr: no progress bars or progress lines (results still print)")
+    p.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="debug log lines, and the traceback of an error")
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of every subcommand (``add_subparsers(parser_class=...)``): the common flags come with it, so a
+    new subcommand has them without asking."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        _add_common_flags(self, argparse.SUPPRESS)
+
+
+def _array_arg(p: argparse.ArgumentParser, more: str = "") -> None:
+    p.add_argument("array", metavar="ARRAY_DIR", help=f"an array folder, as `onnxfuse fuse -o` writes it{more}")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from onnxfuse.core._version import __version__
+    from onnxfuse.exporters.factory import DEFAULT_OPSET, INPUT_DTYPES
+
     p = argparse.ArgumentParser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
-                                "ONNX graph and train them together with ONNX Runtime.")
-    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
-    sub = p.add_subparsers(dest="command", required=True)
+                                "ONNX graph and train them together (PyTorch or ONNX Runtime).")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print onnxfuse's version and exit")
+    _add_common_flags(p, False)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser, metavar="COMMAND",
+                           help="`onnxfuse COMMAND --help` says more")
 
     e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
     e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make: "
                    "imported and called, i.e. run as Python code")
+    e.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
+                   help="the factory's keyword arguments, each value read as YAML (16, 0.1, 1e-3, true, [16, 32], "
+                   "text), e.g. --args vocab_size=128 dropout=0 (a run config's and a sweep spec's model.args)")
     e.add_argument("--count", type=int, required=True, help="number of models B")
-    e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1)")
-    e.add_argument("--input-shape", required=True, help="example input shape, e.g. 32,3,32,32 (batch dim is dynamic)")
-    e.add_argument("--opset", type=int, default=17)
-    e.add_argument("-o", "--output", required=True, metavar="JOBS_DIR")
-    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1): torch.manual_seed(seed) "
+                   "before each model is built")
+    e.add_argument("--input-shape", action="append", required=True, metavar="[NAME=]D,D,...",
+                   help="an example input's shape, batch axis first (it stays dynamic), e.g. 32,3,32,32; once per "
+                   "argument of the forward when it takes several, each named (the graph inputs' names, in the "
+                   "forward's order): --input-shape input_ids=8,16 --input-shape mask=8,16 (one unnamed input is "
+                   "'input')")
+    e.add_argument("--input-dtype", metavar="DTYPE|NAME=DTYPE,...",
+                   help=f"the example inputs' dtype, one of {', '.join(INPUT_DTYPES)} (default float32; int64 for "
+                   "token ids), or one per input by name: input_ids=int64,mask=bool. Integers are traced as zeros, "
+                   "bools as True")
+    e.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="the ONNX opset torch's TorchScript exporter "
+                   f"writes (default {DEFAULT_OPSET})")
+    e.add_argument("-o", "--output", required=True, metavar="JOBS_DIR",
+                   help="the folder for model_0.onnx .. model_{B-1}.onnx and jobs.json (a new folder)")
+    e.add_argument("--overwrite", action="store_true", help="replace JOBS_DIR")
     e.set_defaults(func=cmd_export)
 
     f = sub.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
     f.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
-    f.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR")
+    f.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR",
+                   help="the array folder to write (fused.onnx, array.json, sources/; a new folder)")
     f.add_argument("--strict", action="store_true",
                    help="fail on a node without a fusion rule instead of running it once per model")
     f.add_argument("--per-model-inputs", metavar="NAME,...",
@@ -312,28 +359,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "default)")
     f.add_argument("--compile", choices=("off", "on"), default="off",
                    help="auto measures the forms' compiled steps (for arrays trained with --compile on)")
-    f.add_argument("--overwrite", action="store_true")
+    f.add_argument("--overwrite", action="store_true", help="replace ARRAY_DIR")
     f.set_defaults(func=cmd_fuse)
 
     t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
-    t.add_argument("array", metavar="ARRAY_DIR")
+    _array_arg(t, " (--config's model section builds one where there is none)")
     _add_run_flags(t)
     t.add_argument("--resume", action="store_true",
                    help="continue the folder's current run from its newest checkpoint (with its settings and data; "
                    "flags may change only steps/epochs, logging, evaluation, checkpoints and the device)")
-    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("check", help="check the first training step(s) of every model of an array against the "
                        "model trained alone, without training (the check `train` makes; writes nothing)")
-    c.add_argument("array", metavar="ARRAY_DIR")
+    _array_arg(c)
     _add_run_flags(c)
-    c.add_argument("-q", "--quiet", action="store_true", help="warnings only in the log")
     c.set_defaults(func=cmd_check)
 
     s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
-    s.add_argument("array", metavar="ARRAY_DIR")
-    s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR")
+    _array_arg(s, ", trained by `onnxfuse train`")
+    s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR",
+                   help="the folder for model_b.onnx and model_b.safetensors (a new folder)")
     s.add_argument("--overwrite", action="store_true", help="replace MODELS_DIR (never the array or a folder "
                    "holding it)")
     s.add_argument("--initial", action="store_true",
@@ -344,15 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_split)
 
     r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
-    r.add_argument("array", metavar="ARRAY_DIR")
+    _array_arg(r, ", trained by `onnxfuse train` (its metrics.csv)")
     r.add_argument("-o", "--output", metavar="PNG", help="where to write the plot (default ARRAY_DIR/report.png)")
     r.set_defaults(func=cmd_report)
 
     d = sub.add_parser("demo", help="train 8 small CNNs with 8 learning rates on scikit-learn's digits")
-    d.add_argument("-o", "--output", default="onnxfuse-demo")
-    d.add_argument("--models", type=int, default=8)
-    d.add_argument("--steps", type=int, default=300)
-    d.add_argument("-q", "--quiet", action="store_true")
+    d.add_argument("-o", "--output", default="onnxfuse-demo",
+                   help="the demo's folder: the data, the jobs, the array and the split models (default "
+                   "onnxfuse-demo)")
+    d.add_argument("--models", type=int, default=8, help="how many CNNs, with learning rates from 0.001 to 1 "
+                   "(default 8)")
+    d.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
     d.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="train in fp32, or bf16 / fp16 under autocast (the torch runtime)")
@@ -414,7 +462,6 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all of this machine's)")
     sw.add_argument("--runtime", choices=RUNTIME_CHOICES, help="what trains the arrays (default: the spec's)")
     sw.add_argument("--top", type=int, default=20, help="trials shown in the table (all are in results.csv)")
-    sw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sw.set_defaults(func=cmd_sweep)
     from onnxfuse.cli.place import add_place_parser
     add_place_parser(sub)
@@ -439,7 +486,7 @@ class _StderrHandler(logging.StreamHandler):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = logging.DEBUG if args.verbose else logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logger = logging.getLogger("onnxfuse")
     logger.setLevel(level)
     if not logger.handlers:

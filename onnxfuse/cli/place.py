@@ -70,7 +70,8 @@ def add_place_parser(subparsers) -> argparse.ArgumentParser:
     cal.add_argument("--calibrate", dest="calibrate", action="store_true", default=None,
                      help="fit this machine's session/op overheads and link into the devices (default with --run "
                      "and profiled costs when no link flags or device spec are given)")
-    cal.add_argument("--no-calibrate", dest="calibrate", action="store_false")
+    cal.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                     help="keep the devices' overheads and link as given (or the defaults)")
     p.add_argument("--batch-size", type=int, default=32, help="size of the free batch dimension of the inputs "
                    "(default 32)")
     p.add_argument("--dims", help="other free input dimensions by name, e.g. T=16,S=128")
@@ -88,9 +89,9 @@ def add_place_parser(subparsers) -> argparse.ArgumentParser:
                    "onnxruntime sessions, check its outputs against the whole model and time it")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per placement with --run (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (default 3)")
-    p.add_argument("-o", "--output", required=True, metavar="PLACE_DIR")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-o", "--output", required=True, metavar="PLACE_DIR",
+                   help="the folder for placement.json, the devices' sub-models, results.md and gantt.png")
+    p.add_argument("--overwrite", action="store_true", help="replace PLACE_DIR")
     p.set_defaults(func=cmd_place)
     return p
 

@@ -26,6 +26,8 @@ __all__ = [
     "OutOfMemoryError",
     "as_user_error",
     "shell",
+    "TORCH_CUDA_FIX",
+    "ORT_CUDA_FIX",
 ]
 
 
@@ -113,6 +115,12 @@ _TEXT = [("no space left on device", errno.ENOSPC), ("os error 28", errno.ENOSPC
          ("permission denied", errno.EACCES), ("os error 13", errno.EACCES)]
 _OOM_TEXT = ("failed to allocate memory", "bad_alloc", "out of memory", "cannot allocate memory")
 OOM_FIX = "use a smaller --batch-size, or fewer models per array (fuse fewer, or train them in several arrays)"
+# How to get CUDA, said the same way by every message about a build without it (README, "Install": onnxfuse is
+# installed from its checkout, not from PyPI)
+TORCH_CUDA_FIX = ("install the torch build for your CUDA (pip install torch --index-url "
+                  "https://download.pytorch.org/whl/cu130, or your cluster's; README, \"Install\")")
+ORT_CUDA_FIX = ("install the GPU build in onnxfuse's checkout: `make install EXTRA=gpu` or `pip install -e \".[gpu]\"` "
+                "(CUDA 11.8 + cuDNN 8; README, \"Install\")")
 
 
 def as_user_error(exc: BaseException, path: str | None = None) -> OnnxFuseError | None:

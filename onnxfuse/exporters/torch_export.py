@@ -3,14 +3,11 @@ kept as the state_dict keys, and the module's state left exactly as it was befor
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import io
 import json
 import os
-import sys
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx
 import torch
@@ -21,12 +18,10 @@ from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.semantics import PADDING_ROWS
 from onnxfuse.core.source import METADATA_KEY
+from onnxfuse.exporters.factory import DEFAULT_OPSET, check_factory_args, load_factory, model_inputs
 
-__all__ = ["export_module", "export_array", "load_factory", "DEFAULT_OPSET"]
+__all__ = ["export_module", "export_array", "load_factory", "build_module", "trace_inputs", "DEFAULT_OPSET"]
 
-# The TorchScript exporter keeps BatchNorm's training outputs; the dynamo exporter (torch >= 2.9 default) folded
-# BatchNorm into the preceding Conv even in train mode, which makes the graph untrainable as exported.
-DEFAULT_OPSET = 17
 MIN_OPSET = 13  # onnxfuse reads opsets from 13 on (onnxfuse/core/source.py)
 
 
@@ -145,18 +140,39 @@ def module_extra_state(module: torch.nn.Module, graph_keys: set[str]) -> dict:
     return _state_metadata(module, set(graph_keys))["extra_state"]
 
 
+def trace_inputs(input_shape: Sequence[int] | Mapping[str, Sequence[int]],
+                   input_dtype: str | Mapping[str, str] | None = None) -> tuple[list[str], tuple[torch.Tensor, ...]]:
+    """The graph inputs' names and the tensors the export traces with (``factory.model_inputs`` checks and names
+    them): floats random normal (seed 0), integers zeros (a valid index of any embedding table), bools True."""
+    shapes, dtypes = model_inputs(input_shape, input_dtype, key="input_shape", dtype_key="input_dtype")
+    gen = torch.Generator().manual_seed(0)
+    tensors = []
+    for name, shape in shapes.items():
+        dtype = getattr(torch, dtypes[name])
+        if dtype.is_floating_point:
+            tensors.append(torch.randn(*shape, generator=gen).to(dtype))
+        elif dtype == torch.bool:
+            tensors.append(torch.ones(*shape, dtype=dtype))
+        else:
+            tensors.append(torch.zeros(*shape, dtype=dtype))
+    return list(shapes), tuple(tensors)
+
+
 def export_module(
     module: torch.nn.Module,
     path: str | os.PathLike | None,
-    input_shape: Sequence[int] | None = None,
+    input_shape: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
     example_inputs: tuple | None = None,
     input_names: Sequence[str] = ("input",),
     output_names: Sequence[str] = ("output",),
     opset: int = DEFAULT_OPSET,
     dynamic_batch: bool = True,
+    input_dtype: str | Mapping[str, str] | None = None,
 ) -> onnx.ModelProto:
     """Export ``module`` in training mode to ``path`` (None: in memory only, no file); returns the ModelProto.
 
+    The example inputs are ``example_inputs``, or made from ``input_shape`` and ``input_dtype`` (one shape, or
+    ``{name: shape}`` for a model with several inputs, which names the graph inputs; see :func:`trace_inputs`).
     The batch dimension (dim 0 of every input and output) is symbolic ``N`` unless ``dynamic_batch=False``.
     Exporting runs one training forward, which moves BatchNorm running statistics: the module's state_dict is
     restored afterwards and the ONNX initializers hold the values from before the export.
@@ -166,8 +182,9 @@ def export_module(
     if example_inputs is None:
         if input_shape is None:
             raise ConfigError("export_module needs input_shape or example_inputs")
-        gen = torch.Generator().manual_seed(0)
-        example_inputs = (torch.randn(*input_shape, generator=gen),)
+        names, example_inputs = trace_inputs(input_shape, input_dtype)
+        if isinstance(input_shape, Mapping):
+            input_names = names
     snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
     was_training = module.training
     module.train()
@@ -183,9 +200,11 @@ def export_module(
             )
     except Exception as e:
         shapes = [list(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in example_inputs if isinstance(t, torch.Tensor)]
         first = " ".join(str(e).split())[:300]
-        raise ConfigError(f"torch could not export {type(module).__name__} with input shape(s) {shapes}: {first}; "
-                          "check --input-shape against what the model expects") from e
+        raise ConfigError(f"torch could not export {type(module).__name__} with input shape(s) {shapes} "
+                          f"({', '.join(dtypes)}): {first}; check --input-shape and --input-dtype against what the "
+                          "model expects (token ids: --input-dtype int64)") from e
     finally:
         module.load_state_dict(snapshot)
         module.train(was_training)
@@ -202,55 +221,49 @@ def export_module(
     return proto
 
 
-def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
-    """Resolve ``MODULE:FACTORY`` (a dotted module importable from the current folder, or a .py file path)."""
-    if ":" not in spec:
-        raise ConfigError(f"'{spec}' is not MODULE:FACTORY (e.g. onnxfuse.exporters.zoo:LeNet or my_models.py:make)")
-    mod_name, _, attr = spec.rpartition(":")
-    try:
-        if mod_name.endswith(".py"):
-            if not os.path.exists(mod_name):
-                raise ConfigError(f"model file '{mod_name}' does not exist")
-            s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
-            module = importlib.util.module_from_spec(s)
-            s.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"cannot import '{mod_name}' ({e}); run from the folder that holds it or give a .py path") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"'{mod_name}' has no callable '{attr}'")
-    return factory
+def build_module(factory: Callable[..., torch.nn.Module], seed: int, args: Mapping[str, Any] | None = None,
+                 where: str = "") -> torch.nn.Module:
+    """``factory(**args)`` after ``torch.manual_seed(seed)``: one model of an array (``args`` checked against the
+    factory's signature first, ``factory.check_factory_args``)."""
+    args = dict(args or {})
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    check_factory_args(factory, args, name, where)
+    torch.manual_seed(seed)
+    module = factory(**args)
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"{where}the factory {name} returned {type(module).__name__}, not a torch.nn.Module")
+    return module
 
 
 def export_array(
-    factory: Callable[[], torch.nn.Module],
+    factory: Callable[..., torch.nn.Module],
     out_dir: str | os.PathLike,
     count: int,
-    input_shape: Sequence[int],
+    input_shape: Sequence[int] | Mapping[str, Sequence[int]],
     seeds: Sequence[int] | None = None,
     overwrite: bool = False,
+    factory_args: Mapping[str, Any] | None = None,
+    input_dtype: str | Mapping[str, str] | None = None,
     **export_kwargs,
 ) -> list[str]:
-    """Build ``count`` modules (``torch.manual_seed(seed)`` before each ``factory()`` call) and export each to
-    ``out_dir/model_{b}.onnx``. Returns the file paths."""
+    """Build ``count`` modules (:func:`build_module`: ``torch.manual_seed(seed)``, then
+    ``factory(**factory_args)``) and export each to ``out_dir/model_{b}.onnx`` (example inputs from
+    ``input_shape`` and ``input_dtype``: :func:`trace_inputs`). Returns the file paths."""
     seeds = list(range(count)) if seeds is None else list(seeds)
     if len(seeds) != count:
         raise ConfigError(f"--seeds has {len(seeds)} values but --count is {count}; give one seed per model")
     if count < 1:
         raise ConfigError("--count must be at least 1")
     check_opset(export_kwargs.get("opset", DEFAULT_OPSET))
+    shapes, dtypes = model_inputs(input_shape, input_dtype, key="input_shape", dtype_key="input_dtype")
     out_dir = os.fspath(out_dir)
     with atomic_dir(out_dir, overwrite, command="export") as tmp:
         for b, seed in enumerate(seeds):
-            torch.manual_seed(seed)
-            module = factory()
-            if not isinstance(module, torch.nn.Module):
-                raise ConfigError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
-            export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape, **export_kwargs)
+            module = build_module(factory, seed, factory_args)
+            export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape, input_dtype=input_dtype,
+                          **export_kwargs)
         with open(os.path.join(tmp, "jobs.json"), "w") as f:
-            json.dump({"count": count, "seeds": seeds, "input_shape": list(input_shape)}, f, indent=1)
+            json.dump({"count": count, "seeds": seeds,
+                       "input_shape": list(input_shape) if not isinstance(input_shape, Mapping) else shapes,
+                       "input_dtype": dtypes, "args": dict(factory_args or {})}, f, indent=1, default=str)
     return [os.path.join(out_dir, model_file(b)) for b in range(count)]

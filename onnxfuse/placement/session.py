@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx
 
-from onnxfuse.core.errors import PlacementError
+from onnxfuse.core.errors import ORT_CUDA_FIX, PlacementError
 from onnxfuse.placement.devices import Device
 
 __all__ = ["make_session"]
@@ -28,7 +28,7 @@ def make_session(model: onnx.ModelProto, device: Device | None = None, profile_p
     if device.kind == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise PlacementError(f"device '{device.name}' is a CUDA device but this onnxruntime has no "
-                                 "CUDAExecutionProvider; install onnxfuse[gpu] (see README 'GPU') or use cpu devices")
+                                 f"CUDAExecutionProvider; {ORT_CUDA_FIX}, or use cpu devices")
         providers = [("CUDAExecutionProvider", {"device_id": device.device_id}), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]

@@ -17,7 +17,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.errors import TORCH_CUDA_FIX, ConfigError
 
 __all__ = ["Device", "DEVICE_TAKES", "CPU"]
 
@@ -87,8 +87,8 @@ def _torch_unavailable(device: Device) -> str | None:
     import torch
 
     if not torch.cuda.is_available():
-        return (f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; install a CUDA build of "
-                "torch (README, \"GPU\") or use --device cpu")
+        return (f"--device {device}: this torch ({torch.__version__}) sees no CUDA device; {TORCH_CUDA_FIX}, "
+                "or use --device cpu")
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         return f"--device {device}: torch sees {count} CUDA device(s) (cuda:0 .. cuda:{count - 1}); use one of them"

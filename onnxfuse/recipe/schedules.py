@@ -37,7 +37,7 @@ __all__ = ["SCHEDULES", "PerModelSchedules", "check_schedules"]
 # ---- the schedules, each registered once with its parameters (torch's defaults; a None default is derived: t_max
 # and total from the run's steps, max_lr from the model's lr) and the function that builds torch's scheduler
 GAMMA = Param("gamma", real(gt=0.0), 0.1, "decay factor")
-WARMUP = (Param("warmup_steps", integer(ge=0), 0, "linear warm-up steps"),
+WARMUP = (Param("warmup_steps", integer(ge=0), 0, "steps of a linear warm-up first"),
           Param("warmup_start_factor", real(gt=0.0, le=1.0), 1e-3, "lr factor at the start of the warm-up"))
 
 
@@ -74,8 +74,8 @@ def _warmup_then(lrs, opt, s: dict, steps: int, main: Callable[[int], object]):
     return lrs.SequentialLR(opt, [warm, main(rest)], milestones=[warmup])
 
 
-@register_schedule("cosine", WARMUP + (Param("eta_min", real(ge=0.0), 0.0, "cosine: the final lr"),
-                                       Param("t_max", integer(ge=1), None, "cosine: steps of the cosine (default: "
+@register_schedule("cosine", WARMUP + (Param("eta_min", real(ge=0.0), 0.0, "the final lr"),
+                                       Param("t_max", integer(ge=1), None, "steps of the cosine (default: "
                                              "the steps after the warm-up)")), "[warm-up] then CosineAnnealingLR")
 def _cosine(lrs, opt, s: dict, steps: int):
     return _warmup_then(lrs, opt, s, steps, lambda rest: lrs.CosineAnnealingLR(

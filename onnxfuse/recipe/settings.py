@@ -380,7 +380,8 @@ RUN_SETTINGS: tuple[Setting, ...] = (
             "optimizer.name"),
     Setting(Param("clip_grad_norm", CLIP, None, "clip each model's gradient norm to this "
                   "(inf or null: no clipping)", per_model=True), "clip_grad_norm"),
-    Setting(Param("shuffle", BOOL, True, "reshuffle every epoch (--no-shuffle: batches in file order)"),
+    Setting(Param("shuffle", BOOL, True, "reshuffle the batches every epoch, with --seed; off, they come in file "
+                  "order"),
             "data.shuffle"),
     Setting(Param("seed", _NONNEG, 0, "shuffling and hold-out seed"), "data.seed"),
     Setting(Param("data_order", choice(ORDERS), "shared", "shared batches, an own shuffle per model, or shard b "
@@ -920,6 +921,8 @@ def _help(p: Param, what: str) -> str:
             return f"{said} (default: " + ", ".join(f"{k} {v}" for k, v in defaults.items()) + ")"
     if p.default is not None and p.default is not REQUIRED and p.kind.parse is not None:
         said += f" (default {p.default})"
+    elif p.kind.parse is None and p.default is True:  # the flag is --no-<name>: it says the non-default
+        said += " (on by default; this flag turns it off)"
     return said.replace("%", "%%")
 
 

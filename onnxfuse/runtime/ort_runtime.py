@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from onnxfuse.core.array import ArrayDir
-from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.errors import ORT_CUDA_FIX, ConfigError
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.runtime.ort_artifacts import build_artifacts, ort_failure
@@ -44,8 +44,8 @@ def _ort_unavailable(device: Device) -> str | None:
     import onnxruntime
 
     if device.ort_provider()[0] not in onnxruntime.get_available_providers():
-        return (f"--device {device}: this onnxruntime-training build has no CUDA support; install the GPU build "
-                "with `pip install onnxfuse[gpu]` (see README, GPU) or use --device cpu")
+        return (f"--device {device}: this onnxruntime-training build has no CUDA support; {ORT_CUDA_FIX}, or "
+                "use --device cpu")
     return None
 
 
