@@ -117,8 +117,8 @@ def check_factory_args(factory: Callable, args: Mapping, name: str, where: str =
         takes = [p.name for p in signature.parameters.values()
                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         unknown = [k for k in args if k not in takes]
-        raise ConfigError(f"{where}{name} takes no argument '{(unknown or list(args))[0]}' (given by --args or "
-                          f"model.args); it takes: {', '.join(takes) or 'no keyword arguments'}") from None
+        raise ConfigError(f"{where}{name} takes no argument '{(unknown or list(args))[0]}' (--args, model.args or "
+                          f"a search key model.<name>); it takes: {', '.join(takes) or 'no keyword arguments'}") from None
 
 
 # ------------------------------------------------------------------------------------------ example inputs

@@ -11,7 +11,8 @@ expands the per-model settings.
 
 Normalized form (what the trainer reads)::
 
-    model       None, or {factory, count, seeds, input_shape, per_model_inputs}
+    model       None, or {factory, args, count, seeds, input_shape ({name: shape}), input_dtype ({name: dtype}),
+                per_model_inputs}
     data        {train, eval, eval_fraction, shuffle, seed, order, per_model_labels}
     loss        {name, label_smoothing, ignore_index, class_axis}
     optimizer   {name, lr, weight_decay, + momentum/dampening/nesterov (sgd) or betas/eps/amsgrad (adam, adamw)}
@@ -255,6 +256,7 @@ def _build_array(model: dict, array_dir: str) -> None:
 
     with tempfile.TemporaryDirectory(prefix="onnxfuse-jobs-") as jobs:
         paths = export_array(load_factory(model["factory"]), os.path.join(jobs, "jobs"), model["count"],
-                             model["input_shape"], seeds=model["seeds"])
+                             model["input_shape"], seeds=model["seeds"], factory_args=model["args"],
+                             input_dtype=model["input_dtype"])
         # never over an existing folder: one that is not empty (and holds no array) is refused
         save_array(fuse_models(paths, per_model_inputs=model.get("per_model_inputs") or ()), array_dir)

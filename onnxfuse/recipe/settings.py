@@ -36,6 +36,7 @@ from pydantic import (AfterValidator, BeforeValidator, Discriminator, Field, Str
 from pydantic_core import PydanticCustomError
 
 from onnxfuse.core.errors import ConfigError
+from onnxfuse.exporters.factory import factory_args, model_inputs
 
 from onnxfuse.recipe.datasets import NAMED_DATASETS, is_data_factory, is_named
 from onnxfuse.recipe.device import DEVICE_TAKES, Device
@@ -648,7 +649,7 @@ def flat_settings(cfg: Mapping) -> dict:
 
 # ------------------------------------------------------------------------------------------------ config files
 _SECTIONS = ("model", "data", "loss", "optimizer", "grid", "schedule")
-_MODEL_KEYS = ("factory", "count", "seeds", "input_shape", "per_model_inputs")
+_MODEL_KEYS = ("factory", "args", "count", "seeds", "input_shape", "input_dtype", "per_model_inputs")
 
 
 def _file_keys(section: str) -> tuple[str, ...]:
@@ -709,15 +710,12 @@ def _model(at: Origins, raw: Any) -> dict | None:
     if not isinstance(seeds, list) or len(seeds) != count:
         raise _fail(f"{where}model.seeds = {_show(seeds)} must be a list of model.count = {count} integers")
     seeds = [check_value(Param("seed", _NONNEG), s, f"model.seeds[{i}]", "file", where) for i, s in enumerate(seeds)]
-    shape = m["input_shape"]
-    if not isinstance(shape, list) or not shape:
-        raise _fail(f"{where}model.input_shape = {_show(shape)} must be a list of positive integers like "
-                    "[32, 1, 28, 28]")
-    shape = [check_value(Param("d", _POS), d, f"model.input_shape[{i}]", "file", where) for i, d in enumerate(shape)]
+    shapes, dtypes = model_inputs(m["input_shape"], m.get("input_dtype"), where)  # as `onnxfuse export` checks them
     pmi = m.get("per_model_inputs") or []
     if not isinstance(pmi, list) or not all(isinstance(n, str) and n for n in pmi):
         raise _fail(f"{where}model.per_model_inputs = {_show(pmi)} must be a list of graph input names")
-    return {"factory": factory, "count": count, "seeds": seeds, "input_shape": shape, "per_model_inputs": pmi}
+    return {"factory": factory, "args": factory_args(m.get("args"), "model.args", where), "count": count,
+            "seeds": seeds, "input_shape": shapes, "input_dtype": dtypes, "per_model_inputs": pmi}
 
 
 def _data_source(at: Origins, key: str, v: Any) -> str | None:

@@ -50,17 +50,18 @@ def _factory(spec: SweepSpec):
 
 def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress: bool) -> None:
     """``models/<trial>.onnx`` for every trial that has none yet (a resumed plan keeps what was exported)."""
-    import torch
     from tqdm import tqdm
 
-    from onnxfuse.exporters.torch_export import export_module
+    from onnxfuse.exporters.factory import factory_args
+    from onnxfuse.exporters.torch_export import build_module, export_module
 
     factory = None
     done: dict[str, str] = {}  # (factory args, seed) -> a file exported for them
     os.makedirs(sweep.models_path, exist_ok=True)
     for t in tqdm(trials, desc="exporting trials", unit="trial", disable=not progress, leave=False):
         path = sweep.model_path(t["id"])
-        args = {**spec.model.args, **t["args"]}
+        where = f"{spec.source}: trial {t['id']}: "
+        args = {**spec.model.args, **factory_args(t["args"], "search.space model.*", where)}
         key = json.dumps([args, t["seed"]], sort_keys=True, default=str)
         if os.path.exists(path):
             done.setdefault(key, path)
@@ -70,16 +71,8 @@ def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress
                 shutil.copyfile(done[key], tmp)
             else:
                 factory = factory or _factory(spec)
-                torch.manual_seed(t["seed"])
-                try:
-                    module = factory(**args)
-                except TypeError as e:
-                    raise ConfigError(f"{spec.source}: trial {t['id']}: {spec.model.factory}(**{args}) failed: {e}; "
-                                      "model.* keys and model.args must be the factory's arguments") from None
-                if not isinstance(module, torch.nn.Module):
-                    raise ConfigError(f"{spec.source}: {spec.model.factory} returned {type(module).__name__}, "
-                                      "not a torch.nn.Module")
-                export_module(module, tmp, input_shape=spec.model.input_shape)
+                module = build_module(factory, t["seed"], args, where)
+                export_module(module, tmp, input_shape=spec.model.input_shape, input_dtype=spec.model.input_dtype)
         done[key] = path
 
 

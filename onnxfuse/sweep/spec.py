@@ -3,8 +3,8 @@
 A spec is a run configuration (``docs/run.example.yaml``: data, loss, optimizer, schedule, steps, ...) that every
 trial shares, without its ``model`` and ``grid`` sections, plus the sections of a sweep:
 
-    model       factory, input_shape, args (fixed factory keyword arguments), seed (the models' init seed),
-                per_model_inputs
+    model       factory, input_shape, input_dtype, args (fixed factory keyword arguments), seed (the models'
+                init seed), per_model_inputs
     search      method (grid | random), samples and seed (random), space: {key: [values] | {low, high, log, int}}
     metric      eval_loss | eval_accuracy | train_loss (what the report sorts by and Optuna optimizes)
     arrays      size (a number, or auto: the array-sizing planner, run on a worker), max_size
@@ -68,8 +68,11 @@ RAY_UNIT = 1e-4
 
 class ModelSection(_Strict):
     factory: str = Field(min_length=1)
-    input_shape: list[PositiveInt] = Field(min_length=1)
-    args: dict[str, Any] = {}
+    # the example inputs and the factory's arguments: checked by onnxfuse/exporters/factory.py (parse_spec), as
+    # `onnxfuse export`'s flags and a run config's model section are
+    input_shape: Any
+    input_dtype: Any = None
+    args: Any = None
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     per_model_inputs: list[str] = []
 
@@ -333,6 +336,11 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
         sections = SweepSections.model_validate(sweep)
     except ValidationError as e:
         raise _pydantic_error(e, where) from None
+    from onnxfuse.exporters.factory import factory_args, model_inputs
+
+    model = sections.model
+    model.args = factory_args(model.args, "model.args", where)
+    model_inputs(model.input_shape, model.input_dtype, where)
     spec = SweepSpec(sections, run, source, base_dir or os.getcwd())
     cfg = spec.normalized()  # the shared run settings alone: their errors name the key
     if cfg["halving"]:  # across the sweep, not within each array
