@@ -49,7 +49,8 @@ def load_factory(spec: str) -> Callable:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ConfigError(f"cannot import '{mod_name}' ({e}); run from the folder that holds it or give a .py path") from e
+        raise ConfigError(f"cannot import '{mod_name}' ({e}); run from the folder that holds it or give a .py "
+                          "path") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"'{mod_name}' has no callable '{attr}'")
@@ -117,8 +118,9 @@ def check_factory_args(factory: Callable, args: Mapping, name: str, where: str =
         takes = [p.name for p in signature.parameters.values()
                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         unknown = [k for k in args if k not in takes]
+        takes_text = ", ".join(takes) or "no keyword arguments"
         raise ConfigError(f"{where}{name} takes no argument '{(unknown or list(args))[0]}' (--args, model.args or "
-                          f"a search key model.<name>); it takes: {', '.join(takes) or 'no keyword arguments'}") from None
+                          f"a search key model.<name>); it takes: {takes_text}") from None
 
 
 # ------------------------------------------------------------------------------------------ example inputs
