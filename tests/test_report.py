@@ -12,7 +12,8 @@ import pytest
 
 from onnxfuse.cli.main import main
 from onnxfuse.core.errors import InputFileError
-from onnxfuse.training.report import make_report
+from onnxfuse.core._plot import data_overlap
+from onnxfuse.training.report import make_report, read_metrics, report_figure, summarize
 
 HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status"]
 
@@ -66,8 +67,8 @@ def test_report_on_synthetic_metrics(tmp_path):
     assert list(panels) == ["train_loss", "eval_loss", "eval_accuracy"]
     assert [c["points"] for c in panels["train_loss"]["curves"]] == [9, 8, 6]  # model 1's nan is not drawn
     assert [c["points"] for c in panels["eval_loss"]["curves"]] == [3, 3, 2]
-    assert [c["label"] for c in panels["train_loss"]["curves"]] == ["model 0 (lr 0.095)", "model 1 (lr 0.475)",
-                                                                     "model 2 (lr 0.0095)"]
+    # no settings recorded: the models are told apart by the peak lr of metrics.csv
+    assert [c["label"] for c in panels["train_loss"]["curves"]] == ["0: lr 0.095", "1: lr 0.475", "2: lr 0.0095"]
     assert panels["train_loss"]["yscale"] == "log" and panels["eval_accuracy"]["yscale"] == "linear"
     marks = {(mk["model"], mk["status"], mk["step"]) for mk in panels["train_loss"]["markers"]}
     assert marks == {(1, "diverged", 4), (2, "dropped", 6)}
@@ -80,8 +81,8 @@ def test_report_reads_the_old_header_and_writes_png_elsewhere(tmp_path):
     rows = [[step, b, 1.0 / step + b, 0.1 * (b + 1), step * 0.1] for step in range(1, 6) for b in range(2)]
     _write(tmp_path / "metrics.csv", ["step", "model", "loss", "lr", "elapsed_s"], rows)
     s = make_report(tmp_path, out_png=tmp_path / "plots" / "r.png")
-    assert [p["name"] for p in s["panels"]] == ["train_loss", "eval_loss"]
-    assert len(s["panels"][0]["curves"]) == 2 and s["panels"][1]["curves"] == []
+    assert [p["name"] for p in s["panels"]] == ["train_loss"]  # no eval rows: no empty eval panels
+    assert len(s["panels"][0]["curves"]) == 2
     assert s["models"][1]["best_eval_loss"] is None and s["models"][1]["status"] == "ok"
     _check_png(tmp_path / "plots" / "r.png")
     assert (tmp_path / "report.json").exists() and not (tmp_path / "report.png").exists()
@@ -107,6 +108,8 @@ def test_report_on_a_real_training_run(tmp_path, capsys):
     assert [m["lr"] for m in s["models"]] == pytest.approx([0.3, 0.1, 0.01])
     assert all(np.isfinite(m["last_train_loss"]) and m["status"] == "ok" for m in s["models"])
     assert [c["points"] for c in s["panels"][0]["curves"]] == [4, 4, 4]  # steps 2, 4, 6, 8
+    # the legend names the models by the setting that differs, as the run recorded it
+    assert [c["label"] for c in s["panels"][0]["curves"]] == ["0: lr 0.3", "1: lr 0.1", "2: lr 0.01"]
     _check_png(tmp_path / "array" / "report.png")
     code = main(["report", str(tmp_path / "array"), "-o", str(tmp_path / "cli.png")])
     out = capsys.readouterr().out
@@ -133,3 +136,33 @@ def test_report_bad_input(tmp_path, capsys, case):
     err = capsys.readouterr().err
     assert code == 2 and expect in err and err.count("\n") == 1, err
     assert not (array / "report.png").exists()
+
+
+def test_report_figure_legend_beside_the_data_smoothed_curves_accuracy_in_percent(tmp_path):
+    """24 models with long labels: the legend lies below the panels, over none; 40 logged steps are drawn smoothed
+    over the raw values; accuracy is plotted in percent, as the table prints it."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for step in range(1, 41):
+        for b in range(24):
+            loss = 2.0 / step ** (0.2 + 0.02 * b) * math.exp(rng.normal(0, 0.3))
+            rows.append([step, b, "train", loss, "", 10.0 ** (-b / 6), 0.1 * step, ""])
+            if step % 10 == 0:
+                rows.append([step, b, "eval", loss, 0.5 + 0.01 * step, "", 0.1 * step, ""])
+    _write(tmp_path / "metrics.csv", HEADER, rows)
+    logs = read_metrics(str(tmp_path / "metrics.csv"))
+    summary = summarize(logs)
+    for m in summary["models"]:  # the per-model settings that differ, as the run recorded them
+        m["hparams"] = {"lr": 10.0 ** (-m["model"] / 6), "betas": [0.9, 0.99 + m["model"] / 1000]}
+    fig, records = report_figure(logs, summary)
+    assert records[0]["curves"][5]["label"] == "5: lr 0.1468, betas (0.9, 0.995)"
+    assert [c["smoothed"] for c in records[0]["curves"]] == [True] * 24
+    assert not any(c["smoothed"] for c in records[1]["curves"])  # 4 evaluations: drawn as they are
+    legend = fig.legends[0]
+    assert len(fig.axes) == 3 and all(data_overlap(fig, legend, ax) == 0 for ax in fig.axes)
+    accuracy = [y for line in fig.axes[2].get_lines() for y in line.get_ydata()]
+    assert min(accuracy) == pytest.approx(60) and max(accuracy) == pytest.approx(90)
+    raw, trend = fig.axes[0].get_lines()[:2]  # model 0: its raw values faint, then its smoothed curve
+    assert raw.get_alpha() < 0.5 and np.std(np.diff(np.log(trend.get_ydata()))) < np.std(np.diff(np.log(raw.get_ydata())))
+    fig.savefig(tmp_path / "report.png")
+    _check_png(tmp_path / "report.png")

@@ -9,9 +9,11 @@
 (removed by successive halving at that step). The older header ``step,model,loss,lr,elapsed_s`` is read too: a
 missing column means train rows without accuracy or status.
 
-:func:`make_report` writes ``ARRAY_DIR/report.png`` (train loss, eval loss and, when there is one, eval accuracy
-per model against the step; diverged / dropped models marked where it happened) and ``ARRAY_DIR/report.json``
-(the summary plus, per panel, the curves plotted), and returns the same summary.
+:func:`make_report` writes ``ARRAY_DIR/report.png`` (a panel per series the run logged: train loss, smoothed over
+its raw values drawn faint; eval loss; eval accuracy in percent, as the table prints it; diverged / dropped models
+marked where it happened; the legend below the panels names each model by the hyper-parameters that differ
+between the models) and ``ARRAY_DIR/report.json`` (the summary plus, per panel, the curves plotted), and returns
+the same summary.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from onnxfuse.core._io import claim_output
 from onnxfuse.core.array import ArrayDir, complete_lines
 from onnxfuse.core.errors import ConfigError, InputFileError, shell
 
-__all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "format_table"]
+__all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "report_figure", "format_table"]
 
 METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run")
 REQUIRED_COLUMNS = ("step", "model", "loss")
@@ -161,6 +163,12 @@ def summarize(logs: dict[int, ModelLog]) -> dict:
 
 
 # ---------------------------------------------------------------- plot
+# (name, panel title, y label, log scale allowed, y scale factor): accuracy drawn in percent, as the table prints it
+PANELS = (("train_loss", "train loss", "loss", True, 1.0), ("eval_loss", "eval loss", "loss", True, 1.0),
+          ("eval_accuracy", "eval accuracy", "accuracy (%)", False, 100.0))
+MARKER_NAMES = {"diverged": "diverged (frozen from here)", "dropped": "dropped by halving"}
+
+
 def _colors(B: int) -> list:
     from matplotlib import colormaps
 
@@ -171,9 +179,26 @@ def _colors(B: int) -> list:
     return [colormaps["viridis"](b / (B - 1)) for b in range(B)]
 
 
-def _label(summary: dict) -> str:
-    lr = summary["lr"]
-    return f"model {summary['model']}" + (f" (lr {lr:g})" if lr is not None else "")
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_value(x) for x in v) + ")"
+    return "off" if v is None else str(v)
+
+
+def _labels(logs: dict[int, ModelLog], summaries: dict[int, dict]) -> dict[int, str]:
+    """Each model's legend entry: its id and the per-model settings that differ between the models, as the
+    summary holds them (``hparams``: "3: lr 0.03, momentum 0.9"); without a record of the settings, the peak lr
+    of metrics.csv when it differs; the id alone when nothing differs."""
+    models = list(logs)
+    differ = {m: dict(summaries[m].get("hparams") or {}) for m in models}
+    if not any(differ.values()):
+        lrs = {m: summaries[m]["lr"] for m in models}
+        if len({v for v in lrs.values()}) > 1:
+            differ = {m: {"lr": lrs[m]} if lrs[m] is not None else {} for m in models}
+    return {m: f"{m}: " + ", ".join(f"{k} {_value(v)}" for k, v in differ[m].items()) if differ[m] else f"model {m}"
+            for m in models}
 
 
 def _marker_at(series: list[tuple[int, float]], step: int) -> tuple[int, float] | None:
@@ -183,72 +208,86 @@ def _marker_at(series: list[tuple[int, float]], step: int) -> tuple[int, float] 
     return (step, before[-1]) if before else None
 
 
-def _draw_panel(ax, name: str, title: str, logs: dict[int, ModelLog], summaries: dict[int, dict], colors: dict,
-                allow_log: bool) -> dict:
-    """Draw one series of every model on ``ax``; return the panel's record for report.json."""
-    curves, markers, values = [], [], []
-    for model, log in logs.items():
-        series = getattr(log, name)
-        points = [(s, v) for s, v in series if math.isfinite(v)]
+def _draw_panel(ax, panel: tuple, logs: dict[int, ModelLog], labels: dict[int, str], colors: dict) -> dict:
+    """Draw one series of every model on ``ax``: a curve with many points as its smoothed trend over the raw
+    values drawn faint; return the panel's record for report.json."""
+    from onnxfuse.core._plot import log_ticks, smoothed
+
+    name, title, ylabel, allow_log, scale = panel
+    series_of = {m: [(s, v * scale) for s, v in getattr(log, name) if math.isfinite(v)] for m, log in logs.items()}
+    values = [v for pts in series_of.values() for _, v in pts]
+    log = allow_log and bool(values) and min(values) > 0
+    curves, markers, smooth_any = [], [], False
+    for model, points in series_of.items():
         if not points:
             continue
         xs, ys = zip(*points)
-        ax.plot(xs, ys, color=colors[model], linewidth=1.2, marker="." if len(points) < 30 else None,
-                label=_label(summaries[model]))
-        curves.append({"label": _label(summaries[model]), "model": model, "points": len(points)})
-        values += ys
-        for status, step in log.events:
-            at = _marker_at(series, step)
+        smooth = len(points) > 15  # a few evaluations are drawn as they are, with a dot each
+        if smooth:
+            ax.plot(xs, ys, color=colors[model], linewidth=0.8, alpha=0.25)
+            ax.plot(xs, smoothed(ys, log=log), color=colors[model], linewidth=1.6)
+        else:
+            ax.plot(xs, ys, color=colors[model], linewidth=1.4, marker=".")
+        smooth_any |= smooth
+        curves.append({"label": labels[model], "model": model, "points": len(points), "smoothed": smooth})
+        for status, step in logs[model].events:
+            at = _marker_at(points, step)
             if at is None:
                 continue
-            ax.plot([at[0]], [at[1]], linestyle="none", marker=MARKERS.get(status, "o"), markersize=10,
-                    markeredgewidth=2, color=colors[model], label="_nolegend_")
-            markers.append({"model": model, "status": status, "step": step, "at": [at[0], at[1]]})
-    yscale = "log" if allow_log and values and min(values) > 0 else "linear"
+            ax.plot([at[0]], [at[1]], linestyle="none", marker=MARKERS.get(status, "o"), markersize=9,
+                    markeredgewidth=2, color=colors[model], markerfacecolor="none" if status == "dropped" else None)
+            markers.append({"model": model, "status": status, "step": step, "at": [at[0], at[1] / scale]})
+    yscale = "log" if log else "linear"
     ax.set_yscale(yscale)
-    if yscale == "log":  # plain numbers (0.3, 2) rather than 3x10^-1 on short log ranges
-        from matplotlib.ticker import FuncFormatter
-
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        few_decades = math.log10(max(values) / min(values)) < 1.5  # label 2, 3, 5 x 10^k only then
-        ax.yaxis.set_minor_formatter(FuncFormatter(
-            lambda v, _: f"{v:g}" if few_decades and f"{v:.0e}"[0] in "235" else ""))
-    ax.set_title(title)
+    if log:
+        log_ticks(ax, values)
+    ax.set_title(title + (" (smoothed; raw values faint)" if smooth_any else ""), fontsize=10)
     ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     return {"name": name, "title": title, "yscale": yscale, "curves": curves, "markers": markers}
 
 
 def _plot(logs: dict[int, ModelLog], summary: dict, out_png: str) -> list[dict]:
-    """Write the report figure (Agg canvas, no pyplot: nothing global is changed); return the panel records."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Write the report figure (:func:`report_figure`) to ``out_png``; return its panel records."""
+    from onnxfuse.core._plot import save
+
+    fig, records = report_figure(logs, summary)
+    save(fig, out_png, dpi=110)
+    return records
+
+
+def report_figure(logs: dict[int, ModelLog], summary: dict):
+    """The report figure of :func:`read_metrics`' logs and their summary: a panel per series that has values
+    (train loss, eval loss, eval accuracy in %), the legend below them naming each model by the per-model settings
+    that differ between the models. Returns (the matplotlib Figure, the panel records)."""
     from matplotlib.lines import Line2D
 
+    from onnxfuse.core._plot import figure, legend_below
+
     summaries = {m["model"]: m for m in summary["models"]}
+    labels = _labels(logs, summaries)
     colors = dict(zip(logs, _colors(len(logs))))
-    panels = [("train_loss", "train loss", True), ("eval_loss", "eval loss", True)]
-    if any(log.eval_accuracy for log in logs.values()):
-        panels.append(("eval_accuracy", "eval accuracy", False))
-    ncol = max(1, math.ceil(len(logs) / 24))  # legend columns; ~2.4 inches each
-    fig = Figure(figsize=(5.5 * len(panels) + 2.4 * ncol, 4.8))
-    FigureCanvasAgg(fig)
+    panels = [p for p in PANELS if any(math.isfinite(v) for log in logs.values() for _, v in getattr(log, p[0]))]
+    panels = panels or PANELS[:1]
+    fig = figure(max(6.4, 4.6 * len(panels) + 0.4), 3.4)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    records = [_draw_panel(ax, name, title, logs, summaries, colors, allow_log)
-               for ax, (name, title, allow_log) in zip(axes, panels)]
+    records = [_draw_panel(ax, panel, logs, labels, colors) for ax, panel in zip(axes, panels)]
     for ax, rec in zip(axes, records):
         if not rec["curves"]:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
-    handles = [Line2D([], [], color=colors[m], label=_label(summaries[m])) for m in logs]
-    used = sorted({mk["status"] for rec in records for mk in rec["markers"]})
-    legend_title = ", ".join(f"{MARKERS.get(s, 'o')} = {s}" for s in used) or None
-    right = 1 - 2.4 * ncol / fig.get_figwidth()
-    fig.tight_layout(rect=(0, 0, right, 1))
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(right, 0.5), ncol=ncol, fontsize="small",
-               title=legend_title, title_fontsize="small", frameon=False)
-    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    return records
+            ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes, color="gray")
+    handles = [Line2D([], [], color=colors[m], linewidth=2) for m in logs]
+    names = [labels[m] for m in logs]
+    for status in sorted({mk["status"] for rec in records for mk in rec["markers"]}):
+        handles.append(Line2D([], [], linestyle="none", marker=MARKERS.get(status, "o"), markersize=8,
+                              markeredgewidth=2, color="0.3", markerfacecolor="none" if status == "dropped" else None))
+        names.append(MARKER_NAMES.get(status, status))
+    differ = any(": " in s for s in names)
+    note = None if any(p[0].startswith("eval") for p in panels) else (
+        "no evaluation in this run: train with --eval-data (or eval_fraction) and eval_every to plot eval loss "
+        "and accuracy")
+    legend_below(fig, handles, names, title="model: the hyper-parameters that differ" if differ else None, note=note)
+    return fig, records
 
 
 # ---------------------------------------------------------------- entry points
