@@ -15,6 +15,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnxfuse.cli.main import main
+from onnxfuse.core._plot import data_overlap
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import MLP
 from onnxfuse.measure import bench
@@ -52,6 +53,15 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     assert md.count("| lenet |") == 2 + 2 * len(modes)  # a line per B, then a line per B and mode
     assert all(f"- lenet B={r['B']} fp32: {r['winner']} won" in md for r in result["rows"])
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plot drawn from bench.json: a line per mode whose y data are its ratios to PyTorch one after another
+    # (the baseline is the line at 1x), the legend below the panel
+    fig = bench.bench_figure(result["rows"], result["modes"], result["env"])
+    (ax,) = fig.axes
+    by_mode = {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
+    assert sorted(by_mode) == sorted(m for m in modes if m != "seq-torch")
+    for mode, line in by_mode.items():
+        assert list(line.get_ydata()) == pytest.approx([r["modes"][mode]["over_seq_torch"] for r in result["rows"]])
+    assert data_overlap(fig, fig.legends[0], ax) == 0
 
 
 def _children(pid: int) -> set[int]:
@@ -322,3 +332,37 @@ def test_a_bad_onnx_file_is_one_config_error_naming_it(tmp_path, capsys, make, e
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0] and expected in err[0], err
     assert not (tmp_path / "out").exists()  # checked before anything is measured
+
+
+def _row(model: str, round_s: dict[str, list[float]]) -> dict:
+    """A bench.json row at B = 16 from each mode's round times (what _measure records, the ratios derived)."""
+    base = round_s["seq-torch"]
+    modes = {m: {"samples_s": 16 * 32 * 10 / sorted(t)[len(t) // 2], "round_s": t,
+                 "over_seq_torch": sorted(b / x for x, b in zip(t, base))[len(t) // 2]} for m, t in round_s.items()}
+    return {"model": model, "source": "zoo", "B": 16, "precision": "fp32", "batch": 32, "device": "cpu", "steps": 10,
+            "warmup": 3, "rounds": 3, "modes": modes, "ceiling_best": "dense"}
+
+
+def test_the_bench_plot_at_one_b_is_a_bar_per_mode_its_ratio_with_the_rounds_spread(tmp_path):
+    """From a bench.json: each bar is the mode's median ratio to PyTorch one after another, its whisker the
+    slowest and the fastest round; the legend lies below the panels; the title is words, not the command."""
+    rows = [_row("lenet", {"torch": [0.5, 0.4, 0.45], "seq-torch": [1.0, 0.9, 1.1], "dense": [0.5, 0.5, 0.6]}),
+            _row("transformer_lm", {"torch": [0.2, 0.3, 0.25], "seq-torch": [0.6, 0.6, 0.6], "dense": [0.3, 0.3, 0.3]})]
+    with open(tmp_path / "bench.json", "w") as f:
+        json.dump({"command": "onnxfuse bench ...", "env": {"torch": "2.13", "threads": 1, "device_name": "cpu",
+                                                           "cpu_count": 2}, "modes": ["torch", "seq-torch", "dense"],
+                   "rows": rows}, f)
+    bench.plot_file(tmp_path / "bench.json", tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = bench.bench_figure(rows, ["torch", "seq-torch", "dense"], {})
+    assert "one after another" in fig._suptitle.get_text() and "--" not in fig._suptitle.get_text()
+    for ax, row in zip(fig.axes, rows):
+        bars = {p.get_gid(): p for p in ax.patches if p.get_gid()}
+        assert {m: b.get_width() for m, b in bars.items()} == pytest.approx(
+            {m: c["over_seq_torch"] for m, c in row["modes"].items()})
+        assert data_overlap(fig, fig.legends[0], ax) == 0
+    torch_bar = fig.axes[0].patches[-1]  # the first mode is drawn last (on top)
+    assert torch_bar.get_gid() == "torch" and torch_bar.get_width() == pytest.approx(2.25)  # rounds: 2, 2.25, 2.44
+    (whiskers,) = [c for c in fig.axes[0].containers if hasattr(c, "has_xerr")]
+    (low, _), (high, _) = whiskers.lines[2][0].get_segments()[-1]  # the torch bar's
+    assert (low, high) == pytest.approx((2.0, 1.1 / 0.45))

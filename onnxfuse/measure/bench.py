@@ -88,7 +88,8 @@ summed loss of the B models before any update ("first loss": equal across the mo
 by the precision's rounding under autocast).
 
 ``run_bench(..., out=DIR)`` writes DIR/bench.json, bench.csv (one row per model and B), bench.md (the table and
-the command that reproduces it) and bench.png (samples/s vs B per mode, one panel per model and precision).
+the command that reproduces it) and bench.png (each mode's speed as its ratio to seq-torch, the median and the
+spread of the rounds, one panel per model and precision; ``plot_file`` draws it again from a bench.json).
 """
 from __future__ import annotations
 
@@ -102,7 +103,6 @@ import os
 import resource
 import statistics
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -118,7 +118,7 @@ from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIMES, check_precision
 from onnxfuse.measure.workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file,
                                         load_onnx_file, zoo_batch, zoo_module, zoo_modules, zoo_protos)
 
-__all__ = ["run_bench", "MODES", "MODE_TITLES", "FILE_TITLES", "ConcurrentWorkerError"]
+__all__ = ["run_bench", "plot_file", "bench_figure", "MODES", "MODE_TITLES", "FILE_TITLES", "ConcurrentWorkerError"]
 
 MODE_TITLES = {"torch": "fused (torch runtime)", "torch-compiled": "fused (torch runtime, compiled)",
                "ort": "fused (ort runtime)", "seq-torch": "PyTorch one after another",
@@ -802,38 +802,153 @@ def _write_csv(path: str, rows: list[dict], modes: list[str]) -> None:
             w.writerow([r[c] for c in cols] + [r["modes"].get(m, {}).get(k) for m in modes for k in _PER_MODE])
 
 
-def _plot(path: str, rows: list[dict], modes: list[str], title: str) -> None:
-    import matplotlib
+def _round_ratios(row: dict, mode: str) -> list[float]:
+    """The mode's speed over PyTorch one after another in each round (the baseline's round time over the mode's,
+    both in the row's precision): the ratios whose median is ``over_seq_torch``."""
+    return [b / t for t, b in zip(row["modes"][mode]["round_s"], row["modes"][BASELINE]["round_s"])]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+
+def _spread(row: dict, mode: str) -> tuple[float, float, float]:
+    """(median, slowest, fastest) of the mode's per-round ratios to PyTorch one after another."""
+    r = _round_ratios(row, mode)
+    return row["modes"][mode]["over_seq_torch"], min(r), max(r)
+
+
+def _caption(rows: list[dict], env: dict) -> str:
+    """How the figures were measured, in words, and where the command is (bench.md, bench.json)."""
+    r = rows[0] if rows else {}
+    cores = f" ({env['cpu_count']} cores)" if env.get("cpu_count") and r.get("device", "cpu") == "cpu" else ""
+    threads = env.get("threads", "?")
+    where = env.get("device_name") or r.get("device", "?")
+    how = (f"{where}{cores}, torch {env.get('torch', '?')}, {threads} thread{'s' if threads != 1 else ''}; batch "
+           f"{r.get('batch', '?')} per model, AdamW, {r.get('steps', '?')} steps x {r.get('rounds', '?')} rounds after "
+           f"{r.get('warmup', '?')} warm-up, the modes interleaved in each round")
+    return (how + ".\nMarker or bar: the median of the per-round ratios; whiskers: the slowest and the fastest "
+            "round. The command that reproduces it: bench.md, bench.json.")
+
+
+def _title(rows: list[dict]) -> str:
+    Bs = sorted({r["B"] for r in rows})
+    which = f"B = {Bs[0]} models" if len(Bs) == 1 else "B models"
+    return f"Training {which} at once: speed relative to PyTorch training them one after another"
+
+
+def _plot(path: str, rows: list[dict], modes: list[str], env: dict | None = None) -> None:
+    """Write :func:`bench_figure` to ``path``."""
+    from onnxfuse.core._plot import save
+
+    save(bench_figure(rows, modes, env or {}), path, dpi=120)
+
+
+def plot_file(json_path: str | os.PathLike, png_path: str | os.PathLike) -> None:
+    """Draw bench.png again from a bench.json (``run_bench``'s): the same figure, e.g. after the plot changed."""
+    with open(json_path) as f:
+        result = json.load(f)
+    _plot(os.fspath(png_path), result["rows"], result["modes"], result.get("env"))
+
+
+def bench_figure(rows: list[dict], modes: list[str], env: dict):
+    """The figure of bench.png: one panel per model and precision, each mode's speed as its ratio to PyTorch one
+    after another (the baseline, 1x) with the spread of the rounds; the dense ceiling marked. One B: a bar per
+    mode; several: a line per mode against B. The legend and how it was measured are below the panels."""
+    from onnxfuse.core._plot import figure, legend_below, wrapped
 
     panels = list(dict.fromkeys(_panel(r) for r in rows)) or [("(no measurement)", "fp32")]
-    if rows and len({r["B"] for r in rows}) == 1:  # one B: a bar per mode (a line needs two points)
-        _bars(plt, path, rows, modes, panels, title)
-        return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    one_b = len({r["B"] for r in rows}) <= 1
+    n_modes = max([len(r["modes"]) for r in rows] or [1])
+    if one_b:
+        fig = figure(max(7.5, 5.8 * len(panels) + 1.0), 0.36 * n_modes + 1.0)
+        handles, labels = _bar_panels(fig, rows, modes, panels)
+    else:
+        fig = figure(max(7.5, 4.6 * len(panels) + 0.4), 3.6)
+        handles, labels = _line_panels(fig, rows, modes, panels)
+    fig.suptitle(wrapped(_title(rows), fig.get_figwidth(), 11), fontsize=11)
+    legend_below(fig, handles, labels, note=_caption(rows, env) if rows else None)
+    return fig
+
+
+def _bar_panels(fig, rows: list[dict], modes: list[str], panels: list[tuple[str, str]]) -> tuple[list, list]:
+    """A bar per mode: the median ratio, whiskers from the slowest to the fastest round, the ratio and samples/s
+    written beside it; fused modes dark, the others grey, the baseline and the ceilings hatched; a line at 1x and
+    a dotted one at the better dense ceiling. Returns the legend's handles and labels."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    fused_c, other_c = "#1f4e99", "#9aa5b1"
+    for ax, panel in zip(axes, panels):
+        row = next((r for r in rows if _panel(r) == panel), None)
+        if row is None:
+            ax.text(0.5, 0.5, "no measurement", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
+        mine = [m for m in modes if m in row["modes"]][::-1]  # the first mode on top
+        spread = [_spread(row, m) for m in mine]
+        med = [s[0] for s in spread]
+        err = [[s[0] - s[1] for s in spread], [s[2] - s[0] for s in spread]]
+        bars = ax.barh([mode_title(row, m) for m in mine], med, xerr=err, color=[
+            fused_c if m in FUSED_MODES else other_c for m in mine], error_kw={"elinewidth": 1, "capsize": 2.5,
+                                                                              "ecolor": "0.15"})
+        top = max(s[2] for s in spread)
+        for bar, m, (median, _, fastest) in zip(bars, mine, spread):
+            bar.set_gid(m)  # which mode a bar is, for a reader of the figure (the tests)
+            if m == BASELINE or m in CEILINGS:
+                bar.set_hatch("//")
+            ax.text(fastest + top * 0.02, bar.get_y() + bar.get_height() / 2,
+                    f"{median:.2f}×  ({row['modes'][m]['samples_s']:,.0f}/s)", va="center", fontsize=7,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6}, zorder=3)
+        ax.axvline(1.0, color="0.2", linewidth=0.9)
+        if row.get("ceiling_best") in row["modes"]:
+            ax.axvline(row["modes"][row["ceiling_best"]]["over_seq_torch"], color="0.2", linewidth=1, linestyle=":")
+        ax.set_xlim(0, top * 1.45)  # room for the text beside the longest whisker
+        ax.set_title(f"{_panel_title(panel, rows)}, B = {row['B']}", fontsize=10)
+        ax.set_xlabel("× PyTorch one after another (samples/s over all B models in brackets)", fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+    handles = [Patch(color=fused_c), Patch(color=other_c), Patch(facecolor=other_c, hatch="//"),
+               Line2D([], [], color="0.2", linewidth=0.9), Line2D([], [], color="0.2", linewidth=1, linestyle=":")]
+    labels = ["the fused array (onnxfuse)", "the other ways to train the B models",
+              "the baseline and the ceiling (one model at batch B*N)", "1× = PyTorch one after another",
+              "the ceiling: the better of one model at batch B*N, eager or compiled"]
+    return handles, labels
+
+
+def _line_panels(fig, rows: list[dict], modes: list[str], panels: list[tuple[str, str]]) -> tuple[list, list]:
+    """A line per mode against B (log2), each point the median ratio with the rounds' spread as whiskers; the
+    fused modes solid and thick, the ceilings dashed. Returns the legend's handles and labels (one per title)."""
+    import matplotlib.ticker
+    from matplotlib import colormaps
+
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    palette = [colormaps["tab10"](k) for k in range(10)] + [colormaps["Dark2"](k) for k in range(8)]
+    colour = {m: palette[k % len(palette)] for k, m in enumerate(modes)}
+    seen: dict[str, object] = {}
+    for ax, panel in zip(axes, panels):
         mine = sorted((r for r in rows if _panel(r) == panel), key=lambda r: r["B"])
         for mode in modes:
-            pts = [(r["B"], r["modes"][mode]["samples_s"]) for r in mine if mode in r["modes"]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=mode_title(mine[0], mode),
-                        linestyle="--" if mode in (BASELINE, CEILING) else "-")
+            pts = [(r["B"], *_spread(r, mode)) for r in mine if mode in r["modes"]]
+            if not pts or mode == BASELINE:
+                continue
+            Bs, med, lo, hi = zip(*pts)
+            nudge = 2 ** (0.025 * (modes.index(mode) - len(modes) / 2))  # side by side: whiskers apart
+            h = ax.errorbar([b * nudge for b in Bs], med, yerr=[[m - a for m, a in zip(med, lo)],
+                                                                [b - m for m, b in zip(med, hi)]],
+                            color=colour[mode], marker="o", markersize=4, capsize=2.5,
+                            linewidth=2.2 if mode in FUSED_MODES else 1.2,
+                            linestyle="--" if mode in CEILINGS else "-")
+            h.lines[0].set_gid(mode)
+            seen.setdefault(mode_title(mine[0], mode), h)
+        base = ax.axhline(1.0, color="0.2", linewidth=0.9)
+        seen.setdefault(f"{mode_title(mine[0], BASELINE) if mine else MODE_TITLES[BASELINE]} (1×)", base)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["B"] for r in mine}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(_panel_title(panel, rows))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_title(_panel_title(panel, rows), fontsize=10)
         ax.set_xlabel("B (models in the array)")
-        ax.set_ylabel("training samples/s (all B models)")
+        ax.set_ylabel("× PyTorch one after another")
         ax.grid(True, alpha=0.3)
-        if ax is axes[0][0] or (mine and mine[0].get("source") == "onnx"):  # a file's titles differ
-            ax.legend(fontsize=7)
-    fig.suptitle(textwrap.fill(title, 60 * len(panels)), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return list(seen.values()), list(seen)
 
 
 def _panel(row: dict) -> tuple[str, str]:
@@ -845,35 +960,6 @@ def _panel_title(panel: tuple[str, str], rows: list[dict]) -> str:
     """The model's file name, and the precision where the run measured more than one."""
     name, precision = panel
     return os.path.basename(name) + (f" ({precision})" if len({r["precision"] for r in rows}) > 1 else "")
-
-
-def _bars(plt, path: str, rows: list[dict], modes: list[str], panels: list[tuple[str, str]], title: str) -> None:
-    """One panel per model and precision: each mode's samples/s as a bar, the ratio to PyTorch one after another
-    (in that precision) written on it; fused modes dark, the baseline and the ceilings hatched."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.42 * len(modes) + 1.6), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        row = next(r for r in rows if _panel(r) == panel)
-        mine = [m for m in modes if m in row["modes"]][::-1]
-        values = [row["modes"][m]["samples_s"] for m in mine]
-        colors = ["#1f4e99" if m in FUSED_MODES else "#9aa5b1" for m in mine]
-        bars = ax.barh([mode_title(row, m) for m in mine], values, color=colors)
-        for bar, m in zip(bars, mine):
-            if m == BASELINE or m in CEILINGS:
-                bar.set_hatch("//")
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                    f" {row['modes'][m]['over_seq_torch']:.2f}×", va="center", fontsize=7)
-        ax.set_title(f"{_panel_title(panel, rows)}, B = {row['B']}")
-        ax.set_xlabel("samples/s over all B models (× : vs one after another)", fontsize=8)
-        ax.set_xlim(0, max(values) * 1.18)
-        ax.xaxis.set_major_locator(plt.MaxNLocator(5))
-        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.tick_params(axis="x", labelsize=8)
-        ax.tick_params(axis="y", labelsize=7)
-        ax.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(textwrap.fill(title, 70 * len(panels)), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------------ driver
@@ -976,7 +1062,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
                     + "\n\nWhich mode won, per model, B and precision:\n\n" + verdicts(rows)
                     + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
                     "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator):\n\n" + text + "\n")
-        _plot(os.path.join(out, "bench.png"), rows, measured, cmd)
+        _plot(os.path.join(out, "bench.png"), rows, measured, env)
         say(text)
         say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
         return rows
