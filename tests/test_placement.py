@@ -293,3 +293,31 @@ def test_fit_calibration_recovers_known_overheads():
     assert bad.op_overhead == 0 and bad.call_overhead == pytest.approx(50e-6) and bad.latency == 0
     assert bad.kernel_scale == 0.5 and bad.bandwidth >= 1e12 and bad.contention == 1.0
     assert fit_calibration(50e-6, 40e-6, 64, 1e-3, 4e-3, 10, contention=-0.3).contention == 0.0
+
+
+def test_gantt_rows_are_the_used_devices_and_links_and_every_bar_kind_is_in_the_legend(tmp_path):
+    """Three devices, the diamond on two of them (stages dev0 {A, B} | dev1 {C} | dev0 {D}), two measured calls
+    on device 0: a row per used device's simulated compute, measured calls and link, none for the idle device
+    or an idle link; the legend (below the chart, over none of it) names the op types, the call overhead, the
+    measured calls and each transfer's destination."""
+    from onnxfuse.core._plot import data_overlap
+    from onnxfuse.placement.gantt import gantt_figure, gantt_png
+
+    g = diamond()
+    devs = make_devices(3, call_overhead="0.5ms", **LINK)
+    sim = simulate(g, hand_costs(g, {"A": 1, "B": 3, "C": 3, "D": 1}, devs), [0, 0, 1, 0], "stage")
+    measured = [(0, 0, 0.0001, 0.005), (1, 1, 0.0065, 0.0101), (0, 2, 0.012, 0.0136)]
+    fig = gantt_figure(g, sim, devs, "diamond", measured, measured_step=0.0137)
+    (ax,) = fig.axes
+    names = [t.get_text().replace("\n", " ") for t in ax.get_yticklabels()]
+    assert names == ["cpu0 simulated", "cpu0 measured", "cpu0 link simulated", "cpu1 simulated", "cpu1 measured",
+                     "cpu1 link simulated"]
+    rows_drawn = {round(p.get_y() + p.get_height() / 2) for p in ax.patches}
+    assert rows_drawn == set(range(len(names)))  # no empty row
+    legend = fig.legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert {"Relu", "Neg", "Abs", "Add", "session call overhead (calibrated)", "measured session call",
+            "transfer to cpu0", "transfer to cpu1"} == set(labels)
+    assert data_overlap(fig, legend, ax) == 0
+    assert "measured 13.700 ms (median)" in ax.get_title() and "simulated step 13.500 ms" in ax.get_title()
+    assert gantt_png(g, sim, devs, str(tmp_path / "gantt.png")) and (tmp_path / "gantt.png").stat().st_size > 5000

@@ -1,4 +1,7 @@
-"""Gantt chart of a simulated (or measured) step: one row per device's compute, one per device's outgoing link."""
+"""Gantt chart of a simulated step, with the measured one beside it: per device a row of its simulated compute
+(its nodes coloured by op type, each session call's calibrated overhead hatched at the start of its stage), a row
+of the session calls measured in the last timed step (when ``--run``), and a row for its outgoing link only when
+the placement sends anything over it."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,49 +10,128 @@ from onnxfuse.placement.devices import Device
 from onnxfuse.placement.graph import PlacementGraph
 from onnxfuse.placement.simulate import SimResult
 
-__all__ = ["gantt_png"]
+__all__ = ["gantt_png", "gantt_figure"]
+
+SHOWN_OPS = 9  # op types with a colour of their own (those taking the most time; tab10 but its grey); the rest grey
+MS = 1e3
 
 
 def gantt_png(graph: PlacementGraph, result: SimResult, devices: Sequence[Device], path: str, title: str = "",
-              measured: Sequence[tuple[int, int, float, float]] | None = None) -> str:
-    """Draw the step: nodes coloured by op type on each device's row, transfers on each link's row, and (when
-    given) the measured stage spans (device, stage, start, end) as outlines on a row per device. Returns path."""
-    import matplotlib
+              measured: Sequence[tuple[int, int, float, float]] | None = None,
+              measured_step: float | None = None) -> str:
+    """Draw :func:`gantt_figure` to ``path``; return it."""
+    from onnxfuse.core._plot import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    D = len(devices)
-    rows = [f"{d.name}" for d in devices] + [f"{d.name} link" for d in devices]
-    if measured:
-        rows += [f"{d.name} measured" for d in devices]
-    ms = 1e3
-    ops = sorted(set(graph.op_types), key=lambda op: -sum(result.end[i] - result.start[i]
-                                                          for i in range(len(graph)) if graph.op_types[i] == op))
-    cmap = plt.get_cmap("tab20")
-    colour = {op: cmap(k % 20) for k, op in enumerate(ops)}
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows)))
-    shown = [i for i in range(len(graph)) if result.end[i] > result.start[i]]
-    if shown:  # one call per artist kind: a training graph has thousands of bars
-        ax.barh([result.device_of[i] for i in shown], [(result.end[i] - result.start[i]) * ms for i in shown],
-                left=[result.start[i] * ms for i in shown], height=0.8,
-                color=[colour[graph.op_types[i]] for i in shown], linewidth=0)
-    if result.transfers:
-        ax.barh([D + t.src for t in result.transfers], [(t.end - t.start) * ms for t in result.transfers],
-                left=[t.start * ms for t in result.transfers], height=0.6,
-                color=[cmap((2 * t.dst + 1) % 20) for t in result.transfers], edgecolor="black", linewidth=0.3)
-    if measured:
-        ax.barh([2 * D + d for d, _, _, _ in measured], [(e - s) * ms for _, _, s, e in measured],
-                left=[s * ms for _, _, s, _ in measured], height=0.6, fill=False, edgecolor="black")
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(rows)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{graph.label}: simulated step {result.step_time * ms:.3f} ms")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[op]) for op in ops[:12]]
-    ax.legend(handles, ops[:12], loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=6, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(gantt_figure(graph, result, devices, title, measured, measured_step), path, dpi=110)
     return path
 
+
+def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Device], title: str = "",
+                 measured: Sequence[tuple[int, int, float, float]] | None = None,
+                 measured_step: float | None = None):
+    """The chart as a matplotlib Figure. ``title``: what is placed (default the graph's label; the step times
+    follow it); ``measured``: the (device, stage, start, end) of each session call of a measured step, seconds
+    from the step's start; ``measured_step``: the measured step time to quote (the median), when given. Rows per
+    device that has nodes: simulated compute, measured calls, the outgoing link (when it sends anything)."""
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    from onnxfuse.core._plot import figure, legend_below
+
+    D = len(devices)
+    links = sorted({t.src for t in result.transfers})
+    measured = list(measured or [])
+    used = sorted(set(result.device_of) | {m[0] for m in measured})  # a device with nothing placed: no row
+    rows: list[tuple[str, str, int]] = []  # (label, kind, device)
+    for d in used:
+        rows.append((f"{devices[d].name}\nsimulated", "sim", d))
+        if any(m[0] == d for m in measured):
+            rows.append((f"{devices[d].name}\nmeasured", "measured", d))
+        if d in links:
+            rows.append((f"{devices[d].name} link\nsimulated", "link", d))
+    y = {(kind, d): k for k, (_, kind, d) in enumerate(rows)}
+
+    n = len(graph)
+    time_of = {}
+    for i in range(n):
+        time_of[graph.op_types[i]] = time_of.get(graph.op_types[i], 0.0) + result.end[i] - result.start[i]
+    ops = sorted(time_of, key=lambda op: -time_of[op])
+    named = ops if len(ops) <= SHOWN_OPS + 1 else ops[:SHOWN_OPS]
+    palette = [colormaps["tab10"](k) for k in (0, 1, 2, 3, 4, 5, 6, 8, 9)]
+    colour = {op: palette[k % len(palette)] for k, op in enumerate(named)}
+    other = "#c8c8c8"
+
+    fig = figure(11, 0.9 + 0.5 * len(rows))
+    ax = fig.subplots()
+    shown = [i for i in range(n) if result.end[i] > result.start[i]]
+    if shown:  # one call per artist kind: a training graph has thousands of bars
+        ax.barh([y["sim", result.device_of[i]] for i in shown], [(result.end[i] - result.start[i]) * MS for i in shown],
+                left=[result.start[i] * MS for i in shown], height=0.7,
+                color=[colour.get(graph.op_types[i], other) for i in shown], linewidth=0)
+    calls = _call_overheads(result)
+    if calls:
+        ax.barh([y["sim", d] for d, _, _ in calls], [(e - s) * MS for _, s, e in calls],
+                left=[s * MS for _, s, _ in calls], height=0.7, color="white", edgecolor="0.45", hatch="////",
+                linewidth=0.5)
+    if result.transfers:
+        ax.barh([y["link", t.src] for t in result.transfers], [(t.end - t.start) * MS for t in result.transfers],
+                left=[t.start * MS for t in result.transfers], height=0.5,
+                color=[colormaps["Set2"](t.dst % 8) for t in result.transfers], edgecolor="black", linewidth=0.3)
+    if measured:
+        ax.barh([y["measured", d] for d, _, _, _ in measured], [(e - s) * MS for _, _, s, e in measured],
+                left=[s * MS for _, _, s, _ in measured], height=0.5, color="#e8e8e8", edgecolor="black",
+                linewidth=0.8)
+        several = len({s for _, s, _, _ in measured}) > len({d for d, _, _, _ in measured})
+        if several:  # more than one stage on a device: say which call is which
+            for d, stage, s, e in measured:
+                ax.text((s + e) / 2 * MS, y["measured", d], f"stage {stage}", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, _, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first device on top
+    ax.set_xlim(left=0)
+    ax.set_xlabel("time from the start of the step (ms)")
+    ax.grid(True, axis="x", alpha=0.3)
+    step = f"simulated step {result.step_time * MS:.3f} ms"
+    if measured_step is not None:
+        step += f", measured {measured_step * MS:.3f} ms (median)"
+    ax.set_title(f"{title or graph.label}: {step}", fontsize=10)
+
+    handles = [Patch(color=colour[op]) for op in named] + ([Patch(color=other)] if len(named) < len(ops) else [])
+    labels = list(named) + ([f"{len(ops) - len(named)} other op types"] if len(named) < len(ops) else [])
+    if calls:
+        handles.append(Patch(facecolor="white", edgecolor="0.45", hatch="////"))
+        labels.append("session call overhead (calibrated)")
+    if measured:
+        handles.append(Patch(facecolor="#e8e8e8", edgecolor="black"))
+        labels.append("measured session call")
+    for dst in sorted({t.dst for t in result.transfers}):
+        handles.append(Patch(facecolor=colormaps["Set2"](dst % 8), edgecolor="black"))
+        labels.append(f"transfer to {devices[dst].name}")
+    note = ("simulated rows: the placement's step as the simulator predicts it, each stage one session call "
+            "(its overhead first, then its nodes); ")
+    note += ("measured rows: each session call of the last timed step, from the step's start (a call begins when "
+             "its device's thread starts it: a gap before it is the hand-over to that thread and the wait for a "
+             "core)" if measured else
+             "run with --run to measure the step and draw its session calls beside")
+    if not links and len(used) > 1:
+        note += "; no link rows: nothing crosses between devices"
+    if len(used) < D:
+        idle = D - len(used)
+        note += (f"; {idle} of the {D} devices {'has' if idle == 1 else 'have'} nothing placed on "
+                 f"{'it' if idle == 1 else 'them'}")
+    legend_below(fig, handles, labels, fontsize=8, note=note + ".")
+    return fig
+
+
+def _call_overheads(result: SimResult) -> list[tuple[int, float, float]]:
+    """(device, start, end) of each stage's session-call overhead in the simulation: from the stage's start to its
+    first node's (stage granularity only)."""
+    if result.granularity != "stage" or not result.units:
+        return []
+    out = []
+    for d, _, s, e in result.units:
+        begin = min((result.start[i] for i in range(len(result.start))
+                     if result.device_of[i] == d and s - 1e-12 <= result.start[i] <= e + 1e-12), default=s)
+        if begin > s:
+            out.append((d, s, begin))
+    return out

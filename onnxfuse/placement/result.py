@@ -137,8 +137,9 @@ class PlacementReport:
                 for s in self.partition.stages:
                     onnx.save(s.model, os.path.join(tmp, STAGES, f"{s.label}.onnx"))
             gantt_png(best.graph, best.sim, plan.devices, os.path.join(tmp, GANTT_PNG),
-                      title=f"{self.label}: {best.label}, simulated step {best.sim.step_time * 1e3:.3f} ms",
-                      measured=best.measured.spans if best.measured is not None else None)
+                      title=f"{self.label} placed by {best.label}",
+                      measured=best.measured.spans if best.measured is not None else None,
+                      measured_step=best.measured.median if best.measured is not None else None)
             with open(os.path.join(tmp, PLACEMENT_JSON), "w") as f:
                 json.dump(self.to_json(), f, indent=1)
             with open(os.path.join(tmp, RESULTS_MD), "w") as f:
