@@ -434,3 +434,41 @@ def test_a_sweep_that_fails_before_its_plan_leaves_nothing(tmp_path, capsys):
     assert not out.exists()
     raw["search"]["space"] = {"model.hidden": [16]}
     assert main(["sweep", write_spec(tmp_path, raw), "-o", str(out), "--cpus", "1", "-q"]) == 0
+
+
+# ------------------------------------------------------------------------------------------ report.png
+def test_report_png_plots_the_metric_against_each_hyper_parameter_and_the_best_curves(tmp_path):
+    """24 finished trials of a random search (lr log-uniform, weight decay uniform, hidden from a list), written as a
+    sweep leaves them: a panel per searched key (a log axis for the log-uniform lr, a column per listed value),
+    every trial's metric in it; the curves of the best 20, the caption saying so; the legend over no panel."""
+    from onnxfuse.core._plot import data_overlap
+    from onnxfuse.sweep._report_plot import CURVES_SHOWN, sweep_figure
+
+    sweep = SweepDir(tmp_path / "sw")
+    space = {"model.hidden": [32, 64], "optimizer.lr": {"low": 1e-4, "high": 1e-1, "log": True},
+             "optimizer.weight_decay": {"low": 0.0, "high": 0.1}}
+    sweep.write_json(sweep.spec_path, {"spec": {"search": {"method": "random", "space": space}}})
+    rng = np.random.default_rng(0)
+    trials, rows = [], []
+    for k in range(24):
+        p = {"model.hidden": [32, 64][k % 2], "optimizer.lr": float(10 ** rng.uniform(-4, -1)),
+             "optimizer.weight_decay": float(rng.uniform(0, 0.1))}
+        final = abs(np.log10(p["optimizer.lr"]) + 2) + 0.1  # best near lr 0.01
+        trials.append({"id": f"t{k:03d}", "params": p})
+        rows.append({"trial": f"t{k:03d}", **p, "status": "finished", "eval_loss": final})
+        curve = ["step,split,loss,accuracy,lr"] + [f"{s},train,{2 / s + final},,0.1" for s in range(1, 31)]
+        curve += [f"{s},eval,{2 / s + final},0.5,," for s in (10, 20, 30)]
+        sweep.write_bytes(sweep.trial_file(f"t{k:03d}", "metrics.csv"), "\n".join(curve).encode())
+    rows.sort(key=lambda r: r["eval_loss"])
+    fig = sweep_figure(sweep, {"metric": "eval_loss", "direction": "minimize", "trials": trials}, rows)
+    hidden, lr, wd, train, evaluation = fig.axes
+    assert [t.get_text() for t in hidden.get_xticklabels()] == ["32", "64"]
+    assert (lr.get_xscale(), wd.get_xscale()) == ("log", "linear")
+    dots = lr.collections[0].get_offsets()  # every trial: its lr, its eval loss
+    assert sorted(dots[:, 1]) == pytest.approx(sorted(r["eval_loss"] for r in rows))
+    assert sorted(dots[:, 0]) == pytest.approx(sorted(t["params"]["optimizer.lr"] for t in trials))
+    assert len(train.get_lines()) == 2 * CURVES_SHOWN and len(evaluation.get_lines()) == CURVES_SHOWN  # raw + smoothed
+    assert "the best 20 of the 24 trials" in fig.subfigs[1]._suptitle.get_text()
+    legend = fig.legends[0]
+    assert len(legend.get_texts()) == CURVES_SHOWN and legend.get_texts()[0].get_text().startswith(rows[0]["trial"])
+    assert all(data_overlap(fig, legend, ax) == 0 for ax in fig.axes)

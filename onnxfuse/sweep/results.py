@@ -1,7 +1,8 @@
 """What a sweep leaves for its user: every trial's files (written as each array finishes) and, at the end,
-``results.csv`` and ``report.md`` (every trial, best first by the spec's metric) and ``report.png`` (the best
-trials' curves). TensorBoard event files are TensorBoard's own records (its ``RecordWriter`` and ``Event``
-protos, torch's ``scalar``/``text`` summaries), one run per trial: ``tensorboard --logdir SWEEP_DIR/trials``.
+``results.csv`` and ``report.md`` (every trial, best first by the spec's metric) and ``report.png`` (the metric
+against each searched hyper-parameter, and the trials' curves). TensorBoard event files are TensorBoard's own
+records (its ``RecordWriter`` and ``Event`` protos, torch's ``scalar``/``text`` summaries), one run per trial:
+``tensorboard --logdir SWEEP_DIR/trials``.
 
 Every file is written whole or not at all (``SweepDir.write_bytes``; a trial's folder as one temporary folder
 renamed into place, ``SweepDir.replacing``), and a write that fails (a full disk) names the file.
@@ -191,18 +192,9 @@ def table(rows: list[dict], limit: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _curves(sweep: SweepDir, tid: str, split: str) -> tuple[list[int], list[float]]:
-    path = sweep.trial_file(tid, METRICS)
-    if not os.path.exists(path):
-        return [], []
-    with open(path, encoding="utf-8") as f:
-        pts = [(int(r["step"]), number(r["loss"])) for r in csv.DictReader(f) if r["split"] == split]
-    pts = [(s, v) for s, v in pts if math.isfinite(v)]
-    return [s for s, _ in pts], [v for _, v in pts]
-
-
-def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -> None:
-    """results.csv, report.md and report.png (the ``best`` trials' training and eval loss curves)."""
+def write_report(sweep: SweepDir, plan: dict, rows: list[dict]) -> None:
+    """results.csv, report.md and report.png (``_report_plot``: the metric against each searched hyper-parameter,
+    and the curves of every trial up to its limit, best first)."""
     buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, list(rows[0]) if rows else ["trial"])
     w.writeheader()
@@ -213,31 +205,8 @@ def write_report(sweep: SweepDir, plan: dict, rows: list[dict], best: int = 5) -
           "", f"Sorted by {plan['metric']} ({plan['direction']}); {done} trials have results.", "",
           "```", table(rows), "```", ""]
     sweep.write_bytes(sweep.report_md_path, "\n".join(md).encode())
-    top = [r["trial"] for r in rows[:best] if r["status"] not in ("failed", "not run")]
-    trials = {t["id"]: t for t in plan["trials"]}
-    if not top:
-        return
-    import matplotlib
+    from onnxfuse.sweep._report_plot import report_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for tid in top:
-        params = trials[tid]["params"]
-        label = f"{tid} " + ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
-        for ax, split in zip(axes, ("train", "eval")):
-            x, y = _curves(sweep, tid, split)
-            if x:
-                ax.plot(x, y, marker="o" if split == "eval" and len(x) < 30 else None, ms=3, label=label)
-    for ax, split in zip(axes, ("train", "eval")):
-        ax.set_title(f"{split} loss, best {len(top)} by {plan['metric']}")
-        ax.set_xlabel("step")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    sweep.write_bytes(sweep.report_png_path, png.getvalue())
+    png = report_png(sweep, plan, rows)
+    if png is not None:
+        sweep.write_bytes(sweep.report_png_path, png)
