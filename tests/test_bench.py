@@ -360,7 +360,7 @@ def test_the_bench_plot_at_one_b_is_a_bar_per_mode_its_ratio_with_the_rounds_spr
         bars = {p.get_gid(): p for p in ax.patches if p.get_gid()}
         assert {m: b.get_width() for m, b in bars.items()} == pytest.approx(
             {m: c["over_seq_torch"] for m, c in row["modes"].items()})
-        assert data_overlap(fig, fig.legends[0], ax) == 0
+    assert data_overlap(fig, fig.legends[0]) == 0
     torch_bar = fig.axes[0].patches[-1]  # the first mode is drawn last (on top)
     assert torch_bar.get_gid() == "torch" and torch_bar.get_width() == pytest.approx(2.25)  # rounds: 2, 2.25, 2.44
     (whiskers,) = [c for c in fig.axes[0].containers if hasattr(c, "has_xerr")]

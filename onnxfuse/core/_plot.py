@@ -124,12 +124,16 @@ def log_ticks(ax, values: Sequence[float], axis: str = "y") -> None:
     which.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if few_decades and f"{v:.0e}"[0] in "235" else ""))
 
 
-def data_overlap(fig, artist, ax) -> float:
-    """The area (square pixels) where ``artist`` (a legend, a text) covers ``ax``'s plotting area once drawn: 0
-    when it lies beside the panel. The tests' check that a legend is never over data."""
+def data_overlap(fig, artist, *axes) -> float:
+    """The area (square pixels) where ``artist`` (a legend, a text) covers the plotting area of any of ``axes``
+    (default: every panel of the figure) once the figure is drawn: 0 when it lies beside them. The tests' check
+    that a legend is never over data."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    a, b = artist.get_window_extent(renderer), ax.get_window_extent(renderer)
-    w = min(a.x1, b.x1) - max(a.x0, b.x0)
-    h = min(a.y1, b.y1) - max(a.y0, b.y0)
-    return max(0.0, w) * max(0.0, h)
+    a = artist.get_window_extent(renderer)
+    total = 0.0
+    for ax in axes or fig.axes:
+        b = ax.get_window_extent(renderer)
+        w, h = min(a.x1, b.x1) - max(a.x0, b.x0), min(a.y1, b.y1) - max(a.y0, b.y0)
+        total += max(0.0, w) * max(0.0, h)
+    return total
