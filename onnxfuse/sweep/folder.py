@@ -23,7 +23,7 @@ Every file is written whole or not at all: a record through a temporary file ren
     .space-reserve               while a driver runs: space held back so that status.json can still say why it
                                  stopped when the disk fills up (removed to write it, and at the end)
     results.csv, report.md       every trial, best first by the spec's metric
-    report.png                   the best trials' curves
+    report.png                   the metric against each searched hyper-parameter; the trials' curves
     .onnxfuse.lock               one driver at a time (see ``onnxfuse/core/_lock.py``)
 """
 from __future__ import annotations
