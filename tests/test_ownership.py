@@ -20,7 +20,7 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 PACKAGES = ("onnxfuse",)
 FILE_NAMES = {"fused.onnx", "array.json", "train_state.json", "run.json", "metrics.csv", "report.png", "report.json",
               "weights.safetensors", "optimizer_state.safetensors", "state.json", "ort_checkpoint"}
-FOLDER_NAMES = {"sources", "trained", "dropped", "checkpoints", "runs", "artifacts"}
+FOLDER_NAMES = {"sources", "trained", "dropped", "checkpoints", "runs", "artifacts", "best"}
 PER_MODEL_NAMES = {"model_{b}.onnx", "model_{b}.safetensors"}  # f"model_{b}.onnx", as found, with any index
 LOCK_FILE = ".onnxfuse.lock"
 OWNER = {name: "onnxfuse/core/array.py" for name in FILE_NAMES | FOLDER_NAMES | PER_MODEL_NAMES} | {

@@ -113,7 +113,11 @@ def test_report_on_a_real_training_run(tmp_path, capsys):
     _check_png(tmp_path / "array" / "report.png")
     code = main(["report", str(tmp_path / "array"), "-o", str(tmp_path / "cli.png")])
     out = capsys.readouterr().out
-    assert code == 0 and "best eval loss @step" in out and "model 2" not in out.splitlines()[0]
+    header = out.splitlines()[0].split()
+    assert code == 0 and header[:4] == ["model", "lr", "train", "loss"] and "eval" not in header  # lr: it differs
+    best = min(s["models"], key=lambda m: m["last_train_loss"])["model"]  # no evaluation: by the final train loss
+    assert s["best_model"] == best and s["ranked_by"] == {"metric": "train_loss", "state": "final"}
+    assert f"best: model {best} by its final train_loss" in out
     assert len(out.splitlines()) == 1 + 3 + 2  # header, 3 models, best, plot path
     assert str(tmp_path / "cli.png") in out
     _check_png(tmp_path / "cli.png")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import json
 import os
 import random
 import signal
@@ -34,12 +35,17 @@ def make_array(folder, B, seed0=30, name="mlp"):
 
 
 def assert_same_trained_weights(arr_ref, arr) -> None:
-    """The two array folders' trained weights are bit-identical, tensor by tensor."""
+    """The two array folders' trained weights are bit-identical, tensor by tensor, and so are the best states they
+    kept (--keep-best: which step of each model, its value, its state)."""
     ref = load_file(str(arr_ref / "trained" / "weights.safetensors"))
     got = load_file(str(arr / "trained" / "weights.safetensors"))
     assert set(ref) == set(got)
     for k in ref:
         assert ref[k].tobytes() == got[k].tobytes(), k
+    kept = [json.load(open(a / "trained" / "train_state.json"))["best"] for a in (arr_ref, arr)]
+    assert kept[0] == kept[1]
+    for e in (kept[0] or {}).get("models", {}).values():
+        assert open(arr_ref / "best" / e["file"], "rb").read() == open(arr / "best" / e["file"], "rb").read()
 
 
 def data_file(folder, n=96, seed=0):
@@ -202,6 +208,7 @@ def test_killed_run_resumes_to_identical_weights(runtime, tmp_path):
         break
     assert kills == 3
     assert_same_trained_weights(arr_ref, arr)
+    assert json.load(open(arr / "trained" / "train_state.json"))["best"]["metric"] == "eval_loss"  # eval data: kept
     steps = [int(r["step"]) for r in metrics(arr) if r["split"] == "train" and r["model"] == "0"]
     assert steps == list(range(1, 3001))  # a resumed run rewrites the metrics from its checkpoint on: each once
 

@@ -13,6 +13,7 @@ import warnings
 
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
                                   shell)
+from onnxfuse.core.split import WHICH
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIME_CHOICES
 from onnxfuse.recipe.settings import add_flags
 
@@ -129,20 +130,14 @@ def _run_config(args, resume: bool = False):
 
 def cmd_train(args) -> int:
     from onnxfuse.training import train_array
+    from onnxfuse.training.report import format_table, summarize_array
 
     cfg, overrides, data, eval_data = _run_config(args, resume=args.resume)
     res = train_array(args.array, data, cfg, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
                       overrides=overrides)
     print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
           f"({res.samples_per_s:,.0f} samples/s); metrics in {res.metrics_path}")
-    print(f"{'model':>5}  {'final loss':>10}  {'eval loss':>10}  {'eval acc':>8}  status")
-    ev_loss, ev_acc = res.eval.get("loss", {}), res.eval.get("accuracy", {})
-    for b, loss in enumerate(res.final_loss):
-        st = res.status.get(b)
-        shown_loss = f"{ev_loss[b]:.4f}" if b in ev_loss else "-"  # "-": no evaluation data (not a NaN loss)
-        shown_acc = f"{100 * ev_acc[b]:.1f}%" if b in ev_acc else "-"
-        print(f"{b:>5}  {loss:>10.4f}  {shown_loss:>10}  {shown_acc:>8}  "
-              f"{'' if st is None else st['status'] + ' at step ' + str(st['step'])}")
+    print(format_table(summarize_array(args.array)))  # the table `onnxfuse report` prints
     return 0
 
 
@@ -190,8 +185,9 @@ def cmd_split(args) -> int:
         note = plain_export_note(array.load_spec(), [array.load_source(0)])
         if note:
             logging.getLogger("onnxfuse").warning(note)
-    paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial, like=like)
-    what = "initial weights" if args.initial else "trained weights"
+    paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial, like=like,
+                        which=args.which)
+    what = "initial weights" if args.initial else f"each model's {args.which} state"
     print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for "
           "inference, model_b.safetensors state_dicts)")
     return 0
@@ -384,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "holding it)")
     s.add_argument("--initial", action="store_true",
                    help="split the weights the array was fused with (an untrained array is refused without it)")
+    s.add_argument("--which", choices=WHICH, default="final",
+                   help="each model's final state, or its best one by the run's --keep-best metric (default final); "
+                   "each file's metadata says which, from which step (and by which metric value)")
     s.add_argument("--like", metavar="MODULE:FACTORY",
                    help="the models' torch module (path.py:make, as export takes it): write the keys a plain "
                         "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked)")

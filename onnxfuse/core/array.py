@@ -7,6 +7,9 @@ belong to. Every other module asks :class:`ArrayDir`; none spells a file name of
     metrics.csv                         the current run's metrics, every row with the run's id
     checkpoints/step_<t>/               a state folder (below) + state.json, the current run's only
     trained/                            a state folder + train_state.json: the current run's final state
+    best/model_<b>_step_<t>.safetensors model b's state_dict at step t, its best by the run's --keep-best metric
+                                        then; written once, never changed (which file is each model's best: the
+                                        "best" record of trained/train_state.json and of each checkpoint)
     report.png, report.json             ``onnxfuse report`` of the current run
     runs/<run id>/                      earlier runs' outputs, moved aside when a new run trains its first step
     .onnxfuse.lock                      the lock, and the mark of a folder onnxfuse made (see ``_lock.py``)
@@ -42,8 +45,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxfuse.core._io import (atomic_dir, atomic_write_bytes, check_tensors, load_safetensors, read_onnx,
-                               remove_temporaries)
+from onnxfuse.core._io import (atomic_dir, atomic_file, atomic_write_bytes, check_tensors, load_safetensors,
+                               read_onnx, remove_temporaries)
 from onnxfuse.core._lock import folder_lock
 from onnxfuse.core.errors import InputFileError, shell
 from onnxfuse.core.weights import ArraySpec
@@ -54,6 +57,7 @@ __all__ = ["ArrayDir", "TrainedState", "check_output_location", "complete_lines"
 FUSED, SPEC, SOURCES = "fused.onnx", "array.json", "sources"
 # a run's outputs
 METRICS, CHECKPOINTS, TRAINED, RUNS, RUN = "metrics.csv", "checkpoints", "trained", "runs", "run.json"
+BEST = "best"
 REPORT_PNG, REPORT_JSON = "report.png", "report.json"
 # a state folder (trained/, checkpoints/step_<t>/)
 WEIGHTS, OPTIMIZER_STATE, DROPPED = "weights.safetensors", "optimizer_state.safetensors", "dropped"
@@ -61,9 +65,10 @@ TRAIN_STATE, CHECKPOINT_STATE = "train_state.json", "state.json"  # in trained/,
 ORT_CHECKPOINT, SCRATCH = "ort_checkpoint", "artifacts"  # onnxruntime's own checkpoint; its artifacts while training
 # a run's outputs, in the order they are moved aside (run.json last: until it moves, the folder still names the
 # run whose outputs are left, so a kill in between is finished by the next move)
-RUN_OUTPUTS = (TRAINED, CHECKPOINTS, METRICS, REPORT_PNG, REPORT_JSON, RUN)
+RUN_OUTPUTS = (TRAINED, CHECKPOINTS, BEST, METRICS, REPORT_PNG, REPORT_JSON, RUN)
 _STEP = "step_"
 _DROPPED_FILE = re.compile(r"^model_(\d+)\.safetensors$")
+_BEST_FILE = re.compile(r"^model_\d+_step_\d+\.safetensors$")
 
 
 def model_file(b: int) -> str:
@@ -90,6 +95,8 @@ class TrainedState:
     models: list[int] | None
     steps: int = 0
     status: dict = field(default_factory=dict)
+    run: str | None = None  # the run's id
+    best: dict | None = None  # the best states the run kept (see ArrayDir.kept_best)
 
 
 class ArrayDir:
@@ -132,11 +139,20 @@ class ArrayDir:
         return self._join(TRAINED)
 
     @property
+    def train_state_path(self) -> str:
+        """trained/'s record: the run's identity, settings and final state (:meth:`write_train_state`)."""
+        return self._join(TRAINED, TRAIN_STATE)
+
+    @property
     def checkpoints_path(self) -> str:
         return self._join(CHECKPOINTS)
 
     def checkpoint_path(self, step: int) -> str:
         return self._join(CHECKPOINTS, f"{_STEP}{step:08d}")
+
+    @property
+    def best_path(self) -> str:
+        return self._join(BEST)
 
     @property
     def report_png_path(self) -> str:
@@ -195,7 +211,7 @@ class ArrayDir:
 
     def remove_temporaries(self) -> list[str]:
         """Remove the temporary files and folders of killed processes (call it holding the lock); returns them."""
-        return [p for folder in (self.path, self.checkpoints_path) for p in remove_temporaries(folder)]
+        return [p for folder in (self.path, self.checkpoints_path, self.best_path) for p in remove_temporaries(folder)]
 
     # ------------------------------------------------------------------------------------------------ the array
     @classmethod
@@ -292,12 +308,51 @@ class ArrayDir:
             raise InputFileError(f"'{state_file}' is missing or not readable ({type(e).__name__}: "
                                  f"{' '.join(str(e).split())[:120]}); {fix}") from e
         weights = load_safetensors(os.path.join(trained, WEIGHTS), fix, holds.fused_tensors())
-        return TrainedState(weights, spec, models, steps, status)
+        return TrainedState(weights, spec, models, steps, status, (state.get("run") or {}).get("id"),
+                            state.get("best"))
 
     def dropped_state(self, b: int, fix: str) -> dict[str, np.ndarray]:
         """The state_dict model b had when the current run dropped it (``fix``: what to do when it is lost)."""
         return load_safetensors(os.path.join(self.trained_path, DROPPED, model_weights_file(b)), fix,
                                 self.load_spec().model_tensors(b))
+
+    def kept_best(self) -> dict | None:
+        """The best states the current run's ``trained/`` kept (``{"metric", "since", "models": {b: {"step",
+        "value", "steps", "file"}}}``, b a string), None when it kept none (or is not there)."""
+        path = self.train_state_path
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                return json.load(f).get("best")
+        except (OSError, ValueError, AttributeError) as e:
+            raise InputFileError(f"'{path}' is not readable ({type(e).__name__}); train again") from e
+
+    # ------------------------------------------------------------------------------------------------ best states
+    @staticmethod
+    def best_file(b: int, step: int) -> str:
+        """The name, in ``best/``, of model b's state at step t."""
+        return f"model_{b}_step_{step:08d}.safetensors"
+
+    def write_best_state(self, name: str, state: Mapping[str, np.ndarray]) -> None:
+        """A best state's file, written whole (temporary file + rename) into ``best/``."""
+        from safetensors.numpy import save_file
+
+        os.makedirs(self.best_path, exist_ok=True)
+        with atomic_file(os.path.join(self.best_path, name)) as tmp:
+            save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()}, tmp)
+
+    def best_state(self, b: int, name: str, fix: str) -> dict[str, np.ndarray]:
+        """Model b's best state ``best/<name>``, checked against the array's model b (``fix``: what to do when it
+        is missing or damaged)."""
+        return load_safetensors(os.path.join(self.best_path, name), fix, self.load_spec().model_tensors(b))
+
+    def prune_best(self, keep: set[str]) -> None:
+        """Remove the best-state files no record in ``keep`` names (a model that improved again, an evaluation of a
+        killed run after its last checkpoint)."""
+        for name in os.listdir(self.best_path) if os.path.isdir(self.best_path) else []:
+            if _BEST_FILE.match(name) and name not in keep:
+                os.remove(os.path.join(self.best_path, name))
 
     # a state folder: trained/ or a checkpoint, written into the temporary folder the caller renames into place
     @staticmethod

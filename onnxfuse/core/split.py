@@ -2,11 +2,14 @@
 its trained weights) and ``model_{b}.safetensors`` (the original state_dict keys, loadable with
 ``load_state_dict(strict=True)``).
 
-The weights are the array's trained ones, of the folder's current run (``ArrayDir.trained``); an array without
-them (never trained, or its run did not finish) is refused unless the initial weights are asked for
-(``initial``)."""
+The weights are the array's trained ones, of the folder's current run (``ArrayDir.trained``): each model's final
+state, or its best one by the run's ``--keep-best`` metric (``which="best"``); an array without them (never
+trained, or its run did not finish) is refused unless the initial weights are asked for (``initial``). Every file
+written says in its metadata which state it holds, from which step (and, for a best state, by which metric and
+value)."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Sequence
 
@@ -17,11 +20,15 @@ from onnx import numpy_helper
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.array import ArrayDir, check_output_location, model_file, model_weights_file
-from onnxfuse.core.errors import InputFileError
+from onnxfuse.core.errors import ConfigError, InputFileError
 from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.core.weights import ArraySpec, unpack_weight
 
-__all__ = ["to_inference", "split_weights", "model_steps", "final_states", "split_array"]
+__all__ = ["to_inference", "split_weights", "with_extra_state", "model_steps", "final_states", "split_states",
+           "split_array", "WHICH"]
+
+log = logging.getLogger("onnxfuse")
+WHICH = ("final", "best")  # the states of a trained model split writes (--which); "initial" is --initial's
 
 
 def to_inference(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -47,7 +54,7 @@ def model_steps(status: dict | None, steps: int) -> int:
 
 
 def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Sequence[int] = 0,
-                  like: dict | None = None) -> list[dict[str, np.ndarray]]:
+                  like: dict | None = None, models: Sequence[int] | None = None) -> list[dict[str, np.ndarray]]:
     """Per-model {state_dict key: tensor}: every key the exporter recorded, so that torch's
     ``load_state_dict(strict=True)`` accepts it. ``steps``: the optimizer steps taken, one for all models or one
     per model (``model_steps``).
@@ -59,28 +66,37 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
     Arrays made before aliases were recorded carry tied weights as constants (their export-time value).
     ``fused`` may hold torch tensors: the unpacked weights are then torch tensors too (the extra state stays numpy).
     ``like``: extra state of the same kinds, for the keys the array does not know (a graph from a plain export
-    holds no record of them): :func:`onnxfuse.exporters.torch_export.module_extra_state` of the source module."""
+    holds no record of them): :func:`onnxfuse.exporters.torch_export.module_extra_state` of the source module.
+    ``models``: only these models' (positions in the array), in that order."""
     per_model = list(steps) if isinstance(steps, (list, tuple)) else [steps] * spec.B
     out = []
-    for b in range(spec.B):
+    for b in range(spec.B) if models is None else models:
         state = {fw.sources[b]: unpack_weight(fw, fused[fw.name], b) for fw in spec.weights.values()}
-        known = {**{k: e for k, e in (like or {}).items() if k not in state}, **spec.extra_state[b]}
-        aliases = {}
-        for key, e in known.items():
-            if e.get("kind") == "alias":
-                aliases[key] = e["of"]
-                continue
-            value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
-            if e.get("kind") == "bn_counter":
-                value = np.asarray(value + per_model[b], dtype=e["dtype"])
-            state[key] = value
-        for key, of in aliases.items():
-            if of not in state:
-                raise InputFileError(f"{spec.sources[b]}: state_dict entry '{key}' is an alias of '{of}', which the "
-                                     "array does not hold; re-export the model and re-run `onnxfuse fuse`")
-            state[key] = state[of].clone() if hasattr(state[of], "clone") else state[of].copy()
-        out.append(state)
+        out.append(with_extra_state(state, {**(like or {}), **spec.extra_state[b]}, per_model[b], spec.sources[b]))
     return out
+
+
+def with_extra_state(state: dict, extra: dict, steps: int, source: str) -> dict:
+    """``state`` with the entries of ``extra`` it lacks (see :func:`split_weights`) for a model that took
+    ``steps`` optimizer steps; ``source`` names the model in messages."""
+    state = dict(state)
+    aliases = {}
+    for key, e in extra.items():
+        if key in state:
+            continue
+        if e.get("kind") == "alias":
+            aliases[key] = e["of"]
+            continue
+        value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
+        if e.get("kind") == "bn_counter":
+            value = np.asarray(value + steps, dtype=e["dtype"])
+        state[key] = value
+    for key, of in aliases.items():
+        if of not in state:
+            raise InputFileError(f"{source}: state_dict entry '{key}' is an alias of '{of}', which the array does not "
+                                 "hold; re-export the model and re-run `onnxfuse fuse`")
+        state[key] = state[of].clone() if hasattr(state[of], "clone") else state[of].copy()
+    return state
 
 
 def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = False, like: dict | None = None
@@ -89,39 +105,77 @@ def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = 
     :meth:`ArrayDir.trained` gives. A run that shrank the array (successive halving) stored the surviving array
     and each dropped model's state at the step it was dropped. A diverged model's ``num_batches_tracked`` stopped
     with it."""
+    which = "initial" if initial else "final"
+    return [state for state, _ in split_states(array_dir, spec, which, like)]
+
+
+def split_states(array_dir: str | os.PathLike, spec: ArraySpec, which: str = "final", like: dict | None = None
+                 ) -> list[tuple[dict[str, np.ndarray], dict[str, str]]]:
+    """Every original model's state_dict, ``which`` one: ``final`` (after the current run, see
+    :func:`final_states`), ``best`` (its best state by the run's ``--keep-best`` metric; a model that had no
+    finite value of it gets its final state) or ``initial`` (as fused); each with what it is, the metadata
+    :func:`split_array` writes into its files (``onnxfuse.state``: best, final or initial; ``onnxfuse.step``,
+    ``onnxfuse.run``; for a best state ``onnxfuse.metric`` and ``onnxfuse.value``)."""
+    if which not in WHICH + ("initial",):
+        raise ConfigError(f"--which {which!r}: split writes the {' or the '.join(WHICH)} state of each model")
     array = ArrayDir(array_dir)
-    trained = array.trained(initial)
+    trained = array.trained(which == "initial")
+    if which == "best" and trained.best is None:
+        raise ConfigError(f"'{array.path}' kept no best states (run {trained.run or '?'} had no eval data or "
+                          "--keep-best off); train with eval data (--eval-data or --eval-fraction) to keep them, or "
+                          "split its final states (--which final)")
     current = trained.spec or spec
     missing = [n for n in current.weights if n not in trained.weights]
     if missing:
         raise InputFileError(f"'{array.path}': fused weight '{missing[0]}' is missing from the stored weights; "
                              "re-run `onnxfuse fuse` or `onnxfuse train`")
     models = trained.models if trained.models is not None else list(range(current.B))
+    steps = {b: model_steps(trained.status.get(str(b)), trained.steps) for b in models}
     states: list = [None] * spec.B
-    for b, state in zip(models, split_weights(current, trained.weights,
-                                              [model_steps(trained.status.get(str(b)), trained.steps)
-                                               for b in models], like)):
+    for b, state in zip(models, split_weights(current, trained.weights, [steps[b] for b in models], like)):
         states[b] = state
     for b in range(spec.B):
         if states[b] is None:
             states[b] = array.dropped_state(b, f"model {b} was dropped and its state is lost: train the array "
                                                "again, or pass --initial to split the initial weights")
-    return states
+            st = trained.status[str(b)]
+            steps[b] = model_steps(st, st["step"])  # dropped at that step (frozen before it, if it diverged)
+    if which == "initial":
+        return [(state, {"onnxfuse.state": "initial"}) for state in states]
+    run = {"onnxfuse.run": trained.run} if trained.run else {}
+    out = [(state, {"onnxfuse.state": "final", "onnxfuse.step": str(steps[b]), **run})
+           for b, state in enumerate(states)]
+    if which == "best":
+        kept, fix = trained.best, "train the array again (or resume its run), or split its final states"
+        for b, entry in kept["models"].items():
+            b = int(b)
+            state = array.best_state(b, entry["file"], fix)
+            out[b] = (with_extra_state(state, like or {}, entry["steps"], spec.sources[b]),
+                      {"onnxfuse.state": "best", "onnxfuse.step": str(entry["step"]), "onnxfuse.metric": kept["metric"],
+                       "onnxfuse.value": repr(entry["value"]), **run})
+        lacking = [b for b in range(spec.B) if str(b) not in kept["models"]]
+        if lacking:
+            log.warning("model(s) %s had no finite %s at any evaluation: their final states are written (and say "
+                        "so in their files' metadata)", lacking, kept["metric"])
+    return out
 
 
 def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
-                initial: bool = False, like: dict | None = None) -> list[str]:
+                initial: bool = False, like: dict | None = None, which: str = "final") -> list[str]:
     """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths.
 
-    The weights are the current run's trained ones (an array without them is refused); ``initial``: the
-    weights the array was fused with. ``like``: the keys a plain export's graph cannot hold, from the source
+    The weights are the current run's trained ones (an array without them is refused): each model's final state,
+    or with ``which="best"`` its best one by the run's ``--keep-best`` metric; ``initial``: the weights the array
+    was fused with. Each file's metadata says which state it holds (see :func:`split_states`). ``like``: the keys a plain export's graph cannot hold, from the source
     module (``split --like MODULE:FACTORY``; see :func:`split_weights`). ``out_dir`` may not be, be inside, or
     contain the array folder. Holds the array folder's lock."""
     array, out_dir = ArrayDir(array_dir), os.fspath(out_dir)
     array.check_exists()
     check_output_location(out_dir, [array.path])
+    if initial and which != "final":
+        raise ConfigError(f"--initial and --which {which}: split writes one state of each model; give one of them")
     with array.locked("split"):
-        return _split_locked(array, out_dir, overwrite, initial, like)
+        return _split_locked(array, out_dir, overwrite, "initial" if initial else which, like)
 
 
 def graph_keys(spec: ArraySpec) -> set[str]:
@@ -141,23 +195,24 @@ def plain_export_note(spec: ArraySpec, sources: Sequence[onnx.ModelProto]) -> st
             f"--like MODULE:FACTORY (split_array(like=...)) to write every key of the module")
 
 
-def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, initial: bool, like: dict | None = None
+def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, like: dict | None = None
                   ) -> list[str]:
     from safetensors.numpy import save_file
 
     spec = array.load_spec()
-    if not initial:
+    if which != "initial":
         array.check_one_run()
-    per_model = final_states(array.path, spec, initial, like)
+    per_model = split_states(array.path, spec, which, like)
     sources = [array.load_source(b) for b in range(spec.B)]
     paths = []
     with atomic_dir(out_dir, overwrite, command="split") as tmp:
-        for b, (src, state) in enumerate(zip(sources, per_model)):
+        for b, (src, (state, what)) in enumerate(zip(sources, per_model)):
             graph_names = {i for n in src.graph.node for i in n.input}
             src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
+            onnx.helper.set_model_props(src, {**{p.key: p.value for p in src.metadata_props}, **what})
             onnx.save(to_inference(src), os.path.join(tmp, model_file(b)))
             # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
             save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()},
-                      os.path.join(tmp, model_weights_file(b)))
+                      os.path.join(tmp, model_weights_file(b)), metadata=what)
             paths.append(os.path.join(out_dir, model_file(b)))
     return paths

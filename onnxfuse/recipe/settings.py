@@ -41,6 +41,7 @@ from onnxfuse.exporters.factory import factory_args, model_inputs
 from onnxfuse.recipe.datasets import NAMED_DATASETS, is_data_factory, is_named
 from onnxfuse.recipe.device import DEVICE_TAKES, Device
 from onnxfuse.recipe.losses import LOSSES
+from onnxfuse.recipe.ranking import EVAL_METRICS, KEEP_BEST_CHOICES, OFF
 from onnxfuse.recipe.runtimes import COMPILE_CHOICES, PRECISIONS, LossScale, RUNTIME_CHOICES, RUNTIMES
 
 __all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
@@ -397,6 +398,10 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("keep_checkpoints", _POS, 2, "how many checkpoints to keep"), "keep_checkpoints", resumable=True),
     Setting(Param("on_diverge", choice(("freeze", "stop")), "freeze", "a model whose loss or update is not "
                   "finite: freeze it or stop the run"), "on_diverge"),
+    Setting(Param("keep_best", choice(KEEP_BEST_CHOICES), None, "keep each model's best state by this metric "
+                  "(checked at every evaluation) beside its final one, for split --which best: eval_loss, "
+                  "eval_accuracy or off (default: eval_loss when the run has eval data, else off)"), "keep_best",
+            resumable=True),
     Setting(Param("halving", step_list(non_empty=False), None, "steps at which successive halving keeps the best "
                   "--halving-keep of the models by eval loss"), "halving"),
     Setting(Param("halving_keep", real(gt=0.0, lt=1.0), 0.5, "fraction kept at each halving"), "halving_keep"),
@@ -859,7 +864,7 @@ def normalize_config(raw: dict, source: str = "config", base_dir: str | None = N
 
 def check_held_out(cfg: Mapping, has_eval: bool, where: Origins | str = "") -> None:
     """The rules about held-out data of a normalized config, for a run that has eval data (``has_eval``) or not:
-    eval data is given one way, and successive halving has some to rank the models by."""
+    eval data is given one way, and successive halving and best states have some to rank the models by."""
     eval_fraction = cfg["data"]["eval_fraction"]
     if has_eval and eval_fraction > 0:
         raise _fail(f"{_at(where, 'data.eval', 'data.eval_fraction')}data.eval and data.eval_fraction are both "
@@ -867,6 +872,9 @@ def check_held_out(cfg: Mapping, has_eval: bool, where: Origins | str = "") -> N
     if cfg["halving"] and not has_eval and eval_fraction == 0:
         raise _fail(f"{_at(where, 'halving')}halving needs eval data to rank the models; set data.eval or "
                     "data.eval_fraction")
+    if cfg["keep_best"] in EVAL_METRICS and not has_eval and eval_fraction == 0:
+        raise _fail(f"{_at(where, 'keep_best')}keep_best {cfg['keep_best']} needs eval data to pick each model's "
+                    f"best state by; set data.eval or data.eval_fraction, or keep_best {OFF}")
 
 
 def _optimizer(where: Origins, given: dict, name: str) -> dict:

@@ -73,6 +73,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     on_diverge: str = "freeze"
+    keep_best: str | None = None  # eval_loss, eval_accuracy or off; None: eval_loss when the run has eval data
     halving: Sequence[int] | None = None
     halving_keep: float = 0.5
     device: str = "cpu"  # or a Device
@@ -259,6 +260,7 @@ class RunPlan:
     checkpoint_every: int
     keep_checkpoints: int
     on_diverge: str
+    keep_best: str | None  # as given; the run's plan (prepare.validate) has the metric kept by, None for none
     halving: tuple[int, ...]
     halving_keep: float
     device: Device
@@ -292,6 +294,19 @@ class RunPlan:
     def as_dict(self) -> dict:
         """The settings as given: what a checkpoint records and the settings hash reads."""
         return dict(self.record)
+
+    def differing(self) -> dict[str, list]:
+        """Every per-model setting whose value differs between the models, by its ``TrainConfig`` name (a
+        schedule's parameter as ``schedule.<name>``), one JSON value per model: the columns that tell the models
+        apart in ``train``'s table, ``report`` and report.json."""
+        columns: dict[str, Sequence] = {**self.hyper, "clip_grad_norm": self.clip_grad_norm}
+        if self.precision == "fp16":
+            columns["loss_scale"] = self.loss_scale
+        columns["schedule"] = [s.get("name") for s in self.schedules]
+        for name in dict.fromkeys(k for s in self.schedules for k in s if k != "name"):
+            columns[f"schedule.{name}"] = [s.get(name) for s in self.schedules]
+        plain = {k: [_plain(list(x) if isinstance(x, tuple) else x) for x in v] for k, v in columns.items()}
+        return {k: v for k, v in plain.items() if any(x != v[0] for x in v)}
 
     def optimizer_config(self) -> OptimizerConfig:
         return optimizer_config(self.optimizer, self.hyper, self.clip_grad_norm)

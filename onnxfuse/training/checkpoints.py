@@ -26,6 +26,7 @@ from onnxfuse.recipe.optim import STATE_PREFIX
 from onnxfuse.recipe.settings import RESUMABLE
 from onnxfuse.runtime.ort_runtime import FusedTrainer
 from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+from onnxfuse.training.best import KeptBest, prune_best
 from onnxfuse.training.run_state import RunState
 
 
@@ -143,10 +144,12 @@ def data_hash(*sources) -> str:
     return h.hexdigest()
 
 
-def new_run(identity: dict) -> dict:
-    """A new run's record (run.json): a fresh id, ``identity`` (its settings and data hashes), when and by whom."""
+def new_run(identity: dict, plan: RunPlan | None = None) -> dict:
+    """A new run's record (run.json): a fresh id, ``identity`` (its settings and data hashes), when and by whom,
+    and the per-model settings that tell its models apart (``plan.differing()``: the columns of its tables)."""
     return {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(),
+            **({"differing": jsonable(plan.differing())} if plan is not None else {})}
 
 
 def check_resumable(ckpt: str, st: dict, config: TrainConfig | RunPlan, identity: dict, data) -> dict:
@@ -194,6 +197,7 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
     run.status = {int(k): v for k, v in st["status"].items()}
     run.dropped = dropped
     run.schedules.advance(st["step"])
+    run.best = KeptBest.resumed(st.get("best"), run.config.keep_best, st["step"], run.array, path)
     source.load_state_dict(st["sampler"])
     streams = getattr(source, "streams", None)  # the per-model data order's index streams
     if streams is not None and streams != len(models):
@@ -209,8 +213,10 @@ def write_checkpoint(run: RunState, source: BatchSource, elapsed: float) -> None
     with atomic_dir(path, overwrite=True, command="train") as tmp:
         _save_state(run, tmp)
         ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": source.state_dict(), "elapsed_s": elapsed,
-                                               "config": jsonable(run.config_record), "run": run.run_record})
+                                               "config": jsonable(run.config_record), "run": run.run_record,
+                                               "best": run.best.record()})
     run.array.prune_checkpoints(run.config.keep_checkpoints)
+    prune_best(run.array, run.best)
     log.info("checkpoint at step %d: %s", run.step, path)
 
 
@@ -221,6 +227,7 @@ class CheckpointModels:
     states: dict[int, dict[str, np.ndarray]]  # state_dicts
     optimizer: dict[int, dict[str, np.ndarray]]  # each model's slice of every optimizer buffer
     status: dict[int, dict]  # a diverged model's {"status", "step"}
+    best: dict[int, dict]  # a model's best state so far: its entry of the kept record (step, value...) and "state"
 
 
 def checkpoint_models(array_dir: str | os.PathLike) -> CheckpointModels:
@@ -232,27 +239,41 @@ def checkpoint_models(array_dir: str | os.PathLike) -> CheckpointModels:
     weights, opt_state, _ = ArrayDir.read_state(path, "train the array again", ArrayDir(array_dir).load_spec())
     models = st["models"]
     states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
+    array, fix = ArrayDir(array_dir), "train the array again"
+    best = {int(b): {**e, "state": array.best_state(int(b), e["file"], fix)}
+            for b, e in ((st.get("best") or {}).get("models") or {}).items() if int(b) in models}
     return CheckpointModels(st, dict(zip(models, states)),
                             {b: {k: v[i] for k, v in opt_state.items()} for i, b in enumerate(models)},
-                            {int(k): v for k, v in st["status"].items() if int(k) in models})
+                            {int(k): v for k, v in st["status"].items() if int(k) in models}, best)
 
 
 def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Sequence[Mapping[str, np.ndarray]],
-             status: Sequence[dict | None], template: dict) -> None:
+             status: Sequence[dict | None], template: dict, best: Sequence[dict | None] = ()) -> None:
     """Make the array in ``array_dir`` (fused from models as :func:`checkpoint_models` gave them: its initial
     weights are their current ones) a run that ``train_array(..., resume=True)`` continues, at the step of the
     checkpoint record ``template`` (its sampler position and data hash: every source array trained on the same
-    data and batches), with model b's optimizer state ``optimizer[b]`` and its diverged ``status[b]``."""
+    data and batches), with model b's optimizer state ``optimizer[b]``, its diverged ``status[b]`` and its best
+    state so far ``best[b]`` (:class:`CheckpointModels`' entry; kept by the template's metric)."""
     array = ArrayDir(array_dir)
     fused, spec = array.load()
     weights = fused_initial_weights(fused)
     opt_state = {k: np.stack([o[k] for o in optimizer]) for k in optimizer[0]} if optimizer and optimizer[0] else {}
-    record = new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]})
+    record = new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]},
+                     config.plan(spec.B))
+    kept = template.get("best")
+    if kept:  # each model's best state, under its place in this array
+        models = {}
+        for b, entry in enumerate(best):
+            if entry:
+                name = ArrayDir.best_file(b, entry["step"])
+                array.write_best_state(name, entry["state"])
+                models[str(b)] = {**{k: v for k, v in entry.items() if k != "state"}, "file": name}
+        kept = {**kept, "models": models}
     run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
     st = {k: template[k] for k in ("step", "trainer_steps", "sampler", "elapsed_s")}
     st.update(compiled=template.get("compiled"), models=list(range(spec.B)), active=[not (s and s.get("status") == "diverged") for s in status],
               status={str(b): s for b, s in enumerate(status) if s}, config=jsonable(config.as_dict()),
-              run=run_record)
+              run=run_record, best=kept)
     with atomic_dir(array.checkpoint_path(st["step"]), command="train") as tmp:
         ArrayDir.write_state(tmp, weights, opt_state, spec, {})
         ArrayDir.write_checkpoint_record(tmp, st)
@@ -267,4 +288,4 @@ def write_trained(run: RunState, folder: str, elapsed: float, stopped: str | Non
     ArrayDir.write_train_state(folder, **jsonable({
         "steps": run.trainer.steps, "models": run.models, "status": {str(k): v for k, v in run.status.items()},
         "run": run.run_record, "step": run.step, "final_loss": {str(k): v for k, v in final.items()},
-        "elapsed_s": elapsed, "stopped": stopped, "config": run.config_record}))
+        "elapsed_s": elapsed, "stopped": stopped, "config": run.config_record, "best": run.best.record()}))

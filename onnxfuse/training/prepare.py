@@ -16,6 +16,7 @@ from onnxfuse.recipe.batches import ArrayBatches, BatchSource
 from onnxfuse.recipe.data import BatchSampler, Dataset, check_finite, load_npz, make_dataset, resolved_label_dtype
 from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import AS_GIVEN, LABELS, LossSpec, PythonLoss, python_loss
+from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.settings import check_halving
 from onnxfuse.recipe.runtimes import resolve_runtime
 from onnxfuse.recipe.train_config import RunPlan, TrainConfig
@@ -37,7 +38,8 @@ def validate(config: TrainConfig, spec: ArraySpec, has_eval: bool) -> RunPlan:
         if shared:
             raise ConfigError(f"--data-order {plan.data_order} gives every model other samples, but graph input "
                               f"'{shared[0]}' is shared: fuse with --per-model-inputs {','.join(shared)}")
-    return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device, plan.precision))
+    return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device, plan.precision),
+                   keep_best=kept_metric(plan.keep_best, has_eval or plan.eval_fraction > 0))
 
 
 def _load_source(data, spec: ArraySpec, what: str) -> tuple[dict | Any, str]:
@@ -242,6 +244,9 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
     batch_size_given = config.given("batch_size")
     config = validate(config, spec, eval_data is not None)
     loss = _loss(config, loss)
+    if config.keep_best == "eval_accuracy" and not loss.classification:
+        raise ConfigError(f"--keep-best eval_accuracy: the loss {loss.label if isinstance(loss, PythonLoss) else loss.name} has no "
+                          "accuracy (cross-entropy and nll have one); keep the best states by eval_loss")
     _check_compile(config)
     train, source = _load_source(data, spec, "training")
     evaluation, eval_source = (None, None) if eval_data is None else _load_source(eval_data, spec, "evaluation")

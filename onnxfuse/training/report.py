@@ -27,8 +27,10 @@ from typing import Any
 from onnxfuse.core._io import claim_output
 from onnxfuse.core.array import ArrayDir, complete_lines
 from onnxfuse.core.errors import ConfigError, InputFileError, shell
+from onnxfuse.recipe.ranking import best_of, default_metric, score
 
-__all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "make_report", "report_figure", "format_table"]
+__all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "summarize_array", "make_report", "report_figure",
+           "format_table"]
 
 METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run")
 REQUIRED_COLUMNS = ("step", "model", "loss")
@@ -145,21 +147,43 @@ def _model_summary(log: ModelLog) -> dict:
     }
 
 
-def _best_model(models: list[dict]) -> int | None:
-    """The model with the lowest best eval loss, else the lowest last train loss (None when none is finite)."""
-    for key in ("best_eval_loss", "last_train_loss"):
-        ranked = [m for m in models if m[key] is not None]
-        if ranked:
-            return min(ranked, key=lambda m: m[key])["model"]
-    return None
+FINAL = {"eval_loss": "last_eval_loss", "eval_accuracy": "last_eval_accuracy", "train_loss": "last_train_loss"}
 
 
-def summarize(logs: dict[int, ModelLog]) -> dict:
-    """The per-model summary of parsed metrics (JSON-ready: non-finite values are None)."""
+def summarize(logs: dict[int, ModelLog], kept: dict | None = None, differing: dict[str, list] | None = None
+              ) -> dict:
+    """The per-model summary of parsed metrics (JSON-ready: non-finite values are None), each model ranked by
+    ``ranking.score``: by the metric the run kept best states by (``kept``: trained/'s record, see
+    ``ArrayDir.kept_best``) and the value of its kept best state, else by eval loss (train loss without
+    evaluations) and its final value. ``differing``: the per-model settings that differ between the models, one
+    value per original model (``RunPlan.differing``), shown per model as ``hparams``."""
     models = [_model_summary(log) for log in logs.values()]
+    metric = kept["metric"] if kept else default_metric(any(log.eval_loss for log in logs.values()))
+    scores = {}
+    for m in models:
+        entry = (kept or {}).get("models", {}).get(str(m["model"]))
+        m["hparams"] = {k: v[m["model"]] for k, v in (differing or {}).items() if m["model"] < len(v)}
+        m["kept_best"] = {"step": entry["step"], "value": entry["value"]} if entry else None
+        final = m[FINAL[metric]]
+        scores[m["model"]] = score(math.nan if final is None else final, entry["value"] if entry else None)
+        m["score"] = _finite(scores[m["model"]])
     steps = [s for log in logs.values() for s, _ in log.train_loss + log.eval_loss]
-    return {"B": len(models), "last_step": max(steps) if steps else None, "best_model": _best_model(models),
-            "models": models}
+    return {"B": len(models), "last_step": max(steps) if steps else None, "best_model": best_of(scores, metric),
+            "ranked_by": {"metric": metric, "state": "best" if kept else "final"},
+            "hparams": sorted(differing or {}), "models": models}
+
+
+def summarize_array(array_dir: str | os.PathLike) -> dict:
+    """:func:`summarize` of an array's current run: its metrics.csv, the best states trained/ kept and the
+    per-model settings it recorded (what ``train``'s final table and ``report`` print)."""
+    array = ArrayDir(os.fspath(array_dir))
+    return summarize(read_metrics(_open_metrics(array.path)), *_recorded(array))
+
+
+def _recorded(array: ArrayDir) -> tuple[dict | None, dict[str, list] | None]:
+    """What the current run recorded beside its metrics: the best states trained/ kept, and the per-model
+    settings that differ between its models (run.json's; None for a run from before they were recorded)."""
+    return array.kept_best(), (array.read_run() or {}).get("differing")
 
 
 # ---------------------------------------------------------------- plot
@@ -293,8 +317,10 @@ def report_figure(logs: dict[int, ModelLog], summary: dict):
 # ---------------------------------------------------------------- entry points
 def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None = None) -> dict:
     """Read ``ARRAY_DIR/metrics.csv``; write the plot (``out_png``, default ``ARRAY_DIR/report.png``) and
-    ``ARRAY_DIR/report.json``; return the summary (per model: peak and final lr, last train loss, best eval loss
-    and its step, best and last eval accuracy, status and its step; per panel: the curves plotted)."""
+    ``ARRAY_DIR/report.json``; return the summary (per model: the per-model settings that differ, peak and final
+    lr, last train loss, best eval loss and its step, best and last eval accuracy, its kept best state, the value
+    it is ranked by, status and its step; the best model and what it was ranked by; per panel: the curves
+    plotted)."""
     array_dir = os.fspath(array_dir)
     array = ArrayDir(array_dir)
     png = os.fspath(out_png) if out_png is not None else array.report_png_path
@@ -303,7 +329,7 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
     with array.locked("report"), claim_output(png, "report", is_file=True):  # a plot elsewhere: its folders too
         run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
         logs = read_metrics(path)
-        summary = summarize(logs)
+        summary = summarize(logs, *_recorded(array))
         json_path = array.report_json_path
         summary.update({"array_dir": array_dir, "run": run_id, "metrics": path, "png": png, "json": json_path})
         summary["panels"] = _plot(logs, summary, png)
@@ -327,16 +353,49 @@ def _fmt(v: float | None, spec: str = ".4g") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _setting(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, list):
+        return ",".join(_setting(x) for x in v)
+    return "-" if v is None else str(v)
+
+
+def _metric_cell(metric: str, v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%" if metric == "eval_accuracy" else f"{v:.4f}"
+
+
 def format_table(summary: dict) -> str:
-    """The summary as a text table: model, lr, last train loss, best eval loss @step, best eval acc, status."""
-    lines = [f"{'model':>5}  {'lr':>9}  {'last train loss':>15}  {'best eval loss @step':>20}  {'best eval acc':>13}  "
-             "status"]
-    for m in summary["models"]:
-        best = "-" if m["best_eval_loss"] is None else f"{m['best_eval_loss']:.4f} @{m['best_eval_loss_step']}"
-        acc = "-" if m["best_eval_accuracy"] is None else f"{100 * m['best_eval_accuracy']:.1f}%"
-        status = m["status"] if m["status_step"] is None else f"{m['status']} @{m['status_step']}"
-        lines.append(f"{m['model']:>5}  {_fmt(m['lr']):>9}  {_fmt(m['last_train_loss'], '.4f'):>15}  {best:>20}  "
-                     f"{acc:>13}  {status}")
-    if summary.get("best_model") is not None:
-        lines.append(f"best: model {summary['best_model']}")
+    """The summary as a text table (``train``'s final table and ``report``'s): per model the per-model settings
+    that differ between the models (the peak lr of metrics.csv when the run's settings are not recorded), its
+    final train loss, eval loss and accuracy, its kept best state's metric and step, its status; then the best
+    model by the one ranking (``ranking.score``) and which state of it that ranking read."""
+    models, ranked = summary["models"], summary["ranked_by"]
+    metric = ranked["metric"]
+    columns: list[tuple[str, Any]] = [("model", lambda m: str(m["model"]))]
+    if summary.get("hparams"):
+        columns += [(k, lambda m, k=k: _setting(m["hparams"].get(k))) for k in summary["hparams"]]
+    elif any(m["lr"] is not None for m in models):
+        columns.append(("lr", lambda m: _fmt(m["lr"])))
+    columns.append(("train loss", lambda m: _fmt(m["last_train_loss"], ".4f")))
+    if any(m["last_eval_loss"] is not None for m in models):
+        columns.append(("eval loss", lambda m: _fmt(m["last_eval_loss"], ".4f")))
+    if any(m["last_eval_accuracy"] is not None for m in models):
+        columns.append(("eval acc", lambda m: "-" if m["last_eval_accuracy"] is None else
+                        f"{100 * m['last_eval_accuracy']:.1f}%"))
+    if ranked["state"] == "best":
+        columns.append((f"best {metric.replace('_', ' ')} @step", lambda m: "-" if m["kept_best"] is None else
+                        f"{_metric_cell(metric, m['kept_best']['value'])} @{m['kept_best']['step']}"))
+    columns.append(("status", lambda m: m["status"] if m["status_step"] is None else
+                    f"{m['status']} at step {m['status_step']}"))
+    cells = [[cell(m) for _, cell in columns] for m in models]
+    widths = [max(len(name), *(len(row[i]) for row in cells)) for i, (name, _) in enumerate(columns)]
+    lines = ["  ".join(name.rjust(w) for (name, _), w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    best = next((m for m in models if m["model"] == summary.get("best_model")), None)
+    if best is not None and ranked["state"] == "best" and best["kept_best"] is not None:
+        lines.append(f"best: model {best['model']} by its best {metric} {_metric_cell(metric, best['score'])} at "
+                     f"step {best['kept_best']['step']} (`onnxfuse split --which best` writes that state)")
+    elif best is not None:
+        lines.append(f"best: model {best['model']} by its final {metric} {_metric_cell(metric, best['score'])}")
     return "\n".join(lines)

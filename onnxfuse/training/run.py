@@ -6,6 +6,7 @@ Files in the array folder (``onnxfuse.core.array.ArrayDir`` owns them; a run hol
     run.json                         the current run: id, settings hash, data hash, start time
     metrics.csv                      step,model,split,loss,accuracy,lr,loss_scale,elapsed_s,status,run
                                      (model: the original index)
+    best/                            each model's best state by --keep-best, one file per improvement (best.py)
     checkpoints/step_00000120/       weights, optimizer state, dropped models, state.json (with the run's id);
                                      written atomically, the last ``keep_checkpoints`` kept
     trained/                         the final state: weights.safetensors of the surviving array (array.json
@@ -22,7 +23,8 @@ data position and RNG state, so its final weights are those of an uninterrupted 
 
 This module is the loop (``_Loop``) and the run's entry points; each other part of a run has its own module:
 ``prepare.py`` (validation and data), ``run_state.py`` (the mutable state, shrinking the array), ``metrics.py``
-(metrics.csv, evaluation rows), ``checkpoints.py`` (identity, checkpoints, resume), ``halving.py`` (the rungs),
+(metrics.csv, evaluation rows), ``checkpoints.py`` (identity, checkpoints, resume), ``best.py`` (each model's
+best state), ``halving.py`` (the rungs),
 ``verify.py`` (the check of the first steps), and ``onnxfuse/recipe/train_config.py`` (``TrainConfig``).
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ from onnxfuse.recipe.runtimes import Runtime, make_trainer
 from onnxfuse.recipe.settings import RESUMABLE
 from onnxfuse.recipe.train_config import RunPlan, TrainConfig
 from onnxfuse.runtime.ort_runtime import load_array
+from onnxfuse.training.best import keep_best, prune_best
 from onnxfuse.training.checkpoints import (CheckpointModels, check_resumable, checkpoint_folders, checkpoint_models,
                                            data_hash, new_run, restore, resume_point, saved_settings, seed_run,
                                            settings_hash, write_checkpoint, write_trained)
@@ -83,6 +86,7 @@ class TrainResult:
     eval: dict = field(default_factory=dict)  # the last evaluation: {"loss": [...], "accuracy": [...]} per model
     survivors: list[int] = field(default_factory=list)
     run_id: str = ""
+    best: dict | None = None  # the best states kept (--keep-best): {"metric", "since", "models": {b: {"step", ...}}}
 
 
 def _first_steps(source: BatchSource, config: RunPlan, B: int, total: int, K: int
@@ -174,7 +178,8 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     if ckpt is not None:
         _check_resumed_loss(saved, p.loss)
     identity = {"settings_hash": settings_hash(p.config), "data_hash": data_hash(p.train, p.eval)}
-    record = check_resumable(ckpt, saved, p.config, identity, data) if ckpt is not None else new_run(identity)
+    record = check_resumable(ckpt, saved, p.config, identity, data) if ckpt is not None else \
+        new_run(identity, p.config)
     trained = ArrayDir(array_dir).trained_path
     with atomic_dir(trained, overwrite=True, command="train") as tmp:  # removed again if anything below fails
         run = RunState(array_dir, p.config, fused, spec, p.loss, p.total, ArrayDir.scratch_path(tmp))
@@ -197,6 +202,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         loop.train(stop_at, progress, on_step)
         write_trained(run, tmp, loop.elapsed, loop.stopped)
         shutil.rmtree(ArrayDir.scratch_path(tmp), ignore_errors=True)  # ONNX Runtime's, rebuilt by each run
+    prune_best(run.array, run.best)  # trained/ names the final best states now: the earlier ones may go
     if loop.stopped:
         raise TrainingStopped(f"stopped: {loop.stopped}; state saved in {trained}")
     final = np.full(spec.B, np.nan)
@@ -205,7 +211,8 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     return TrainResult(steps=run.step, final_loss=final.tolist(), elapsed_s=loop.elapsed,
                        samples_per_s=loop.samples / max(loop.elapsed - elapsed0, 1e-9),
                        metrics_path=run.array.metrics_path, trained_dir=trained,
-                       status=dict(run.status), eval=run.last_eval, survivors=list(run.models), run_id=record["id"])
+                       status=dict(run.status), eval=run.last_eval, survivors=list(run.models), run_id=record["id"],
+                       best=run.best.record())
 
 
 def _check_resumed_loss(saved: dict, loss: LossSpec) -> None:
@@ -261,7 +268,7 @@ class _Loop:
                 if on_step is not None:
                     on_step(run.step, total)
             if self.p.eval is not None and run.last_eval_step != run.step:
-                evaluate(run, self.p.eval, self.metrics, self._elapsed())
+                self._evaluate(self._elapsed())
             if stop_at is not None and not self.stopped and run.step < total and \
                     not os.path.isdir(run.array.checkpoint_path(run.step)):  # where a resumed run continues
                 write_checkpoint(run, self.p.train, self._elapsed())
@@ -314,13 +321,18 @@ class _Loop:
         if events and config.on_diverge == "stop":
             self.stopped = f"model(s) {sorted(events)} diverged at step {run.step} (--on-diverge stop)"
             return False
-        ev = evaluate(run, self.p.eval, self.metrics, el) if evaluating else None
+        ev = self._evaluate(el) if evaluating else None
         if halving:
-            halving_rung(run, ev if ev is not None else evaluate(run, self.p.eval, self.metrics, el), source,
-                         self.metrics, el)
+            halving_rung(run, ev if ev is not None else self._evaluate(el), source, self.metrics, el)
         if checkpoint:
             write_checkpoint(run, source, el)
         return True
+
+    def _evaluate(self, elapsed: float) -> dict:
+        """Evaluate the models in the array (metrics.csv's rows) and keep each one's best state so far."""
+        ev = evaluate(self.run, self.p.eval, self.metrics, elapsed)
+        keep_best(self.run, ev)
+        return ev
 
     def _read(self) -> dict[int, int]:
         """The host read: the last step's losses, and the models that diverged since the last read ({original

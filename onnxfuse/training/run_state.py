@@ -19,6 +19,7 @@ from onnxfuse.recipe.optim import OptimizerConfig
 from onnxfuse.recipe.schedules import PerModelSchedules
 from onnxfuse.recipe.runtimes import Observed, Runtime, make_trainer
 from onnxfuse.recipe.train_config import RunPlan
+from onnxfuse.training.best import KeptBest
 
 
 log = logging.getLogger("onnxfuse.train")
@@ -48,6 +49,7 @@ class RunState:
         self.last_eval_step = -1
         self.config_record: dict = config.as_dict()
         self.run_record: dict = {}  # the run's id, settings hash and data hash (written with every state)
+        self.best = KeptBest(config.keep_best)  # each model's best state so far (--keep-best)
 
     def _trainer(self) -> Runtime:
         os.makedirs(self.workdir, exist_ok=True)
@@ -68,10 +70,11 @@ class RunState:
         scales = getattr(self.trainer, "loss_scales", None)
         return scales() if scales is not None else None
 
-    def per_model_states(self) -> list[dict[str, np.ndarray]]:
+    def per_model_states(self, positions: Sequence[int] | None = None) -> list[dict[str, np.ndarray]]:
+        """The state_dict of each model in the array (``positions``: of those only, in that order)."""
         # num_batches_tracked counts the steps each model took: a diverged model's stopped with it
         steps = [model_steps(self.status.get(b), self.trainer.steps) for b in self.models]
-        return split_weights(self.spec, self.trainer.weights(), steps=steps)
+        return split_weights(self.spec, self.trainer.weights(), steps=steps, models=positions)
 
     def keep_decision(self, compiled: bool | None) -> None:
         """A run with ``--compile auto`` keeps the decision it made (a resumed run, a re-fused array): compiled and
