@@ -171,20 +171,61 @@ def test_sweep_forms_arrays_and_every_trial_trains_as_alone(sweep12):
     assert sorted(len(a["trials"]) for a in plan["arrays"]) == [3, 3, 3, 3]
     table = rows(out.results_path)
     assert len(table) == 12 and all(r["status"] == "finished" and r["steps"] == "8" for r in table)
-    losses = [float(r["eval_loss"]) for r in table]
-    assert losses == sorted(losses)  # best first
+    best = [float(r["best_eval_loss"]) for r in table]  # each trial's best state's, kept at an evaluation
+    assert best == sorted(best) and all(b <= float(r["eval_loss"]) for b, r in zip(best, table))  # best first
     check_trials_as_alone(out, plan, raw, {t["id"]: 8 for t in plan["trials"]})
+
+
+def hparams_sessions(logdir: str) -> dict[str, dict]:
+    """What TensorBoard's HParams dashboard lists for ``logdir``, read by TensorBoard's own code (its event
+    multiplexer, data provider and the HParams plugin's handler): {run: {"hparams": {...}, "metrics": {tag:
+    value}, "status": ...}}."""
+    from google.protobuf import json_format
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    runs = plugin_event_multiplexer.EventMultiplexer()
+    runs.AddRunsFromDirectory(logdir)
+    runs.Reload()
+    tb = base_plugin.TBContext(logdir=logdir, multiplexer=runs,
+                               data_provider=data_provider.MultiplexerDataProvider(runs, logdir))
+    request = api_pb2.ListSessionGroupsRequest(start_index=0, slice_size=1000, aggregation_type=api_pb2.AGGREGATION_AVG,
+                                               allowed_statuses=[api_pb2.STATUS_SUCCESS, api_pb2.STATUS_FAILURE])
+    groups = list_session_groups.Handler(context.RequestContext(), backend_context.Context(tb), "", request).run()
+    out = {}
+    for group in groups.session_groups:
+        (session,) = group.sessions
+        out[session.name] = {"hparams": {k: json_format.MessageToDict(v) for k, v in group.hparams.items()},
+                             "metrics": {m.name.tag: m.value for m in session.metric_values},
+                             "status": api_pb2.Status.Name(session.status)}
+    return out
 
 
 def test_sweep_files(sweep12):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from onnxfuse.sweep.results import run_name
+
     folder, _, res = sweep12
     out = SweepDir(folder / "out")
+    plan = json.load(open(out.plan_path))
+    params = {t["id"]: t["params"] for t in plan["trials"]}
     t = res.rows[0]["trial"]
     curve = rows(out.trial_file(t, "metrics.csv"))
     assert [r["step"] for r in curve if r["split"] == "eval"] == ["4", "8"]
-    ev = EventAccumulator(out.trial_path(t))
+    # TensorBoard's HParams dashboard lists every trial, named by its parameters, with them and its metrics
+    sessions = hparams_sessions(out.trial_path(""))
+    assert sorted(sessions) == sorted(f"{tid}/{run_name(p)}" for tid, p in params.items())
+    assert f"{t}/hidden={params[t]['model.hidden']},lr={params[t]['optimizer.lr']:g},seed={params[t]['seed']}" \
+        in sessions
+    for r in res.rows:
+        s = sessions[f"{r['trial']}/{run_name(params[r['trial']])}"]
+        assert s["hparams"] == params[r["trial"]] and s["status"] == "STATUS_SUCCESS"
+        assert s["metrics"]["best/eval_loss"] == pytest.approx(r["best_eval_loss"], rel=1e-6)
+        assert s["metrics"]["eval/loss"] == pytest.approx(r["eval_loss"], rel=1e-6)
+    ev = EventAccumulator(out.trial_file(t, run_name(params[t])))
     ev.Reload()
     assert [s.step for s in ev.Scalars("eval/loss")] == [4, 8]
     assert ev.Scalars("eval/loss")[-1].value == pytest.approx(float(res.rows[0]["eval_loss"]), rel=1e-6)
@@ -350,6 +391,14 @@ def test_optuna_study_runs_as_arrays(tmp_path):
     from onnxfuse.integrations.optuna import optimize
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from safetensors.numpy import load_file
+
+    from onnxfuse import fuse_models, save_array
+    from onnxfuse.core.split import split_array
+    from onnxfuse.sweep.results import trial_score
+    from onnxfuse.training import TrainConfig, train_array
+    from onnxfuse.training.report import summarize_array
+
     raw = base_spec(tmp_path, search={"method": "random", "samples": 1, "space": {
         "optimizer.lr": {"low": 1e-3, "high": 3e-2, "log": True}, "model.hidden": [16, 32]}})
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0))
@@ -363,8 +412,31 @@ def test_optuna_study_runs_as_arrays(tmp_path):
         by_id = {r["trial"]: r for r in res.rows}
         for i, t in enumerate(trials):
             row = by_id[t.user_attrs["onnxfuse.trial"]]
-            assert row["trial"] == f"t{i:03d}" and t.value == pytest.approx(row["eval_loss"])
+            # told its best state's eval loss: what results.csv ranks it by
+            assert row["trial"] == f"t{i:03d}" and t.value == trial_score(row, "eval_loss") == row["best_eval_loss"]
             assert t.params["optimizer.lr"] == row["optimizer.lr"]
+        told = {t.user_attrs["onnxfuse.trial"]: t.value for t in trials}
+        assert [r["trial"] for r in rows(os.path.join(res.path, "results.csv"))] == sorted(told, key=lambda k: (
+            told[k], k))  # results.csv's order is the study's
+    # an array of the first round trained again here: `report` (and train's table) rank its trials as results.csv
+    # and Optuna do, and split --which best writes the states the sweep kept
+    res = results[0]
+    by_id = {r["trial"]: r for r in res.rows}
+    job = json.load(open(os.path.join(res.path, "plan.json")))["arrays"][0]
+    assert any(by_id[tid]["best_step"] < 8 for tid in job["trials"])  # a best state before the last step
+    arr = tmp_path / "again"
+    save_array(fuse_models([os.path.join(res.path, "models", f"{tid}.onnx") for tid in job["trials"]]), arr)
+    train_array(arr, job["data"], TrainConfig.from_dict(job["settings"]), eval_data=job["eval_data"], progress=False)
+    summary = summarize_array(arr)
+    assert summary["ranked_by"] == {"metric": "eval_loss", "state": "best"}
+    assert [m["score"] for m in summary["models"]] == [trial_score(by_id[tid], "eval_loss") for tid in job["trials"]]
+    assert job["trials"][summary["best_model"]] == min(job["trials"], key=lambda tid: (
+        trial_score(by_id[tid], "eval_loss"), tid))
+    split_array(arr, tmp_path / "best", which="best")
+    for b, tid in enumerate(job["trials"]):
+        here = load_file(str(tmp_path / "best" / f"model_{b}.safetensors"))
+        swept = load_file(os.path.join(res.path, "trials", tid, "best.safetensors"))
+        assert sorted(here) == sorted(swept) and all(here[k].tobytes() == swept[k].tobytes() for k in here), tid
     with pytest.raises(ConfigError, match="direction"):
         optimize(optuna.create_study(direction="maximize"), parse_spec(raw, "spec", str(tmp_path)), 1, tmp_path / "x")
 
@@ -406,6 +478,9 @@ def test_successive_halving_across_arrays(tmp_path):
     assert all(len([r for r in rows(out.trial_file(t, "metrics.csv")) if r["split"] == "train"]) == steps[t]
                for t in steps)  # every curve whole, across the arrays it trained in
     check_trials_as_alone(out, plan, raw, steps)
+    for r in res.rows:  # each trial's best state, kept across the arrays it trained in
+        step, value = min(evals[r["trial"]].items(), key=lambda sv: (sv[1], sv[0]))
+        assert (r["best_step"], r["best_eval_loss"]) == (step, pytest.approx(value, rel=1e-6))
     assert not [f for a in os.listdir(os.path.join(out.path, "arrays"))
                 for f in os.listdir(out.array_path(a)) if f.endswith(".tar")]  # no rung folder left
 

@@ -8,7 +8,8 @@
 
 Each round asks the study for ``batch`` trials (default: ``arrays.size`` of the spec, else 8), runs them as one
 sweep (``out_dir/round_000``, ...: grouped by graph identity, fused, trained on Ray, every file of a sweep), and
-tells the study each trial's metric (the spec's ``metric``; the study's direction must agree with it). A trial
+tells the study each trial's metric (the spec's ``metric``; the study's direction must agree with it): the value
+its row of results.csv is ranked by, its best state's when the sweep keeps them (``results.trial_score``). A trial
 that diverged or whose array failed is told as FAIL; its sweep row says why. The parameters come from
 ``suggest(trial) -> {space key: value}``, or, without it, from the spec's ``search.space``: a list is
 ``suggest_categorical``, a range ``suggest_float`` / ``suggest_int`` (``log`` as given). Optuna's parameter names
@@ -25,6 +26,7 @@ from typing import Callable
 
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.sweep.driver import SweepResult, _connect, run_sweep
+from onnxfuse.sweep.results import trial_score
 from onnxfuse.sweep.spec import Range, SweepSpec, load_spec
 
 __all__ = ["optimize", "suggest_from_space"]
@@ -78,7 +80,7 @@ def optimize(study, spec: str | os.PathLike | SweepSpec, n_trials: int, out_dir:
             rows = {r["trial"]: r for r in res.rows}
             for trial, tid in zip(asked, res.trial_ids):
                 row = rows[tid]
-                value = float(row[spec.metric]) if row[spec.metric] != "" else math.nan
+                value = trial_score(row, spec.metric)  # what results.csv ranks the trial by
                 for k in ("trial", "array", "status", "checkpoint"):
                     trial.set_user_attr(f"onnxfuse.{k}", row[k])
                 trial.set_user_attr("onnxfuse.sweep", res.path)

@@ -1627,18 +1627,19 @@ def batched_recurrent(spec: NodeSpec) -> Kernel:
             return z
         return torch.cat([z[:, d:d + 1].flip(2) if reverse[d] else z[:, d:d + 1] for d in range(D)], 1)
 
-    def cell(xw, hw, h, c):
+    def cell(xw, hw, h, c):  # torch's cells, in place on the fresh recurrent product hw as they are
         if t == "LSTM":  # ONNX's gates i o f c; torch: c' = f * c + i * g, h' = o * tanh(c')
-            i, o, f, g = (hw + xw).chunk(4, -1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            return torch.sigmoid(o) * torch.tanh(c), c
+            i, o, f, g = hw.add_(xw).unsafe_chunk(4, -1)
+            i, o, f, g = i.sigmoid_(), o.sigmoid_(), f.sigmoid_(), g.tanh_()
+            c = (f * c).add_(i * g)
+            return o * c.tanh(), c
         if t == "GRU":  # ONNX's gates z r h; torch: n = tanh(xn + r * hn), h' = (h - n) * z + n
-            xz, xr, xn = xw.chunk(3, -1)
-            hz, hr, hn = hw.chunk(3, -1)
-            r, z = torch.sigmoid(hr + xr), torch.sigmoid(hz + xz)
-            n = torch.tanh(xn + hn * r)
-            return (h - n) * z + n, c
-        return act(hw + xw), c
+            xz, xr, xn = xw.unsafe_chunk(3, -1)
+            hz, hr, hn = hw.unsafe_chunk(3, -1)
+            r, z = hr.add_(xr).sigmoid_(), hz.add_(xz).sigmoid_()
+            n = xn.add(hn.mul_(r)).tanh_()
+            return (h - n).mul_(z).add_(n), c
+        return act(hw.add_(xw)), c
 
     def fn(x, w, r, b=None, seq_lens=None, h0=None, c0=None, peepholes=None):
         Bm = w.shape[0]
@@ -1669,9 +1670,9 @@ def batched_recurrent(spec: NodeSpec) -> Kernel:
             return s.expand(Bm, D, N, H).reshape(MD, N, H)
         h, c = state(h0), (state(c0) if t == "LSTM" else None)
         ys = []
-        for step in range(T):
+        for xw_t in xw.unbind(1):  # (not xw[:, step]: each select's gradient would be a zero-filled copy of xw)
             hw = torch.bmm(h, rt) if rb is None else torch.baddbmm(rb, h, rt)
-            h, c = cell(xw[:, step], hw, h, c)
+            h, c = cell(xw_t, hw, h, c)
             ys.append(h)
         y = flip_reversed(torch.stack(ys, 1).reshape(Bm, D, T, N, H))
         y = y.permute(0, 3, 2, 1, 4) if layout else y.permute(0, 2, 1, 3, 4)  # [B, N, T, D, H] / [B, T, D, N, H]

@@ -6,7 +6,8 @@ trial shares, without its ``model`` and ``grid`` sections, plus the sections of 
     model       factory, input_shape, input_dtype, args (fixed factory keyword arguments), seed (the models'
                 init seed), per_model_inputs
     search      method (grid | random), samples and seed (random), space: {key: [values] | {low, high, log, int}}
-    metric      eval_loss | eval_accuracy | train_loss (what the report sorts by and Optuna optimizes)
+    metric      eval_loss | eval_accuracy | train_loss (what the report sorts by and Optuna optimizes; each
+                trial's best state by an eval metric is kept, its run's keep_best, and ranked by)
     arrays      size (a number, or auto: the array-sizing planner, run on a worker), max_size
     resources   cpus, gpus per array (Ray resources; a fraction of a GPU shares it)
     retries     how often a failed array is run again (default 1)
@@ -42,11 +43,10 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.device import Device
+from onnxfuse.recipe.ranking import EVAL_METRICS, METRICS, OFF  # METRICS: metric -> the direction that is better
 
 __all__ = ["SweepSpec", "load_spec", "parse_spec", "METRICS", "SWEEP_SECTIONS"]
 
-# metric -> (the direction that is better, the column of the trial results it reads)
-METRICS = {"eval_loss": "minimize", "eval_accuracy": "maximize", "train_loss": "minimize"}
 EXAMPLE = "docs/sweep.example.yaml"
 
 
@@ -357,6 +357,12 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
                           "batch order (per-model orders would tie a trial's batches to its place in an array)")
     if spec.metric.startswith("eval") and not spec._has_eval():
         raise ConfigError(f"{where}metric {spec.metric} needs held-out data: set data.eval or data.eval_fraction")
+    keep = cfg["keep_best"]
+    if keep is None:  # every trial's best state by the metric the trials are ranked by, when it is an evaluation's
+        spec.run = {**spec.run, "keep_best": spec.metric if spec.metric in EVAL_METRICS else OFF}
+    elif keep not in (OFF, spec.metric):
+        raise ConfigError(f"{where}keep_best {keep} is not the sweep's metric {spec.metric}, which ranks the trials "
+                          f"by the state it kept; set keep_best: {spec.metric} (or {OFF}), or metric: {keep}")
     if spec.device.is_cuda and spec.gpus == 0:
         raise ConfigError(f"{where}device {spec.device} needs resources.gpus > 0 (a fraction shares one GPU)")
     if sections.search is not None:

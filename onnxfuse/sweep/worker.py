@@ -5,7 +5,8 @@ worker needs no storage shared with the driver; it runs the same in a Ray task a
 Each trial's status: ``finished``; ``diverged`` (its loss or update became non-finite; it was frozen at its last
 finite state, ``on_diverge: freeze``); ``stopped`` (dropped by the run's own successive halving, or the whole run
 stopped by ``on_diverge: stop``). Its metrics are the last evaluation's (``eval_loss``, ``eval_accuracy``) and
-its last finite training loss (``train_loss``).
+its last finite training loss (``train_loss``); with ``keep_best``, also its best state's step and value (``best``)
+and that state's files beside the final ones.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.array import ArrayDir, model_file, model_weights_file
 from onnxfuse.recipe.batches import same_position
 from onnxfuse.training.run import METRICS_HEADER
-from onnxfuse.sweep.folder import TRIAL_ONNX, TRIAL_WEIGHTS
+from onnxfuse.recipe.ranking import rank_key as rank  # noqa: F401  (the driver's, from here)
+from onnxfuse.sweep.folder import TRIAL_FILES
 
 __all__ = ["run_array", "node_of_this_process", "number", "rank", "RESULT_COLUMNS", "TRIAL_METRICS"]
 
@@ -52,12 +54,6 @@ def number(text) -> float:
         return float(text)
     except (TypeError, ValueError):
         return math.nan
-
-
-def rank(value: float, direction: str, trial: str) -> tuple:
-    """A trial's place in a best-first order: by its metric in ``direction`` (minimize or maximize), a trial
-    without a finite metric last, ties by trial id."""
-    return (0, value if direction == "minimize" else -value, trial) if math.isfinite(value) else (1, 0.0, trial)
 
 
 def _pack(folder: str) -> bytes:
@@ -160,10 +156,12 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
                         stop_at=seg.get("until"))
         except TrainingStopped as e:
             stopped = str(e)
-        split_dir = os.path.join(tmp, "split")
-        split_array(array_dir, split_dir)
         array = ArrayDir(array_dir)
         state = array.trained()
+        split_dirs = {which: os.path.join(tmp, f"split_{which}") for which in ("final", "best")
+                      if which == "final" or state.best}
+        for which, folder in split_dirs.items():
+            split_array(array_dir, folder, which=which)
         with open(array.metrics_path, encoding="utf-8") as f:
             metrics_csv = f.read()
         rows = list(csv.DictReader(io.StringIO(metrics_csv)))
@@ -177,14 +175,17 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
             status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
                 ("stopped" if stopped else "finished")
             files = {}
-            for name, src in ((TRIAL_ONNX, model_file(b)), (TRIAL_WEIGHTS, model_weights_file(b))):
-                with open(os.path.join(split_dir, src), "rb") as f:
-                    files[name] = f.read()
+            for which, folder in split_dirs.items():
+                for name, src in zip(TRIAL_FILES[which], (model_file(b), model_weights_file(b))):
+                    with open(os.path.join(folder, src), "rb") as f:
+                        files[name] = f.read()
+            best = ((state.best or {}).get("models") or {}).get(str(b))
             out["trials"][tid] = {
                 "status": status, "steps": model_steps(st, state.steps),
                 "train_loss": train[-1] if train else math.nan,
                 "eval_loss": number(evals[-1]["loss"]) if evals else math.nan,
                 "eval_accuracy": number(evals[-1]["accuracy"]) if evals else math.nan,
+                "best": {"metric": state.best["metric"], "step": best["step"], "value": best["value"]} if best else None,
                 "metrics": [{k: r[k] for k in TRIAL_METRICS} for r in mine],
                 "files": files}
         if seg.get("until") is not None:
