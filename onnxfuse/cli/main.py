@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "that are not trained, as requires_grad=False keeps them (onnxfuse export records these itself)")
     from onnxfuse.measure.forms import STRATEGY_CHOICES
     f.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
-                   help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model): "
+                   help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model; "
+                   "LSTM, GRU, RNN: batched, per-model or block-diagonal): "
                    "default (each rule's first), a form for every such node, or auto: per node, the form measured "
                    "fastest on --runtime/--device at --batch samples per model (measured once per device, cached)")
     f.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="the runtime auto measures on")
