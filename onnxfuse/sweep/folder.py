@@ -16,8 +16,9 @@ Every file is written whole or not at all: a record through a temporary file ren
                                  its folder there (where its survivors go on from; removed at the end)
     halving.json                 with successive halving: each rung's survivors and the arrays they go on in
                                  (ids r<k>a<j>)
-    trials/<trial>/              model.onnx + model.safetensors (its trained weights, split out of the array),
-                                 metrics.csv, and TensorBoard event files (one run per trial)
+    trials/<trial>/              model.onnx + model.safetensors (its final weights, split out of the array),
+                                 best.onnx + best.safetensors (its best state by the metric, when kept),
+                                 metrics.csv, and a TensorBoard run: <its parameters>/events.out.tfevents.*
     status.json                  live: every array done / running (pid, node, step) / queued / failed; when the
                                  driver stopped on an error, ``stopped`` says why and when (and no array is running)
     .space-reserve               while a driver runs: space held back so that status.json can still say why it
@@ -44,6 +45,8 @@ SPEC, PLAN, STATUS, RESULTS, REPORT_MD = "spec.json", "plan.json", "status.json"
 MODELS, ARRAYS, TRIALS = "models", "arrays", "trials"
 RESULT, HALVING = "result.json", "halving.json"
 TRIAL_ONNX, TRIAL_WEIGHTS = "model.onnx", "model.safetensors"
+TRIAL_BEST_ONNX, TRIAL_BEST_WEIGHTS = "best.onnx", "best.safetensors"
+TRIAL_FILES = {"final": (TRIAL_ONNX, TRIAL_WEIGHTS), "best": (TRIAL_BEST_ONNX, TRIAL_BEST_WEIGHTS)}  # split --which
 RESERVE = ".space-reserve"
 RESERVE_BYTES = 256 << 10  # status.json of ~1,500 arrays
 
@@ -91,7 +94,7 @@ class SweepDir:
         return self._join(TRIALS, trial)
 
     def trial_file(self, trial: str, name: str) -> str:
-        """``name``: TRIAL_ONNX, TRIAL_WEIGHTS or METRICS."""
+        """``name``: one of TRIAL_FILES' names, METRICS, or the TensorBoard run's (a folder and its file)."""
         return self._join(TRIALS, trial, name)
 
     def relative(self, path: str) -> str:

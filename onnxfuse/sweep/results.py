@@ -1,7 +1,9 @@
 """What a sweep leaves for its user: every trial's files (written as each array finishes) and, at the end,
-``results.csv`` and ``report.md`` (every trial, best first by the spec's metric) and ``report.png`` (the metric
-against each searched hyper-parameter, and the trials' curves). TensorBoard event files are TensorBoard's own
-records (its ``RecordWriter`` and ``Event`` protos, torch's ``scalar``/``text`` summaries), one run per trial:
+``results.csv`` and ``report.md`` (every trial, best first by ``trial_score``: its best state's metric when the
+sweep keeps them, else its final one) and ``report.png`` (the metric against each searched hyper-parameter, and the
+trials' curves). TensorBoard event files are TensorBoard's own records (its ``RecordWriter`` and ``Event`` protos,
+torch's ``scalar`` summaries, the HParams plugin's session protos), one run per trial named by its parameters
+(``t003/lr=0.01,seed=1``), so that the HParams dashboard lists every trial with its parameters and metrics:
 ``tensorboard --logdir SWEEP_DIR/trials``.
 
 Every file is written whole or not at all (``SweepDir.write_bytes``; a trial's folder as one temporary folder
@@ -11,32 +13,40 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import math
 import os
+import re
 import socket
 import time
 
 from onnxfuse.core.errors import as_user_error
-from onnxfuse.sweep.folder import METRICS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
+from onnxfuse.recipe.ranking import score
+from onnxfuse.sweep.folder import METRICS, TRIAL_BEST_WEIGHTS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
 from onnxfuse.sweep.worker import RESULT_COLUMNS, TRIAL_METRICS, number, rank
 
-__all__ = ["write_array_result", "close_rung", "failed_result", "collect", "write_report", "table", "all_arrays"]
+__all__ = ["write_array_result", "close_rung", "failed_result", "collect", "trial_score", "write_report", "table",
+           "all_arrays", "run_name"]
 
 log = logging.getLogger("onnxfuse.sweep")
 _warned_tb = False
 
 
-def _tensorboard(rows: list[dict], hparams: dict) -> tuple[str, bytes] | None:
+def _tensorboard(rows: list[dict], params: dict, status: str, best: dict | None) -> tuple[str, bytes] | None:
     """A trial's TensorBoard event file, (its name, its bytes) as TensorBoard's SummaryWriter names and writes
-    one; None without the tensorboard package. Made in memory, so that it is written whole like every other file
-    (SummaryWriter's background thread would leave a half-written file on a full disk, and report the error on
-    stderr)."""
+    one; None without the tensorboard package. Its curves (``train/loss``, ``eval/loss``, ...), its kept best
+    state's value (``best/<metric>``) and, for the HParams plugin, the session of the trial: its parameters
+    (``params``, the search-space keys) and how it ended. Made in memory, so that it is written whole like every
+    other file (SummaryWriter's background thread would leave a half-written file on a full disk, and report the
+    error on stderr)."""
     global _warned_tb
     try:
         from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
         from tensorboard.summary.writer.record_writer import RecordWriter
-        from torch.utils.tensorboard.summary import scalar, text
+        from torch.utils.tensorboard.summary import scalar
     except ImportError:
         if not _warned_tb:
             log.warning("no TensorBoard event files: install the tensorboard package (pip install "
@@ -45,22 +55,52 @@ def _tensorboard(rows: list[dict], hparams: dict) -> tuple[str, bytes] | None:
         return None
     buf = io.BytesIO()
     w, now = RecordWriter(buf), time.time()
+
+    def hparams(tag: str, **data) -> None:
+        meta = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(**data))
+        w.write(Event(wall_time=now, summary=Summary(value=[Summary.Value(tag=tag, metadata=meta)]))
+                .SerializeToString())
+
     w.write(Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+    start = plugin_data_pb2.SessionStartInfo(start_time_secs=now)
+    for k, v in params.items():
+        if isinstance(v, bool):
+            start.hparams[k].bool_value = v
+        elif isinstance(v, (int, float)):
+            start.hparams[k].number_value = v
+        else:
+            start.hparams[k].string_value = v if isinstance(v, str) else json.dumps(v)
+    hparams(metadata.SESSION_START_INFO_TAG, session_start_info=start)
+    last = 0
     for r in rows:
-        step = int(r["step"])
+        step = last = int(r["step"])
         for col in ("loss", "accuracy", "lr"):
             v = number(r.get(col, ""))
             if math.isfinite(v):
                 w.write(Event(wall_time=now, step=step, summary=scalar(f"{r['split']}/{col}", v)).SerializeToString())
-    w.write(Event(wall_time=now, summary=text("hyper-parameters", "  \n".join(
-        f"{k} = {v}" for k, v in hparams.items()))).SerializeToString())
-    return f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.0", buf.getvalue()
+    if best:
+        w.write(Event(wall_time=now, step=best["step"], summary=scalar(f"best/{best['metric']}", best["value"]))
+                .SerializeToString())
+    ended = api_pb2.STATUS_FAILURE if status in ("diverged", "failed") else api_pb2.STATUS_SUCCESS
+    hparams(metadata.SESSION_END_INFO_TAG, session_end_info=plugin_data_pb2.SessionEndInfo(status=ended,
+                                                                                          end_time_secs=now))
+    events = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.0"
+    return f"{run_name(params)}/{events}", buf.getvalue()
+
+
+def run_name(params: dict) -> str:
+    """A trial's TensorBoard run, under its folder (``t003/lr=0.01,hidden=32,seed=1``): its parameters, each named
+    by the last part of its key where that is unique (``optimizer.lr`` -> ``lr``)."""
+    short = {k: k.rpartition(".")[2] for k in params}
+    named = [(short[k] if list(short.values()).count(short[k]) == 1 else k, v) for k, v in params.items()]
+    text = ",".join(f"{k}={_fmt(float(v)) if isinstance(v, float) else v}" for k, v in named) or "run"
+    return re.sub(r"[/\\\x00-\x1f]", "_", text).lstrip(".")[:200]
 
 
 def _record(job: dict, out: dict, attempts: int) -> dict:
     return {"array": job["id"], "state": "done", "attempts": attempts,
             **{k: out[k] for k in ("host", "node", "pid", "steps", "elapsed_s", "stopped")},
-            "trials": {tid: {k: t[k] for k in RESULT_COLUMNS} for tid, t in out["trials"].items()}}
+            "trials": {tid: {k: t.get(k) for k in RESULT_COLUMNS + ("best",)} for tid, t in out["trials"].items()}}
 
 
 def write_array_result(sweep: SweepDir, job: dict, out: dict, attempts: int, params: dict[str, dict],
@@ -109,7 +149,7 @@ def _write_trials(sweep: SweepDir, job: dict, out: dict, params: dict[str, dict]
         w.writeheader()
         w.writerows(t["metrics"])
         files = {**t["files"], METRICS: buf.getvalue().encode()}
-        events = _tensorboard(t["metrics"], params[tid])
+        events = _tensorboard(t["metrics"], params[tid], t["status"], t.get("best"))
         if events:
             files[events[0]] = events[1]
         # the trial's folder whole, or as it was (an earlier attempt's, or none)
@@ -123,6 +163,7 @@ def _write_new(path: str, data: bytes, shown: str) -> None:
     """A file of a folder being built (renamed into place when it is complete); a failure names ``shown``, the
     file's name in its final place."""
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # a TensorBoard run's folder
         with open(path, "wb") as f:
             f.write(data)
             f.flush()
@@ -144,9 +185,17 @@ def all_arrays(sweep: SweepDir, plan: dict) -> list[dict]:
     return plan["arrays"] + [a for d in rungs for a in d["arrays"]]
 
 
+def trial_score(row: dict, metric: str) -> float:
+    """The value a trial (a row of :func:`collect`) is ranked by, and Optuna is told: ``ranking.score`` of its
+    final value of ``metric`` and its kept best state's (``best_<metric>``, when the sweep keeps them)."""
+    return score(number(row[metric]), number(row.get(f"best_{metric}")))
+
+
 def collect(sweep: SweepDir, plan: dict) -> list[dict]:
-    """One row per trial, from the last array it trained in; best first by the plan's metric, trials without a
-    finite metric last, in id order."""
+    """One row per trial, from the last array it trained in: its parameters, status, the final value of the
+    plan's metric and, when the sweep keeps best states, its best state's value and step
+    (``best_<metric>``, ``best_step``), its other final metrics and its files (``best_checkpoint``: the best
+    state's weights); best first by :func:`trial_score`, trials without a finite one last, in id order."""
     metric = plan["metric"]
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
     trials = {t["id"]: t for t in plan["trials"]}
@@ -157,18 +206,23 @@ def collect(sweep: SweepDir, plan: dict) -> list[dict]:
             t = res["trials"].get(tid, {"status": res["state"]})
             if t["status"] != "continued":
                 last[tid] = (a, res, t)
+    kept = any(t.get("best") for _, _, t in last.values())
     rows = []
     for tid, (a, res, t) in last.items():
-        done = res["state"] == "done"
+        done, best = res["state"] == "done", t.get("best") or {}
         rows.append({"trial": tid, "array": a["id"], **{k: trials[tid]["params"].get(k, "") for k in keys},
                      "status": t["status"], metric: t.get(metric, math.nan),
+                     **({f"best_{metric}": best.get("value", math.nan), "best_step": best.get("step", "")}
+                        if kept else {}),
                      **{k: t.get(k, math.nan) for k in RESULT_COLUMNS[1:] if k != metric},
                      "checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_WEIGHTS)) if done else "",
                      "onnx": sweep.relative(sweep.trial_file(tid, TRIAL_ONNX)) if done else "",
+                     **({"best_checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_BEST_WEIGHTS))
+                         if done and best else ""} if kept else {}),
                      "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
                      "attempts": res.get("attempts", 0), "error": res.get("error", "")})
 
-    return sorted(rows, key=lambda r: rank(number(r[metric]), plan["direction"], r["trial"]))
+    return sorted(rows, key=lambda r: rank(trial_score(r, metric), plan["direction"], r["trial"]))
 
 
 def _fmt(v) -> str:
@@ -181,7 +235,7 @@ def table(rows: list[dict], limit: int | None = None) -> str:
     """A plain-text table of the rows (the first ``limit``)."""
     if not rows:
         return "(no trials)"
-    cols = [c for c in rows[0] if c not in ("checkpoint", "onnx", "error", "host")]
+    cols = [c for c in rows[0] if c not in ("checkpoint", "onnx", "best_checkpoint", "error", "host")]
     shown = rows[:limit] if limit else rows
     cells = [[_fmt(r[c]) for c in cols] for r in shown]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
@@ -190,6 +244,13 @@ def table(rows: list[dict], limit: int | None = None) -> str:
     if limit and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more in results.csv")
     return "\n".join(lines)
+
+
+def _ranked_by(rows: list[dict], metric: str) -> str:
+    if rows and f"best_{metric}" in rows[0]:
+        return (f"best_{metric}, each trial's best state's (kept at best_step: best_checkpoint), or its final "
+                f"{metric} without one")
+    return metric
 
 
 def write_report(sweep: SweepDir, plan: dict, rows: list[dict]) -> None:
@@ -202,7 +263,8 @@ def write_report(sweep: SweepDir, plan: dict, rows: list[dict]) -> None:
     sweep.write_bytes(sweep.results_path, buf.getvalue().encode())
     done = sum(r["status"] != "failed" and r["status"] != "not run" for r in rows)
     md = [f"# Sweep report: {len(rows)} trials in {len(plan['arrays'])} arrays",
-          "", f"Sorted by {plan['metric']} ({plan['direction']}); {done} trials have results.", "",
+          "", f"Sorted by {_ranked_by(rows, plan['metric'])} ({plan['direction']}); {done} trials have results.",
+          "",
           "```", table(rows), "```", ""]
     sweep.write_bytes(sweep.report_md_path, "\n".join(md).encode())
     from onnxfuse.sweep._report_plot import report_png
