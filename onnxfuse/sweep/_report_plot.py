@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from onnxfuse.sweep.folder import METRICS, SweepDir
+from onnxfuse.sweep.results import trial_score
 from onnxfuse.sweep.worker import number
 
 __all__ = ["report_png", "sweep_figure", "CURVES_SHOWN"]
@@ -44,13 +45,6 @@ def _space(sweep: SweepDir) -> dict[str, Any]:
         return dict((saved.get("spec", {}).get("search") or {}).get("space") or {})
     except Exception:  # noqa: BLE001 - the picture does without the spec's log flags
         return {}
-
-
-def _ranked_value(row: dict, metric: str) -> float:
-    """The value a trial is ranked by (its row is in results.csv's order already): its kept best state's when the
-    sweep keeps them (``best_<metric>``), else its final one."""
-    best = number(row.get(f"best_{metric}"))
-    return best if math.isfinite(best) else number(row.get(metric))
 
 
 def _curve(sweep: SweepDir, trial: str, split: str, column: str) -> tuple[list[int], list[float]]:
@@ -106,7 +100,7 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict]):
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
     space = _space(sweep)
     percent = metric.endswith("accuracy")
-    value = {r["trial"]: _ranked_value(r, metric) * (100 if percent else 1) for r in rows}
+    value = {r["trial"]: trial_score(r, metric) * (100 if percent else 1) for r in rows}  # as results.csv ranks
     scored = [t for t in ranked if math.isfinite(value[t])]
     best = scored[0] if scored else None
     shown = ranked[:CURVES_SHOWN]
