@@ -256,6 +256,27 @@ def test_sweep_cli_errors(tmp_path, capsys, sweep12):
     assert "0 arrays trained now" in capsys.readouterr().out
 
 
+def test_a_training_run_imports_no_dynamo(tmp_path):
+    """torch.optim.Optimizer.add_param_group imports torch._dynamo on its first call (2-5 s on 2 cores, in every
+    sweep worker before its first step); the fused optimizer and the schedules' stand-ins go around it, so a whole
+    run (one-cycle schedules, the torch runtime) imports none."""
+    code = f"""if True:
+        import sys
+        from onnxfuse import fuse_models, save_array
+        from onnxfuse.exporters import export_module, zoo
+        from onnxfuse.training import TrainConfig, train_array
+        paths = [f"{tmp_path}/m{{b}}.onnx" for b in range(2)]
+        for p in paths:
+            export_module(zoo.MLP(in_features=48, hidden=16), p, input_shape={SHAPE})
+        save_array(fuse_models(paths), "{tmp_path}/arr")
+        train_array("{tmp_path}/arr", "{data_file(tmp_path)}", TrainConfig(steps=2, batch_size=8, runtime="torch",
+                    schedule={{"name": "onecycle", "max_lr": 0.01}}), progress=False)
+        print("torch._dynamo" in sys.modules)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr
+
+
 def test_a_failing_array_is_retried_once_and_loses_no_other_result(tmp_path, capsys):
     """batch_size 200 > the 90 training samples: that array fails in its worker, twice; the others finish."""
     from onnxfuse.cli.main import main

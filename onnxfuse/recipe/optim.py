@@ -44,7 +44,7 @@ from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, OptimizerSp
 
 __all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "optimizer_config", "per_model", "OPTIMIZERS",
            "HYPER_INPUT", "STATE_PREFIX", "StepValues", "register_optimizer", "append_clip", "flat_models",
-           "unflat_models"]
+           "unflat_models", "add_param_group"]
 
 HYPER_INPUT = "optim.hyper"
 STATE_PREFIX = "optim."
@@ -432,3 +432,14 @@ def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_opti
     cfg = expand_per_model(normalize_config(raw, source="", named=named, with_data=False), B, Origins("", named))
     opt = cfg["optimizer"]
     return optimizer_config(kind, {k: per_model(v) for k, v in opt.items() if k != "name"}, cfg["clip_grad_norm"])
+
+
+def add_param_group(optimizer, group: dict) -> None:
+    """``torch.optim.Optimizer.add_param_group`` without importing torch._dynamo: torch wraps the method in
+    ``torch._disable_dynamo``, whose first call imports torch._dynamo (2-5 s on 2 cores, in every process that
+    trains: a sweep's workers, before their first step). Where an optimizer is built, nothing is being compiled,
+    so the undecorated method is the same code (the fused optimizer, the schedules' stand-ins use it)."""
+    import torch
+
+    add = torch.optim.Optimizer.add_param_group
+    getattr(add, "__wrapped__", add)(optimizer, group)

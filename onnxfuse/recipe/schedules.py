@@ -23,6 +23,7 @@ Schedules, by name (``steps`` = the run's total optimizer steps):
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 from typing import Callable, Sequence
 
@@ -136,6 +137,17 @@ def _full(s: dict, lr: float) -> dict:
     return out
 
 
+@functools.cache
+def _stand_in_optimizer() -> type:
+    """torch.optim.Optimizer as a scheduler's stand-in, built without importing torch._dynamo
+    (``optim.add_param_group``)."""
+    import torch
+
+    from onnxfuse.recipe.optim import add_param_group
+
+    return type("ScheduleStandIn", (torch.optim.Optimizer,), {"add_param_group": add_param_group})
+
+
 class PerModelSchedules:
     """B torch schedulers; ``values(active)`` is this step's per-model lr and cycled value (the hyper-parameter
     the optimizer's registration lets a schedule move, ``cycles``: SGD's momentum, Adam's beta1), ``advance()``
@@ -159,7 +171,7 @@ class PerModelSchedules:
             if name is not None:
                 value = opt.hyper[name][b]
                 defaults[name] = tuple(value) if isinstance(value, (list, tuple)) else value
-            o = torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], defaults)
+            o = _stand_in_optimizer()([torch.zeros(1, requires_grad=True)], defaults)
             spec = _full(s, opt.lr[b])  # checked already (a run's plan, check_schedules)
             try:
                 with warnings.catch_warnings():

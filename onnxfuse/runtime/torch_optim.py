@@ -44,8 +44,8 @@ from onnx import helper
 
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.recipe.optim import (HYPER_INPUT, STATE_PREFIX, OptimizerConfig, StepValues, append_clip,
-                                   flat_models, make_optimizer, per_model, unflat_models)
+from onnxfuse.recipe.optim import (HYPER_INPUT, STATE_PREFIX, OptimizerConfig, StepValues, add_param_group,
+                                   append_clip, flat_models, make_optimizer, per_model, unflat_models)
 from onnxfuse.recipe.settings import OPTIMIZERS as REGISTRY
 
 __all__ = ["FusedOptimizer", "SGD", "Adam", "AdamW", "optimizer_class", "from_config", "clip_grad_norm_",
@@ -178,7 +178,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_views", None) is not None:  # after construction
             raise ConfigError(f"{type(self).__name__} has one parameter group per model of the array (B={self.B}); "
                               "it takes no other group")
-        super().add_param_group(param_group)
+        add_param_group(self, param_group)  # torch.optim.Optimizer's, without importing torch._dynamo
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._parameters():
