@@ -6,6 +6,14 @@ the two are run in interleaved rounds and the medians reported.
 
 Wall time is the whole `run_sweep` call (Ray start, export, planning, training, writing the results); "arrays"
 is the time from the first array submitted to the last result, as the driver's status shows it.
+
+``--startup``: how fast a sweep starts. docs/sweep.example.yaml's sweep cut to 6 trials (model.hidden 32, 64 x
+three learning rates) of 80 steps, run as a user runs it (`python -m onnxfuse sweep SPEC -o DIR -q --cpus 2`, a new
+process and a new local Ray each time); reports the time from the command's start to the first training step of
+any array (each array's result.json records when its first step ended) and to the command's end, medians of
+``--rounds``. Several ``--repo NAME=DIR`` (checkouts of onnxfuse) are run in interleaved rounds:
+
+    python benchmarks/sweep_bench.py --startup --rounds 5 --repo before=/tmp/old-checkout --repo after=.
 """
 from __future__ import annotations
 
@@ -29,6 +37,57 @@ def spec(model: str, per_arch: int, steps: int, size: int, cpus: int) -> dict:
             "steps": steps, "batch_size": 32, "eval_every": steps}
 
 
+def startup_spec(steps: int) -> dict:
+    """docs/sweep.example.yaml's sweep cut to 6 trials (2 graphs x 3 learning rates: 2 arrays of 3) of ``steps``."""
+    return {"model": {"factory": "onnxfuse.exporters.zoo:MLP", "input_shape": [32, 1, 8, 8],
+                      "args": {"in_features": 64}},
+            "search": {"space": {"model.hidden": [32, 64], "optimizer.lr": [0.01, 0.003, 0.001]}},
+            "metric": "eval_loss", "arrays": {"size": 4}, "resources": {"cpus": 1},
+            "data": {"train": "sklearn:digits", "eval_fraction": 0.2}, "loss": "cross-entropy",
+            "optimizer": {"name": "adamw", "weight_decay": 0.01}, "steps": steps, "batch_size": 32,
+            "eval_every": steps // 2}
+
+
+def startup(args) -> int:
+    """--startup: time to the first step and to the end of `onnxfuse sweep`, per checkout, interleaved rounds."""
+    import subprocess
+
+    import yaml
+
+    repos = dict(r.split("=", 1) if "=" in r else (r, r) for r in (args.repo or ["this=."]))
+    runs: dict[str, list[dict]] = {name: [] for name in repos}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "spec.yaml")
+        with open(spec, "w") as f:
+            yaml.safe_dump(startup_spec(args.steps), f)
+        for r in range(args.rounds):
+            for name in (list(repos) if r % 2 == 0 else list(reversed(repos))):
+                repo, out = os.path.abspath(repos[name]), os.path.join(tmp, f"{name}_{r}")
+                env = {**os.environ, "PYTHONPATH": repo}
+                t0 = time.time()
+                proc = subprocess.run([sys.executable, "-m", "onnxfuse", "sweep", spec, "-o", out, "-q",
+                                       "--cpus", str(args.cpus)], cwd=repo, env=env, capture_output=True, text=True)
+                total = time.time() - t0
+                if proc.returncode != 0:
+                    raise SystemExit(f"{name}: onnxfuse sweep failed ({proc.returncode}): {proc.stderr[-2000:]}")
+                results = [json.load(open(os.path.join(out, "arrays", a, "result.json")))
+                           for a in sorted(os.listdir(os.path.join(out, "arrays")))]
+                run = {"first_step_s": min(x["first_step_at"] for x in results) - t0, "total_s": total,
+                       "task_start_s": min(x["started_at"] for x in results) - t0, "arrays": len(results)}
+                runs[name].append(run)
+                print(f"round {r} {name}: first step at {run['first_step_s']:.1f} s (first task started at "
+                      f"{run['task_start_s']:.1f} s), done at {total:.1f} s, {len(results)} arrays", flush=True)
+    keys = ("first_step_s", "task_start_s", "total_s")
+    med = {name: {k: statistics.median(x[k] for x in v) for k in keys} for name, v in runs.items()}
+    print(f"\n6 trials x {args.steps} steps, `onnxfuse sweep -q --cpus {args.cpus}`, medians of {args.rounds}:\n"
+          "| code | time to first step | first array task started | total |\n|---|---:|---:|---:|")
+    for name, m in med.items():
+        print(f"| {name} | {m['first_step_s']:.1f} s | {m['task_start_s']:.1f} s | {m['total_s']:.1f} s |")
+    with open(args.output, "w") as f:
+        json.dump({"args": vars(args), "repos": repos, "runs": runs, "median": med}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="DigitsCNN")
@@ -38,7 +97,13 @@ def main() -> int:
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-o", "--output", default="sweep-bench.json")
+    ap.add_argument("--startup", action="store_true", help="time to the first step instead (see the docstring)")
+    ap.add_argument("--repo", action="append", metavar="NAME=DIR", help="--startup: a checkout to time (repeatable)")
     args = ap.parse_args()
+    if args.startup:
+        if args.steps == 100:
+            args.steps = 80
+        return startup(args)
 
     from onnxfuse.sweep import parse_spec, run_sweep
 

@@ -7,6 +7,7 @@ import copy
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -254,6 +255,24 @@ def test_sweep_cli_errors(tmp_path, capsys, sweep12):
     # resuming a finished sweep trains nothing
     assert main(["sweep", "--resume", str(folder / "out"), "--cpus", "2", "-q"]) == 0
     assert "0 arrays trained now" in capsys.readouterr().out
+
+
+def test_a_sweep_says_its_plan_once_and_ray_says_nothing(tmp_path):
+    """The command as a user runs it (its own process, a new local Ray, progress bars on): the plan line once, the
+    table, the summary; on stderr nothing but the bars (Ray's notices, e.g. that it turned token authentication
+    on, only with --verbose)."""
+    from conftest import EXE
+
+    raw = base_spec(tmp_path, steps=2, search={"space": {"optimizer.lr": [0.01, 0.001]}})
+    r = subprocess.run([EXE, "sweep", write_spec(tmp_path, raw), "-o", str(tmp_path / "out"), "--cpus", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = "2 trials in 1 group of identical graphs, 1 array"
+    assert (r.stdout + r.stderr).count(plan) == 1 and r.stdout.startswith(plan + "\n"), r.stdout
+    assert "2 of 2 trials have results (1 array trained now, 0 failed)" in r.stdout.splitlines()[-1]
+    bars = ("sweep", "exporting trials")  # tqdm redraws its bars with \r
+    said = [s for s in re.split(r"[\r\n]", r.stderr) if s.strip() and not s.startswith(bars)]
+    assert not said, r.stderr
 
 
 def test_a_training_run_imports_no_dynamo(tmp_path):

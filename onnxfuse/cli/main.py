@@ -252,10 +252,7 @@ def cmd_sweep(args) -> int:
               file=sys.stderr)
         return 130
     print(table(res.rows, limit=args.top))
-    done = sum(r["status"] not in ("failed", "not run") for r in res.rows)
-    print(f"{done} of {len(res.rows)} trials have results ({len(res.ran)} arrays trained now, "
-          f"{len(res.failed)} failed), best first by {res.metric}: {os.path.join(res.path, 'results.csv')}, "
-          f"report.md, report.png; curves: {shell('tensorboard', '--logdir', os.path.join(res.path, 'trials'))}")
+    print(res.summary())
     return 5 if res.failed else 0
 
 

@@ -1,10 +1,13 @@
 """Running a sweep on Ray: the driver plans, submits one Ray task per array, retries failed arrays, shows progress
 and writes every result into the sweep folder as it arrives.
 
-* Ray: ``ray.init()`` starts a local Ray on this machine (nothing to set up) unless ``address`` names a running
-  cluster (``ray start --head`` on one machine, ``ray start --address HEAD:6379`` on the others). Each array is a
-  task asking for ``resources.cpus`` CPUs and ``resources.gpus`` GPUs (a fraction shares a GPU; Ray sets
-  ``CUDA_VISIBLE_DEVICES``, so ``device: cuda`` is the GPU it gave), spread over the nodes (``SPREAD``).
+* Ray: ``address`` names a running cluster (``ray start --head`` on one machine, ``ray start --address HEAD:6379``
+  on the others); without it, a Ray already running on this machine (``ray start --head``, or ``RAY_ADDRESS``) is
+  used, else a local Ray is started for the sweep (``num_cpus``: always a local Ray of that many CPUs). Ray starts
+  while the driver exports and groups the trials (the plan is made in a thread beside it: both are the first
+  seconds of a sweep), and says nothing below an error unless onnxfuse's log is at debug level (``--verbose``).
+  Each array is a task asking for ``resources.cpus`` CPUs and ``resources.gpus`` GPUs (a fraction shares a GPU;
+  Ray sets ``CUDA_VISIBLE_DEVICES``, so ``device: cuda`` is the GPU it gave), spread over the nodes (``SPREAD``).
 * Shipping: a task gets its trials' ONNX files and the data (a ``sklearn:`` name, or a .npz file's arrays through
   Ray's object store) and returns weights, metrics and results as data: workers share no storage with the driver.
 * Failures: a task that raises, or whose worker process or node dies, is run again ``retries`` times (default
@@ -29,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -36,7 +40,7 @@ from typing import Iterator
 from onnxfuse.core.errors import (ArrayBusyError, ConfigError, InputFileError, OutOfMemoryError, OutputError,
                                   as_user_error, shell)
 from onnxfuse.sweep.folder import SweepDir
-from onnxfuse.sweep.planning import Sizer, plan_sweep
+from onnxfuse.sweep.planning import PlanStopped, Sizer, plan_sweep
 from onnxfuse.sweep.results import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
 from onnxfuse.sweep.spec import SweepSpec, load_spec, parse_spec
 from onnxfuse.sweep.worker import number, rank
@@ -55,6 +59,14 @@ class SweepResult:
     failed: list[str] = field(default_factory=list)
     metric: str = ""
     trial_ids: list[str] = field(default_factory=list)  # in the order of the trials given (or the search's)
+
+    def summary(self) -> str:
+        """The line a sweep ends with: how many trials have results, where the files are."""
+        done = sum(r["status"] not in ("failed", "not run") for r in self.rows)
+        return (f"{done} of {_count(len(self.rows), 'trial')} {'has' if len(self.rows) == 1 else 'have'} results "
+                f"({_count(len(self.ran), 'array')} trained now, {len(self.failed)} failed), best first by "
+                f"{self.metric}: {os.path.join(self.path, 'results.csv')}, report.md, report.png; curves: "
+                f"{shell('tensorboard', '--logdir', os.path.join(self.path, 'trials'))}")
 
 
 def _one_line(e: BaseException) -> str:
@@ -91,43 +103,31 @@ def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
     return plan.recommended_B, f"planner on {node_of_this_process()['host']}: {plan.reason}"
 
 
-class _RayNotice(logging.Filter):
-    """Ray's notice that a local Ray started with token authentication (its secure default: nothing to do) goes
-    to onnxfuse's debug log; on stderr it would be a second line beside the one line of an error. Its warning
-    that authentication is *disabled* still shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith("Token authentication is enabled"):
-            log.debug("ray: %s", record.getMessage())
-            return False
-        return True
-
-
-_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
-
-
 def _connect(address: str | None, num_cpus: int | None) -> bool:
-    """Connect to Ray (start a local one without ``address``); True when this call did (and shuts it down)."""
+    """Connect to Ray (see the module docstring); True when this call did (and shuts it down)."""
     try:
         import ray
     except ImportError:
         raise ConfigError("onnxfuse sweep needs Ray: pip install 'onnxfuse[sweep]' (or pip install ray)") from None
     if ray.is_initialized():
         return False
-    auth = logging.getLogger(_RAY_AUTH_LOGGER)
-    if not any(isinstance(f, _RayNotice) for f in auth.filters):
-        auth.addFilter(_RayNotice())
-    opts = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    # Ray's notices (token authentication on by default, the local instance it started) are not the sweep's: shown
+    # with --verbose only
+    level = logging.WARNING if log.isEnabledFor(logging.DEBUG) else logging.ERROR
+    opts = dict(include_dashboard=False, log_to_driver=False, logging_level=level)
     try:
         if address:
             if num_cpus is not None:
                 raise ConfigError("--cpus sizes a local Ray; a cluster at --address has the CPUs its nodes have")
             ray.init(address=address, **opts)
-        else:
-            ray.init(num_cpus=num_cpus, **opts)
+        elif num_cpus is not None:  # "local": a new one of that size, even where a Ray runs already
+            ray.init(address="local", num_cpus=num_cpus, **opts)
+        else:  # Ray's own choice: RAY_ADDRESS, else the one `ray start` started here, else a new local one
+            ray.init(**opts)
     except ConnectionError as e:
         raise ConfigError(f"--address {address}: no Ray cluster answers there ({_one_line(e)}); start one with "
                           "`ray start --head`, or leave --address out for a local Ray") from None
+    log.debug("ray: %s", ray.get_runtime_context().gcs_address)
     return True
 
 
@@ -359,13 +359,17 @@ def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tu
     return runner.ran, runner.failed
 
 
-def _ray_sizer(spec: SweepSpec) -> Sizer:
-    """The array-sizing planner for every group at once, each a Ray task with an array's resources."""
+def _ray_sizer(spec: SweepSpec, ray_up: threading.Event, stop: threading.Event) -> Sizer:
+    """The array-sizing planner for every group at once, each a Ray task with an array's resources (once Ray is
+    up: the plan is made while it starts)."""
     import ray
 
     task = ray.remote(_plan_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=1)
 
     def size_of(groups: list[tuple[str, dict]]) -> list[tuple[int, str]]:
+        while not ray_up.wait(0.1):
+            if stop.is_set():
+                raise PlanStopped("stopped before sizing the arrays")
         refs = []
         for model_path, settings in groups:
             with open(model_path, "rb") as f:
@@ -375,6 +379,35 @@ def _ray_sizer(spec: SweepSpec) -> Sizer:
         return ray.get(refs)
 
     return size_of
+
+
+class _Beside:
+    """``fn(stop)`` run in a thread beside the caller's (the plan, while Ray starts in the main thread: Ray's own
+    processes die with the thread that started them). ``result()`` waits for it and raises what it raised;
+    ``cancel()`` sets ``stop`` (``fn`` stops at its next check) and waits."""
+
+    def __init__(self, fn):
+        self.stop = threading.Event()
+        self._out: tuple = (None, None)
+        self._thread = threading.Thread(target=self._go, args=(fn,), name="onnxfuse-sweep-plan", daemon=True)
+        self._thread.start()
+
+    def _go(self, fn) -> None:
+        try:
+            self._out = (fn(self.stop), None)
+        except BaseException as e:  # re-raised by result(), in the caller's thread
+            self._out = (None, e)
+
+    def result(self):
+        self._thread.join()
+        value, error = self._out
+        if error is not None:
+            raise error
+        return value
+
+    def cancel(self) -> None:
+        self.stop.set()
+        self._thread.join()
 
 
 def _check_resources(spec: SweepSpec) -> None:
@@ -475,19 +508,28 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
         raise
 
 
-def _plan(sweep: SweepDir, spec: SweepSpec, params: list[dict], runtime: str | None, progress: bool) -> dict:
-    """The sweep's plan: exported, grouped, sized (``plan_sweep``) and written to plan.json. A full disk while
-    exporting names the models folder when the error names no file."""
+def _plan(sweep: SweepDir, spec: SweepSpec, params: list[dict], runtime: str | None, progress: bool,
+          ray_up: threading.Event, stop: threading.Event) -> dict:
+    """The sweep's plan: exported, grouped and sized (``plan_sweep``); the caller writes it to plan.json. A full
+    disk while exporting names the models folder when the error names no file."""
     try:
-        plan = plan_sweep(spec, params, sweep, _ray_sizer(spec) if spec.sections.arrays.size == "auto" else None,
-                          runtime, progress)
+        sizer = _ray_sizer(spec, ray_up, stop) if spec.sections.arrays.size == "auto" else None
+        return plan_sweep(spec, params, sweep, sizer, runtime, progress, stop=stop.is_set)
     except Exception as e:
         user = as_user_error(e, None if getattr(e, "filename", None) else sweep.models_path)
         if isinstance(user, OutputError) and user is not e:
             raise user from e
         raise
-    sweep.write_json(sweep.plan_path, plan)
-    return plan
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def plan_line(plan: dict) -> str:
+    """What a sweep says when it starts: how many trials, groups of identical graphs and arrays."""
+    return (f"{_count(len(plan['trials']), 'trial')} in {_count(len(plan['groups']), 'group')} of identical graphs, "
+            f"{_count(len(plan['arrays']), 'array')}")
 
 
 def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | None, runtime: str | None,
@@ -501,26 +543,34 @@ def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | N
             saved = sweep.read_json(sweep.spec_path, "the sweep's spec")
             spec = parse_spec(saved["spec"], saved["source"], saved["base_dir"])
             params = saved["params"]
-        started = _connect(address, num_cpus)
+        else:
+            sweep.write_json(sweep.spec_path, {"spec": spec.as_dict(), "source": spec.source,
+                                               "base_dir": spec.base_dir, "params": params})
+        sweep.reserve_space()
+        ray_up = threading.Event()
+        planner = None if os.path.exists(sweep.plan_path) else \
+            _Beside(lambda stop: _plan(sweep, spec, params, runtime, progress, ray_up, stop))
+        started = False
         try:
-            if address is None:
-                _check_resources(spec)
-            if not resume:
-                sweep.write_json(sweep.spec_path, {"spec": spec.as_dict(), "source": spec.source,
-                                                   "base_dir": spec.base_dir, "params": params})
-            sweep.reserve_space()
-            if os.path.exists(sweep.plan_path):
-                plan = sweep.read_json(sweep.plan_path, "the sweep's plan")
-                if runtime:  # for the arrays not started: one past a rung goes on as it began
-                    for a in plan["arrays"]:
-                        if not os.path.exists(sweep.segment_path(a["id"], 0)):
-                            a["settings"]["runtime"] = runtime
-            else:
-                plan = _plan(sweep, spec, params, runtime, progress)
+            try:
+                started = _connect(address, num_cpus)  # while the trials are exported and grouped
+                if address is None:
+                    _check_resources(spec)
+                ray_up.set()
+                plan = planner.result() if planner else sweep.read_json(sweep.plan_path, "the sweep's plan")
+            except BaseException:
+                if planner is not None:
+                    planner.cancel()  # its exports stop (a no-op when it has ended)
+                raise
+            if planner is not None:
+                sweep.write_json(sweep.plan_path, plan)
+            elif runtime:  # for the arrays not started: one past a rung goes on as it began
+                for a in plan["arrays"]:
+                    if not os.path.exists(sweep.segment_path(a["id"], 0)):
+                        a["settings"]["runtime"] = runtime
             with _stops_recorded(sweep):
                 if progress:
-                    print(f"{len(plan['trials'])} trials in {len(plan['groups'])} group(s) of identical graphs, "
-                          f"{len(plan['arrays'])} arrays", flush=True)
+                    print(plan_line(plan), flush=True)
                 ran, failed = _execute(sweep, spec, plan, progress)
                 if started:  # the report needs no Ray
                     _shutdown()

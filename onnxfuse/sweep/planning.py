@@ -26,12 +26,16 @@ from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.sweep.folder import SweepDir
 from onnxfuse.sweep.spec import SweepSpec
 
-__all__ = ["plan_sweep", "array_sizes", "array_settings", "Sizer"]
+__all__ = ["plan_sweep", "array_sizes", "array_settings", "Sizer", "PlanStopped"]
 
 log = logging.getLogger("onnxfuse.sweep")
 
 # [(a group's first model file, its array settings for B = 1)] -> [(B, how it was chosen)], one per group
 Sizer = Callable[[list[tuple[str, dict]]], list[tuple[int, str]]]
+
+
+class PlanStopped(Exception):
+    """Planning was asked to stop (``stop``)."""
 
 
 def array_sizes(n: int, B: int) -> list[int]:
@@ -48,8 +52,10 @@ def _factory(spec: SweepSpec):
     return load_factory(resolve_factory(spec.model.factory, spec.base_dir))
 
 
-def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress: bool) -> None:
-    """``models/<trial>.onnx`` for every trial that has none yet (a resumed plan keeps what was exported)."""
+def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress: bool,
+                  stop: Callable[[], bool] | None = None) -> None:
+    """``models/<trial>.onnx`` for every trial that has none yet (a resumed plan keeps what was exported); ``stop()``
+    true ends it before the next trial (raising ``PlanStopped``)."""
     from tqdm import tqdm
 
     from onnxfuse.exporters.factory import factory_args
@@ -59,6 +65,8 @@ def export_trials(spec: SweepSpec, trials: list[dict], sweep: SweepDir, progress
     done: dict[str, str] = {}  # (factory args, seed) -> a file exported for them
     os.makedirs(sweep.models_path, exist_ok=True)
     for t in tqdm(trials, desc="exporting trials", unit="trial", disable=not progress, leave=False):
+        if stop is not None and stop():
+            raise PlanStopped(f"stopped before exporting trial {t['id']}")
         path = sweep.model_path(t["id"])
         where = f"{spec.source}: trial {t['id']}: "
         args = {**spec.model.args, **factory_args(t["args"], "search.space model.*", where)}
@@ -118,9 +126,10 @@ def array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> 
 
 
 def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Sizer | None, runtime: str | None,
-               progress: bool = True) -> dict:
+               progress: bool = True, stop: Callable[[], bool] | None = None) -> dict:
     """The plan of a sweep of the trials ``params`` ({space key: value} each): exported, grouped and cut into
-    arrays (see the module docstring). Every array's settings are checked before this returns."""
+    arrays (see the module docstring). Every array's settings are checked before this returns. ``stop``: see
+    ``export_trials`` (the driver makes the plan while Ray starts, and stops it when that fails)."""
     width = max(3, len(str(len(params) - 1)))
     trials = []
     for i, p in enumerate(params):
@@ -132,7 +141,7 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
                        "seed": p.get("seed", spec.model.seed),
                        "per_model": {k: v for k, v in p.items() if kinds[k] == "per-model"},
                        "array_values": {k: v for k, v in p.items() if kinds[k] == "array"}})
-    export_trials(spec, trials, sweep, progress)
+    export_trials(spec, trials, sweep, progress, stop)
     groups = group_trials(trials, sweep)
     if spec.sections.arrays.size == "auto":
         if size_of is None:
@@ -157,8 +166,6 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
     awidth = max(2, len(str(len(arrays) - 1)))
     for k, a in enumerate(arrays):
         a["id"] = f"a{k:0{awidth}d}"
-    log.info("planned %d trials in %d group(s) of identical graphs and %d arrays", len(trials), len(groups),
-             len(arrays))
     halving = None
     if spec.halving:
         steps = {a["settings"]["steps"] for a in arrays}

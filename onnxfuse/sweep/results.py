@@ -99,7 +99,8 @@ def run_name(params: dict) -> str:
 
 def _record(job: dict, out: dict, attempts: int) -> dict:
     return {"array": job["id"], "state": "done", "attempts": attempts,
-            **{k: out[k] for k in ("host", "node", "pid", "steps", "elapsed_s", "stopped")},
+            **{k: out.get(k) for k in ("host", "node", "pid", "steps", "elapsed_s", "started_at", "first_step_at",
+                                 "stopped")},
             "trials": {tid: {k: t.get(k) for k in RESULT_COLUMNS + ("best",)} for tid, t in out["trials"].items()}}
 
 

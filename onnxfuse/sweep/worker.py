@@ -17,6 +17,7 @@ import os
 import socket
 import tarfile
 import tempfile
+import time
 from typing import Callable
 
 import numpy as np
@@ -124,8 +125,11 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     where = node_of_this_process()
     watch = Stopwatch()
     last = [0.0]
+    started_at, first_step_at = time.time(), [None]  # this node's clock: when the task began, its first step ended
 
     def tell(step: int, total: int) -> None:
+        if step >= 1 and first_step_at[0] is None:
+            first_step_at[0] = time.time()
         now = watch.seconds
         if report is not None and (step in (0, total) or now - last[0] > 0.5):
             last[0] = now
@@ -190,7 +194,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
                 "files": files}
         if seg.get("until") is not None:
             out["state"] = _pack(array_dir)
-    out["elapsed_s"] = watch.seconds
+    out.update(elapsed_s=watch.seconds, started_at=started_at, first_step_at=first_step_at[0])
     tell(out["steps"], out["steps"])
     return out
 
