@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import glob
 import json
 import os
 import re
@@ -446,11 +447,11 @@ def test_optuna_study_runs_as_arrays(tmp_path):
                        batch=4, num_cpus=2, progress=False)
     assert len(results) == 2 and len(study.trials) == 8
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-    for res, trials in zip(results, (study.trials[:4], study.trials[4:])):
+    for k, (res, trials) in enumerate(zip(results, (study.trials[:4], study.trials[4:]))):
         plan = json.load(open(os.path.join(res.path, "plan.json")))
         assert len(plan["arrays"]) < 4  # fused: fewer arrays than trials
         by_id = {r["trial"]: r for r in res.rows}
-        for i, t in enumerate(trials):
+        for i, t in enumerate(trials, 4 * k):  # trial ids run on across the rounds
             row = by_id[t.user_attrs["onnxfuse.trial"]]
             # told its best state's eval loss: what results.csv ranks it by
             assert row["trial"] == f"t{i:03d}" and t.value == trial_score(row, "eval_loss") == row["best_eval_loss"]
@@ -479,6 +480,73 @@ def test_optuna_study_runs_as_arrays(tmp_path):
         assert sorted(here) == sorted(swept) and all(here[k].tobytes() == swept[k].tobytes() for k in here), tid
     with pytest.raises(ConfigError, match="direction"):
         optimize(optuna.create_study(direction="maximize"), parse_spec(raw, "spec", str(tmp_path)), 1, tmp_path / "x")
+
+
+def test_an_optuna_study_is_one_folder_and_resumes_without_redoing_trials(tmp_path):
+    """Two rounds of 2 trials (arrays of 1, on one CPU): trial ids run on across the rounds, one results.csv holds
+    every trial. A call stopped by a real SIGINT while its second round runs is resumed: no finished array is
+    trained again, no trial is asked again, the study in a database is told the trials it holds as running; then
+    a new in-memory study resumed from the folder gets every trial as it ended, and nothing trains."""
+    import signal
+    import threading
+
+    import optuna
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    from onnxfuse.integrations.optuna import optimize
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    raw = base_spec(tmp_path, steps=60, eval_every=30, arrays={"size": 1}, search={
+        "method": "random", "samples": 1, "space": {"optimizer.lr": {"low": 1e-3, "high": 3e-2, "log": True}}})
+    spec, out, storage = parse_spec(raw, "spec", str(tmp_path)), tmp_path / "study", f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(direction="minimize", storage=storage, study_name="s",
+                                sampler=optuna.samplers.TPESampler(seed=0))
+    round1 = SweepDir(out / "rounds" / "round_001")
+
+    def interrupt():  # Ctrl-C once the second round has one array done and one to go
+        while True:
+            try:
+                st = json.load(open(round1.status_path))
+            except (OSError, ValueError):
+                st = {}
+            if st.get("done") == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        optimize(study, spec, n_trials=4, out_dir=out, batch=2, num_cpus=1, progress=False)
+    record = json.load(open(out / "study.json"))["trials"]
+    assert [(t["id"], t["round"], t["told"] is None) for t in record] == [
+        ("t000", 0, False), ("t001", 0, False), ("t002", 1, True), ("t003", 1, True)]
+    results = sorted(glob.glob(str(out / "rounds" / "*" / "arrays" / "*" / "result.json")))
+    before = {p: open(p, "rb").read() for p in results}
+    assert len(before) == 3
+
+    study = optuna.load_study(study_name="s", storage=storage, sampler=optuna.samplers.TPESampler(seed=0))
+    ran = optimize(study, None, n_trials=4, out_dir=out, batch=2, num_cpus=1, progress=False, resume=True)
+    assert [len(r.ran) for r in ran] == [1]  # the stopped round's array without a result, alone
+    assert all(open(p, "rb").read() == b for p, b in before.items())  # not trained again
+    ids = [f"t{i:03d}" for i in range(4)]
+    assert [t.user_attrs["onnxfuse.trial"] for t in study.trials] == ids  # none asked again
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    value = {t.user_attrs["onnxfuse.trial"]: t.value for t in study.trials}
+    table = rows(out / "results.csv")  # every trial of the study, best first as the study ranks them
+    assert [r["trial"] for r in table] == sorted(ids, key=lambda k: (value[k], k))
+    assert sorted((r["trial"], r["round"]) for r in table) == [(t, str(i // 2)) for i, t in enumerate(ids)]
+    assert all(os.path.isfile(out / r["checkpoint"]) for r in table)  # trials/<id>: its folder in its round
+    runs = EventMultiplexer()
+    runs.AddRunsFromDirectory(str(out / "trials"))
+    assert sorted({run.split("/")[0] for run in runs.Runs()}) == ids  # TensorBoard sees every trial there
+
+    fresh = optuna.create_study(direction="minimize")  # a new process's study: the folder's trials, no training
+    assert optimize(fresh, None, n_trials=4, out_dir=out, resume=True) == []
+    assert [(t.params, t.value, t.state) for t in fresh.trials] == [(t.params, t.value, t.state) for t in study.trials]
+    with pytest.raises(InputFileError, match="resume=True"):
+        optimize(fresh, spec, n_trials=4, out_dir=out)
+    with pytest.raises(ConfigError, match="spec differs"):
+        optimize(fresh, parse_spec({**raw, "steps": 9}, "spec", str(tmp_path)), 4, out, resume=True)
 
 
 def test_resume_refuses_a_folder_that_is_no_sweep(tmp_path):

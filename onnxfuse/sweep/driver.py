@@ -471,11 +471,12 @@ def _stops_recorded(sweep: SweepDir) -> Iterator[None]:
 
 def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.PathLike, *, resume: bool = False,
               address: str | None = None, runtime: str | None = None, num_cpus: int | None = None,
-              progress: bool = True, trials: list[dict] | None = None) -> SweepResult:
+              progress: bool = True, trials: list[dict] | None = None,
+              trial_ids: list[str] | None = None) -> SweepResult:
     """Run a sweep (see the module docstring) into ``out_dir``; with ``resume``, continue the sweep there (``spec``
     None: the folder's own). ``trials``: the trials' parameters ({space key: value} each) instead of the spec's
-    search (the Optuna helper passes the trials it asked for). ``runtime`` overrides the spec's for the arrays
-    still to run."""
+    search, ``trial_ids`` their ids (the Optuna helper passes the trials it asked for, numbered across its
+    rounds). ``runtime`` overrides the spec's for the arrays still to run."""
     sweep = SweepDir(out_dir)
     if resume:
         if not sweep.is_sweep():
@@ -493,9 +494,12 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
         params = trials if trials is not None else spec.trials()
         if not params:
             raise ConfigError(f"{spec.source}: the search gives no trials")
+        if trial_ids is not None and len(trial_ids) != len(params):
+            raise ConfigError(f"{len(trial_ids)} trial ids for {len(params)} trials")
     created = not os.path.exists(sweep.path)
     try:
-        return _run(sweep, spec, resume, address, runtime, num_cpus, progress, None if resume else params)
+        return _run(sweep, spec, resume, address, runtime, num_cpus, progress, None if resume else params,
+                    None if resume else trial_ids)
     except ArrayBusyError:  # another driver's folder now
         raise
     except BaseException:
@@ -508,13 +512,13 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
         raise
 
 
-def _plan(sweep: SweepDir, spec: SweepSpec, params: list[dict], runtime: str | None, progress: bool,
-          ray_up: threading.Event, stop: threading.Event) -> dict:
+def _plan(sweep: SweepDir, spec: SweepSpec, params: list[dict], ids: list[str] | None, runtime: str | None,
+          progress: bool, ray_up: threading.Event, stop: threading.Event) -> dict:
     """The sweep's plan: exported, grouped and sized (``plan_sweep``); the caller writes it to plan.json. A full
     disk while exporting names the models folder when the error names no file."""
     try:
         sizer = _ray_sizer(spec, ray_up, stop) if spec.sections.arrays.size == "auto" else None
-        return plan_sweep(spec, params, sweep, sizer, runtime, progress, stop=stop.is_set)
+        return plan_sweep(spec, params, sweep, sizer, runtime, progress, stop=stop.is_set, ids=ids)
     except Exception as e:
         user = as_user_error(e, None if getattr(e, "filename", None) else sweep.models_path)
         if isinstance(user, OutputError) and user is not e:
@@ -533,7 +537,7 @@ def plan_line(plan: dict) -> str:
 
 
 def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | None, runtime: str | None,
-         num_cpus: int | None, progress: bool, params: list[dict] | None) -> SweepResult:
+         num_cpus: int | None, progress: bool, params: list[dict] | None, ids: list[str] | None) -> SweepResult:
     with sweep.locked():
         gone = sweep.remove_temporaries()  # what a killed driver was writing
         if gone:
@@ -542,14 +546,14 @@ def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | N
         if resume:
             saved = sweep.read_json(sweep.spec_path, "the sweep's spec")
             spec = parse_spec(saved["spec"], saved["source"], saved["base_dir"])
-            params = saved["params"]
+            params, ids = saved["params"], saved.get("trial_ids")
         else:
             sweep.write_json(sweep.spec_path, {"spec": spec.as_dict(), "source": spec.source,
-                                               "base_dir": spec.base_dir, "params": params})
+                                               "base_dir": spec.base_dir, "params": params, "trial_ids": ids})
         sweep.reserve_space()
         ray_up = threading.Event()
         planner = None if os.path.exists(sweep.plan_path) else \
-            _Beside(lambda stop: _plan(sweep, spec, params, runtime, progress, ray_up, stop))
+            _Beside(lambda stop: _plan(sweep, spec, params, ids, runtime, progress, ray_up, stop))
         started = False
         try:
             try:

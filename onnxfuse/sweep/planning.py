@@ -126,14 +126,15 @@ def array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> 
 
 
 def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Sizer | None, runtime: str | None,
-               progress: bool = True, stop: Callable[[], bool] | None = None) -> dict:
+               progress: bool = True, stop: Callable[[], bool] | None = None, ids: list[str] | None = None) -> dict:
     """The plan of a sweep of the trials ``params`` ({space key: value} each): exported, grouped and cut into
     arrays (see the module docstring). Every array's settings are checked before this returns. ``stop``: see
-    ``export_trials`` (the driver makes the plan while Ray starts, and stops it when that fails)."""
+    ``export_trials`` (the driver makes the plan while Ray starts, and stops it when that fails). ``ids``: the
+    trials' ids (default t000, t001, ...; an Optuna study numbers its trials across its rounds)."""
     width = max(3, len(str(len(params) - 1)))
     trials = []
     for i, p in enumerate(params):
-        tid = f"t{i:0{width}d}"
+        tid = ids[i] if ids else f"t{i:0{width}d}"
         spec.check_params(p, f"{spec.source}: trial {tid}: ")
         kinds = {k: spec.kind(k) for k in p}
         trials.append({"id": tid, "params": p,

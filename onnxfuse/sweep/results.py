@@ -26,8 +26,8 @@ from onnxfuse.recipe.ranking import score
 from onnxfuse.sweep.folder import METRICS, TRIAL_BEST_WEIGHTS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
 from onnxfuse.sweep.worker import RESULT_COLUMNS, TRIAL_METRICS, number, rank
 
-__all__ = ["write_array_result", "close_rung", "failed_result", "collect", "trial_score", "write_report", "table",
-           "all_arrays", "run_name"]
+__all__ = ["write_array_result", "close_rung", "failed_result", "collect", "best_first", "trial_score",
+           "write_report", "table", "all_arrays", "run_name"]
 
 log = logging.getLogger("onnxfuse.sweep")
 _warned_tb = False
@@ -223,7 +223,13 @@ def collect(sweep: SweepDir, plan: dict) -> list[dict]:
                      "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
                      "attempts": res.get("attempts", 0), "error": res.get("error", "")})
 
-    return sorted(rows, key=lambda r: rank(trial_score(r, metric), plan["direction"], r["trial"]))
+    return best_first(rows, metric, plan["direction"])
+
+
+def best_first(rows: list[dict], metric: str, direction: str) -> list[dict]:
+    """Rows of :func:`collect` (of one sweep or several: an Optuna study's rounds) best first by
+    :func:`trial_score`, trials without a finite one last, in id order."""
+    return sorted(rows, key=lambda r: rank(trial_score(r, metric), direction, r["trial"]))
 
 
 def _fmt(v) -> str:
