@@ -8,6 +8,9 @@ STAMP  := $(VENV)/.onnxfuse-installed
 # EXTRA=cpu: both runtimes (Python 3.10-3.12); EXTRA=torch: the torch runtime alone (any Python torch supports,
 # e.g. make demo PYTHON=python3.13 EXTRA=torch TORCH=torch). The sweep extra (Ray, TensorBoard, Optuna) always.
 TORCH  ?= torch==2.13.0
+# torchvision for tests (tests/test_verify_sensitivity.py builds its regnet_x_400mf): the release made for that
+# torch, installed with it so that pip keeps the torch above (TORCHVISION= leaves it out; that test then skips)
+TORCHVISION ?= torchvision==0.28.0
 EXTRA  ?= cpu
 
 .PHONY: install demo test test-all fuzz bench clean gpu-wheels
@@ -20,7 +23,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q $(TORCH) $(TORCHVISION)
 	$(BIN)/python -m pip install -q -e ".[$(EXTRA),sweep,dev]"
 	@touch $(STAMP)
 
