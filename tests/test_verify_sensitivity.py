@@ -5,8 +5,6 @@ every zoo model; a correct array of well-conditioned models never pays for the m
 from __future__ import annotations
 
 import shutil
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -26,22 +24,9 @@ B, N = 3, 8
 
 
 def torchvision_models():
-    """``torchvision.models`` (a skip where torchvision is not installed). PyPI's torchvision wheels for Linux are
-    built against torch's CUDA build: beside torch's CPU build their C++ ops (nms, roi_align: detection only) do not
-    load, and importing torchvision then fails registering those ops' meta kernels. The classification models use
-    none of them, so that registration is left out."""
-    try:
-        import torchvision
-    except ModuleNotFoundError:
-        pytest.skip("torchvision is not installed (make install brings the release built for the pinned torch)")
-    except RuntimeError as e:
-        if "torchvision::" not in str(e):
-            raise
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-        import torchvision
-    return torchvision.models
+    """``torchvision.models`` (a skip where torchvision is not installed; conftest makes PyPI's wheel importable
+    beside torch's CPU build)."""
+    return pytest.importorskip("torchvision").models
 
 
 @pytest.fixture(scope="module")
