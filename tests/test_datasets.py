@@ -1,6 +1,9 @@
 """Data sources: bundled scikit-learn sets, reshaping to a graph input, torch datasets, hold-out splits, shards."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +27,26 @@ def test_named_datasets(spec, shape, classes):
     assert sorted(np.unique(d["labels"])) == list(range(classes))
     if spec == "sklearn:digits":
         assert d["input"].min() == 0.0 and d["input"].max() == 1.0
+
+
+@pytest.mark.parametrize("spec", list(NAMED_DATASETS))
+def test_named_datasets_are_scikit_learns_bit_for_bit(spec):
+    """load_named reads scikit-learn's bundled files itself (importing scikit-learn imports scipy: seconds in every
+    sweep worker before its first step): the arrays its loaders give, bit for bit."""
+    import sklearn.datasets
+
+    bunch = getattr(sklearn.datasets, NAMED_DATASETS[spec][0])()
+    x = np.ascontiguousarray((bunch.images / 16.0)[:, None] if spec == "sklearn:digits" else bunch.data, np.float32)
+    d = load_named(spec)
+    assert d["input"].shape == x.shape and d["input"].tobytes() == x.tobytes()
+    assert np.array_equal(d["labels"], bunch.target)
+
+
+def test_named_datasets_load_without_importing_scikit_learn():
+    code = "import sys; from onnxfuse.recipe.datasets import load_named; load_named('sklearn:digits'); " \
+           "print('sklearn' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False"], r.stdout + r.stderr
 
 
 def test_unknown_named_dataset_lists_the_valid_ones():

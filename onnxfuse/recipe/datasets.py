@@ -18,12 +18,14 @@ from onnxfuse.recipe.losses import LABELS
 __all__ = ["NAMED_DATASETS", "load_named", "is_named", "is_data_factory", "reshape_for_input", "from_torch_dataset",
            "split_holdout", "shard"]
 
-# name -> (scikit-learn loader, description); all ship with scikit-learn, nothing is downloaded
+# name -> (scikit-learn loader, description, its file in sklearn/datasets/data); all ship with scikit-learn,
+# nothing is downloaded
 NAMED_DATASETS = {
-    "sklearn:digits": ("load_digits", "1797 8x8 digit images as [n, 1, 8, 8] in [0, 1], 10 classes"),
-    "sklearn:iris": ("load_iris", "150 x 4 features, 3 classes"),
-    "sklearn:wine": ("load_wine", "178 x 13 features, 3 classes"),
-    "sklearn:breast_cancer": ("load_breast_cancer", "569 x 30 features, 2 classes"),
+    "sklearn:digits": ("load_digits", "1797 8x8 digit images as [n, 1, 8, 8] in [0, 1], 10 classes",
+                       "digits.csv.gz"),
+    "sklearn:iris": ("load_iris", "150 x 4 features, 3 classes", "iris.csv"),
+    "sklearn:wine": ("load_wine", "178 x 13 features, 3 classes", "wine_data.csv"),
+    "sklearn:breast_cancer": ("load_breast_cancer", "569 x 30 features, 2 classes", "breast_cancer.csv"),
 }
 PROGRESS_ABOVE = 10_000  # from_torch_dataset shows a progress bar for more samples than this
 
@@ -50,14 +52,46 @@ def load_named(spec: str) -> dict[str, np.ndarray]:
     ``[n, F]`` (not standardized)."""
     if spec not in NAMED_DATASETS:
         raise ConfigError(f"unknown data set '{spec}'; the bundled ones are: {', '.join(NAMED_DATASETS)}")
-    import sklearn.datasets
+    read = _read_bundled(NAMED_DATASETS[spec][2])
+    if read is None:
+        import sklearn.datasets
 
-    bunch = getattr(sklearn.datasets, NAMED_DATASETS[spec][0])()
+        bunch = getattr(sklearn.datasets, NAMED_DATASETS[spec][0])()
+        read = bunch.data, bunch.target
+    x, y = read
     if spec == "sklearn:digits":
-        x = (bunch.images / 16.0)[:, None]  # pixel values are 0..16
-    else:
-        x = bunch.data
-    return {"input": np.ascontiguousarray(x, dtype=np.float32), LABELS: bunch.target.astype(np.int64)}
+        x = (x.reshape(-1, 8, 8) / 16.0)[:, None]  # pixel values are 0..16
+    return {"input": np.ascontiguousarray(x, dtype=np.float32), LABELS: y.astype(np.int64)}
+
+
+def _read_bundled(name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(data, target) of scikit-learn's bundled file ``name`` read as its loader reads it (float64 features, the
+    last column the target), without importing scikit-learn: that imports scipy, seconds in every process that
+    trains on one of these (a sweep's workers, before their first step). None where the file is not there or
+    not in that form (the loader is used then)."""
+    import csv
+    import gzip
+    import importlib.util
+    import os
+
+    found = importlib.util.find_spec("sklearn")  # finds the package without running it
+    if found is None or not found.submodule_search_locations:
+        return None
+    path = os.path.join(list(found.submodule_search_locations)[0], "datasets", "data", name)
+    try:
+        if name.endswith(".gz"):  # load_digits: np.loadtxt of the whole table
+            with gzip.open(path, "rt") as f:
+                table = np.loadtxt(f, delimiter=",")
+        else:  # load_csv_data: a header (n_samples, n_features, target names), then the rows
+            with open(path, encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+            n, k = int(rows[0][0]), int(rows[0][1])
+            table = np.asarray(rows[1:], dtype=np.float64)
+            if table.shape != (n, k + 1):
+                return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return table[:, :-1], table[:, -1].astype(int)
 
 
 def reshape_for_input(x: np.ndarray, shape: Sequence, per_model: bool = False) -> np.ndarray:
