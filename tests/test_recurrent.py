@@ -181,3 +181,15 @@ def test_the_auto_strategy_measures_a_recurrent_node(tmp_path, monkeypatch):
     fa = fuse_models([build(np.random.default_rng(b)) for b in range(2)], strategy=auto)
     assert len(said) == 1 and "measured" in said[0], said
     assert set(auto.costs["gru"]) == set(_forms("GRU")) and fa.spec.summary["forms"]["gru"] in _forms("GRU")
+
+
+def test_placement_places_the_batched_form_as_standard_onnx():
+    """``onnxfuse place`` profiles and runs a graph in onnxruntime sessions: a fused array's batched node (the
+    torch runtime's own op) is placed as the standard nodes ``standard_onnx`` writes for it."""
+    from onnxfuse.placement.graph import build_graph
+
+    models, _ = _node_models("GRU", "forward", 0, 2)
+    fa = fuse_models(models, per_model_inputs=["x"])
+    assert set(fa.spec.summary["forms"].values()) == {"batched"}
+    graph = build_graph(fa.model)
+    assert "GRU" in graph.op_types and "BatchedGRU" not in graph.op_types

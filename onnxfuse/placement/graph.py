@@ -40,6 +40,7 @@ from onnxfuse.core._graph import reads as graph_reads
 from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.legalize import standard_onnx
 from onnxfuse.core.source import check_every_input_defined
 from onnxfuse.measure.sizing import training_weight_factor
 from onnxfuse.placement.orders import CycleError, Dag, check_acyclic
@@ -352,8 +353,7 @@ def build_graph(model: str | os.PathLike | onnx.ModelProto, *, label: str | None
     source, label = read_model(model, label)  # the loader and the labels of fusing (core/source.py)
     check_every_input_defined(source, label)
     slots = optimizer_state_slots(optimizer)
-    proto = onnx.ModelProto()
-    proto.CopyFrom(source)
+    proto = standard_onnx(source)  # a fused array's torch-runtime nodes (a batched recurrence) as onnxruntime runs them
     name_nodes(proto)
     bind_dims(proto, batch_size, dims)
     g = proto.graph
