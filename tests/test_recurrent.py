@@ -62,6 +62,15 @@ def test_a_recurrent_classifier_trains_as_torch_trains_it_alone(name, runtime):
     assert out.fused_fraction == 1.0, (name, out.fused_fraction)
 
 
+@pytest.mark.parametrize("precision,name", [("bf16", "gru-bi"), ("bf16", "gru-2-layers-h0"), ("fp16", "rnn")])
+def test_the_batched_form_trains_as_torch_autocast_trains_each_model_alone(precision, name):
+    """The batched kernel under torch.autocast computes what ``nn.GRU`` / ``nn.RNN`` compute alone under it (the
+    fuzzer's ratio bounds): the input product of a strided sequence rounded as torch's linear rounds it, the
+    weights cast once as autocast's cache casts a module's."""
+    out = check_source(rendered(name), seed=5, runtime="torch", precision=precision)
+    assert out.status in ("pass", "sensitive"), (precision, name, out.B, out.stage, out.message)
+
+
 def _forms(op: str) -> tuple[str, ...]:
     """The forms of ``op``'s rule, its default first."""
     return RULES[("", op)].forms
