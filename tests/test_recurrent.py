@@ -95,20 +95,21 @@ def test_every_form_trains_as_torch_trains_each_model_alone(form, name, runtime)
     assert out.fused_fraction == 1.0, (form, name, out.fused_fraction)
 
 
-# ---- ONNX nodes as torch does not export them: layout 1, weights as initializers, sequence_lens, every output
-def _node_models(op: str, direction: str, layout: int, B: int, T=5, N=3, I=4, H=6):
+# ---- ONNX nodes as torch does not export them: layout 1, weights as initializers, no bias, sequence_lens, every output
+def _node_models(op: str, direction: str, layout: int, B: int, bias: bool = True, T=5, N=3, I=4, H=6):
     G, D = {"LSTM": 4, "GRU": 3, "RNN": 1}[op], 2 if direction == "bidirectional" else 1
     x_shape = [N, T, I] if layout else [T, N, I]
     state = [N, D, H] if layout else [D, N, H]
     outs = ["y", "y_h"] + (["y_c"] if op == "LSTM" else [])
-    ins = ["x", "w", "r", "b", "lens", "h0"] + (["c0"] if op == "LSTM" else [])
+    ins = ["x", "w", "r", "b" if bias else "", "lens", "h0"] + (["c0"] if op == "LSTM" else [])
     y_shape = [N, T, D, H] if layout else [T, D, N, H]
     attrs = {"linear_before_reset": 1} if op == "GRU" else {}
     models = []
     for b in range(B):
         r = np.random.default_rng(10 + b)
-        inits = [rand_init(r, "w", [D, G * H, I]), rand_init(r, "r", [D, G * H, H]), rand_init(r, "b", [D, 2 * G * H]),
+        inits = [rand_init(r, "w", [D, G * H, I]), rand_init(r, "r", [D, G * H, H]),
                  nh.from_array(np.full([N], T, np.int32), "lens"), rand_init(r, "h0", state)]
+        inits += [rand_init(r, "b", [D, 2 * G * H])] if bias else []
         inits += [rand_init(r, "c0", state)] if op == "LSTM" else []
         node = h.make_node(op, ins, outs, hidden_size=H, direction=direction, layout=layout, **attrs)
         models.append(graph_model([node], [vinfo("x", x_shape)],
@@ -117,14 +118,15 @@ def _node_models(op: str, direction: str, layout: int, B: int, T=5, N=3, I=4, H=
 
 
 @pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
-@pytest.mark.parametrize("direction,layout", [("forward", 1), ("reverse", 0), ("bidirectional", 1)])
-def test_each_form_of_a_node_computes_and_differentiates_as_each_model(op, direction, layout):
+@pytest.mark.parametrize("direction,layout,bias", [("forward", 1, True), ("reverse", 0, False),
+                                                   ("bidirectional", 1, True)])
+def test_each_form_of_a_node_computes_and_differentiates_as_each_model(op, direction, layout, bias):
     """Each form's fused node on the torch runtime against each model's node run alone by the torch runtime
     (torch's own ``_VF`` kernels): every output, and the gradient of every weight and of the per-model input."""
     from onnxfuse.runtime.torch_graph import OnnxModule
 
     B = 3
-    models, x_shape = _node_models(op, direction, layout, B)
+    models, x_shape = _node_models(op, direction, layout, B, bias)
     x = torch.randn(B, *x_shape, generator=torch.Generator().manual_seed(0))
     outs_alone, grads_alone = [], []
     for b, m in enumerate(models):

@@ -10,7 +10,8 @@ The forms, measured on a 2-core CPU (``benchmarks/recurrent_forms.py``, README "
     batched         one ``onnxfuse.torch::Batched<op>`` node: every input and output with a leading model axis
                     ([B, ...], stacked(0)); the recurrence runs once over all models, each step one batched
                     product per direction (``torch.baddbmm``). The torch runtime's own op (``torch_kernels``); for
-                    ONNX Runtime the legalization writes it back as B standard nodes (``legalize/recurrent.py``).
+                    ONNX Runtime the legalization writes it back as B standard nodes (LSTM, GRU: ORT's own
+                    kernels) or one RNN unrolled with a model axis (``legalize/recurrent.py``).
                     Fastest for GRU and RNN on the torch runtime (torch's CPU GRU/RNN is a loop of small products
                     per model). The default of GRU and RNN.
     per-model       B standard nodes on each model's slices (what ran before the rule existed): torch runs
@@ -19,7 +20,7 @@ The forms, measured on a 2-core CPU (``benchmarks/recurrent_forms.py``, README "
     block-diagonal  one standard node over all models: hidden size B*H, W' [D, G*B*H, B*I] block-diagonal (model b's
                     gate-g rows g*B*H + b*H .. read only its own inputs), computed in the graph from the packed
                     weights times an identity mask, so the zero blocks are no parameters and get no update.
-                    B times the FLOPs of the others in both products; wins only at B = 2 with a small H.
+                    B times the FLOPs of the others in both products; won only at B = 2 with a small H (an RNN).
 
 Every form keeps each model's weights stacked [B, ...] (the same slots) and computes each model's recurrence alone.
 """
@@ -35,18 +36,18 @@ from onnxfuse.core.rules._registry import rule
 if TYPE_CHECKING:
     from onnxfuse.core.engine import NodeGroup
 
-__all__ = ["TORCH_DOMAIN", "BATCHED", "GATES"]
+__all__ = ["TORCH_DOMAIN", "BATCHED"]
 
 TORCH_DOMAIN = "onnxfuse.torch"  # the torch runtime's own ops
 BATCHED = {op: f"Batched{op}" for op in ("LSTM", "GRU", "RNN")}  # the batched form's op type, by ONNX op
-GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 _X, _W, _R, _B, _LENS, _H0, _C0, _P = range(8)
 
 
 def _per_model_lens(g: "NodeGroup") -> None:
     if not g.is_shared(_LENS):
-        g.fail(f"its sequence_lens differ per model, which only the per-model form reads; fuse it with "
-               f"--strategy per-model")
+        g.fail("its sequence_lens differ per model, which only the per-model form reads; fuse it with "
+               "--strategy per-model")
 
 
 def _batched(g: "NodeGroup") -> None:
@@ -100,7 +101,7 @@ def _block_diagonal_form(g: "NodeGroup") -> None:
     Math: hidden unit b*H + h of gate g is model b's unit h: its pre-activation reads model b's inputs and hidden
     units only (the other blocks are exact zeros), and every ONNX activation, clip and the GRU's reset acts per unit."""
     _per_model_lens(g)
-    G, H = GATES[g.op_type], int(g.attr("hidden_size"))
+    G, H = _GATES[g.op_type], int(g.attr("hidden_size"))
     shared_x = g.is_shared(_X)
     x_shape = g.input_shape(_X)
     if x_shape is None or not isinstance(x_shape[-1], int):
@@ -109,15 +110,13 @@ def _block_diagonal_form(g: "NodeGroup") -> None:
     ins = [g.shared(_X) if shared_x else g.get(_X, packed(2)),
            _block_diagonal(g, g.get(_W, stacked(0)), G, H, I, shared_x),
            _block_diagonal(g, g.get(_R, stacked(0)), G, H, H, False)]
-    if g.has_input(_B):
-        ins.append(_gate_major(g, g.get(_B, stacked(0)), 2 * G, H))
-    for i in range(_LENS, g.num_inputs):
+    for i in range(_B, g.num_inputs):
         if not g.has_input(i):
             ins.append("")
+        elif i in (_B, _P):  # B: 2*G blocks of H (Wb's gates, then Rb's); P: 3 blocks
+            ins.append(_gate_major(g, g.get(i, stacked(0)), 2 * G if i == _B else 3, H))
         elif i == _LENS:
             ins.append(g.shared(i))
-        elif i == _P:
-            ins.append(_gate_major(g, g.get(i, stacked(0)), 3, H))
         else:
             ins.append(g.get(i, packed(2)))
     outs = [g.out_name(j) if o else "" for j, o in enumerate(g.node.output)]
