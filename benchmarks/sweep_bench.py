@@ -14,10 +14,14 @@ any array (each array's result.json records when its first step ended) and to th
 ``--rounds``. Several ``--repo NAME=DIR`` (checkouts of onnxfuse) are run in interleaved rounds:
 
     python benchmarks/sweep_bench.py --startup --rounds 5 --repo before=/tmp/old-checkout --repo after=.
+
+``--ray-running``: the same with a Ray started once before the rounds (``ray start --head --block``, in a temporary
+folder of its own, stopped at the end) that every sweep uses (``RAY_ADDRESS``, no ``--cpus``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -48,6 +52,36 @@ def startup_spec(steps: int) -> dict:
             "eval_every": steps // 2}
 
 
+@contextlib.contextmanager
+def _running_ray(cpus: int, tmp: str):
+    """A local Ray for the rounds (its address), started once; its processes go with the `ray start --block` that
+    started them (this stops it: never `ray stop`, which stops every Ray on the machine)."""
+    import signal
+    import subprocess
+
+    temp = os.path.join(tmp, "ray")
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    proc = subprocess.Popen([ray, "start", "--head", "--block", "--num-cpus", str(cpus), "--temp-dir", temp,
+                             "--include-dashboard", "false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        found = os.path.join(temp, "ray_current_cluster")
+        for _ in range(1200):
+            if os.path.exists(found) and open(found).read().strip():
+                break
+            if proc.poll() is not None:
+                raise SystemExit("ray start --head failed")
+            time.sleep(0.1)
+        time.sleep(2)  # its agents up
+        yield open(found).read().strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def startup(args) -> int:
     """--startup: time to the first step and to the end of `onnxfuse sweep`, per checkout, interleaved rounds."""
     import subprocess
@@ -56,17 +90,20 @@ def startup(args) -> int:
 
     repos = dict(r.split("=", 1) if "=" in r else (r, r) for r in (args.repo or ["this=."]))
     runs: dict[str, list[dict]] = {name: [] for name in repos}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _running_ray(args.cpus, tmp) if args.ray_running else \
+            contextlib.nullcontext() as address:
         spec = os.path.join(tmp, "spec.yaml")
         with open(spec, "w") as f:
             yaml.safe_dump(startup_spec(args.steps), f)
+        ray_flags = [] if address else ["--cpus", str(args.cpus)]
         for r in range(args.rounds):
             for name in (list(repos) if r % 2 == 0 else list(reversed(repos))):
                 repo, out = os.path.abspath(repos[name]), os.path.join(tmp, f"{name}_{r}")
-                env = {**os.environ, "PYTHONPATH": repo}
+                env = {**os.environ, "PYTHONPATH": repo,
+                       **({"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"} if address else {})}
                 t0 = time.time()
-                proc = subprocess.run([sys.executable, "-m", "onnxfuse", "sweep", spec, "-o", out, "-q",
-                                       "--cpus", str(args.cpus)], cwd=repo, env=env, capture_output=True, text=True)
+                proc = subprocess.run([sys.executable, "-m", "onnxfuse", "sweep", spec, "-o", out, "-q", *ray_flags],
+                                      cwd=repo, env=env, capture_output=True, text=True)
                 total = time.time() - t0
                 if proc.returncode != 0:
                     raise SystemExit(f"{name}: onnxfuse sweep failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -79,7 +116,8 @@ def startup(args) -> int:
                       f"{run['task_start_s']:.1f} s), done at {total:.1f} s, {len(results)} arrays", flush=True)
     keys = ("first_step_s", "task_start_s", "total_s")
     med = {name: {k: statistics.median(x[k] for x in v) for k in keys} for name, v in runs.items()}
-    print(f"\n6 trials x {args.steps} steps, `onnxfuse sweep -q --cpus {args.cpus}`, medians of {args.rounds}:\n"
+    how = f"a running Ray of {args.cpus} CPUs" if args.ray_running else f"--cpus {args.cpus}"
+    print(f"\n6 trials x {args.steps} steps, `onnxfuse sweep -q` ({how}), medians of {args.rounds}:\n"
           "| code | time to first step | first array task started | total |\n|---|---:|---:|---:|")
     for name, m in med.items():
         print(f"| {name} | {m['first_step_s']:.1f} s | {m['task_start_s']:.1f} s | {m['total_s']:.1f} s |")
@@ -99,6 +137,7 @@ def main() -> int:
     ap.add_argument("-o", "--output", default="sweep-bench.json")
     ap.add_argument("--startup", action="store_true", help="time to the first step instead (see the docstring)")
     ap.add_argument("--repo", action="append", metavar="NAME=DIR", help="--startup: a checkout to time (repeatable)")
+    ap.add_argument("--ray-running", action="store_true", help="--startup: every sweep on one Ray started before")
     args = ap.parse_args()
     if args.startup:
         if args.steps == 100:

@@ -125,8 +125,12 @@ def _connect(address: str | None, num_cpus: int | None) -> bool:
         else:  # Ray's own choice: RAY_ADDRESS, else the one `ray start` started here, else a new local one
             ray.init(**opts)
     except ConnectionError as e:
-        raise ConfigError(f"--address {address}: no Ray cluster answers there ({_one_line(e)}); start one with "
-                          "`ray start --head`, or leave --address out for a local Ray") from None
+        where = f"--address {address}" if address else f"RAY_ADDRESS {os.environ.get('RAY_ADDRESS')}" if \
+            os.environ.get("RAY_ADDRESS") else "the Ray running on this machine"
+        other = "leave --address out" if address else "give --cpus N"
+        raise ConfigError(f"{where}: no Ray cluster answers there ({_one_line(e)}); start one with `ray start "
+                          "--head` (a cluster with token authentication also needs RAY_AUTH_MODE=token here), or "
+                          f"{other} for a local Ray of the sweep's own") from None
     log.debug("ray: %s", ray.get_runtime_context().gcs_address)
     return True
 
