@@ -53,6 +53,8 @@ REDUCED_LIMITS = {
                   "not matched yet",
     ("fp16", 16): "an RNN then an LSTM: the fused model overflows at step 2, alone at step 1",
     ("bf16", 23): "a bidirectional GRU: 0.89 at step 1 at B = 1",
+    ("bf16", 361): "an LSTM after an embedding with a padding row: 1.08 after 3 AdamW steps at B = 3 (bound 1); "
+                   "the same model passes without the LSTM, and without the padding row",
     ("bf16", 28): "a LayerNorm over 2 values after two max-pools: torch's mixed-dtype LayerNorm kernel vs float32 then "
         "one rounding",
 }
