@@ -643,7 +643,8 @@ def test_report_png_plots_the_metric_against_each_hyper_parameter_and_the_best_c
         curve += [f"{s},eval,{2 / s + final},0.5,," for s in (10, 20, 30)]
         sweep.write_bytes(sweep.trial_file(f"t{k:03d}", "metrics.csv"), "\n".join(curve).encode())
     rows.sort(key=lambda r: r["eval_loss"])
-    fig = sweep_figure(sweep, {"metric": "eval_loss", "direction": "minimize", "trials": trials}, rows)
+    fig = sweep_figure(sweep, {"metric": "eval_loss", "direction": "minimize", "trials": trials}, rows,
+                       {r["trial"]: r["eval_loss"] for r in rows})
     hidden, lr, wd, train, evaluation = fig.axes
     assert [t.get_text() for t in hidden.get_xticklabels()] == ["32", "64"]
     assert (lr.get_xscale(), wd.get_xscale()) == ("log", "linear")

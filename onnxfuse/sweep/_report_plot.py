@@ -15,7 +15,6 @@ import os
 from typing import Any
 
 from onnxfuse.sweep.folder import METRICS, SweepDir
-from onnxfuse.sweep.results import trial_score
 from onnxfuse.sweep.worker import number
 
 __all__ = ["report_png", "sweep_figure", "CURVES_SHOWN"]
@@ -25,11 +24,12 @@ PARAMS_PER_ROW = 4
 _NO_RESULT = ("failed", "not run")
 
 
-def report_png(sweep: SweepDir, plan: dict, rows: list[dict]) -> bytes | None:
-    """report.png's bytes (None when no trial has a result to draw)."""
+def report_png(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str, float]) -> bytes | None:
+    """report.png's bytes (None when no trial has a result to draw); ``scores``: each trial's value as results.csv
+    ranks it (``results.trial_score``)."""
     from onnxfuse.core._plot import save
 
-    fig = sweep_figure(sweep, plan, rows)
+    fig = sweep_figure(sweep, plan, rows, scores)
     if fig is None:
         return None
     png = io.BytesIO()
@@ -84,8 +84,8 @@ def _axis(key: str, values: list, space: dict) -> str:
     return "log" if min(numbers) > 0 and max(numbers) / min(numbers) >= 10 else "linear"
 
 
-def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict]):
-    """The figure of report.png (module docstring); None when no trial has a result."""
+def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str, float]):
+    """The figure of report.png (module docstring), trials valued by ``scores``; None when no trial has a result."""
     from matplotlib import colormaps
     from matplotlib.lines import Line2D
 
@@ -100,7 +100,7 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict]):
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
     space = _space(sweep)
     percent = metric.endswith("accuracy")
-    value = {r["trial"]: trial_score(r, metric) * (100 if percent else 1) for r in rows}  # as results.csv ranks
+    value = {r["trial"]: scores[r["trial"]] * (100 if percent else 1) for r in rows}
     scored = [t for t in ranked if math.isfinite(value[t])]
     best = scored[0] if scored else None
     shown = ranked[:CURVES_SHOWN]

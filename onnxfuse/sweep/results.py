@@ -276,6 +276,6 @@ def write_report(sweep: SweepDir, plan: dict, rows: list[dict]) -> None:
     sweep.write_bytes(sweep.report_md_path, "\n".join(md).encode())
     from onnxfuse.sweep._report_plot import report_png
 
-    png = report_png(sweep, plan, rows)
+    png = report_png(sweep, plan, rows, {r["trial"]: trial_score(r, plan["metric"]) for r in rows})
     if png is not None:
         sweep.write_bytes(sweep.report_png_path, png)
