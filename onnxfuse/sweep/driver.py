@@ -18,8 +18,9 @@ and writes every result into the sweep folder as it arrives.
 * Successive halving (``halving`` in the spec): every array runs to the rung and stops there with a checkpoint
   (its folder comes back as ``state_<k>.tar``); the driver ranks every trial still training, and forms the next
   rung's arrays from each group's survivors; their tasks re-fuse them from the folders they were in.
-* Progress: tasks report their step through a Ray queue (``ray.util.queue``); ``status.json`` lists every array as
-  done, running (attempt, host, pid, node, step), queued or failed, and a bar shows the counts.
+* Progress: each array's task is a streaming task: its progress events (step, host, pid, node) come back in its
+  own stream before its result (no actor to start); ``status.json`` lists every array as done, running (attempt,
+  host, pid, node, step), queued or failed, and a bar shows the counts.
 * Stopping: whatever stops the driver once it has a plan (a full disk, Ctrl-C, a bug) is written into
   ``status.json`` (``stopped``: the error and when; every array not done or failed is ``stopped``), best effort:
   for a full disk the driver holds some space back from the start to be able to (``SweepDir.reserve_space``).
@@ -77,12 +78,34 @@ def _one_line(e: BaseException) -> str:
     return (text or type(e).__name__)[:500]
 
 
-def _array_task(job: dict, models: dict, data, eval_data, queue, attempt: int, segment: dict) -> dict:
-    """The body of an array's Ray task."""
+def _array_task(job: dict, models: dict, data, eval_data, attempt: int, segment: dict) -> Iterator[dict]:
+    """The body of an array's Ray task, a generator (a streaming task): ``{"event": ...}`` for each progress report
+    of ``run_array`` (run in a thread of the task), then ``{"result": what it returned}``; what it raised is raised
+    here. Progress comes back in the task's own stream, not through an actor: an actor is one more process to
+    start, which the first array's first step waited for (1.5-2 s on 2 cores)."""
+    import queue
+    import threading
+
     from onnxfuse.sweep.worker import run_array
 
-    return run_array(job, models, data, eval_data, report=queue.put_nowait if queue is not None else None,
-                     attempt=attempt, segment=segment)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = run_array(job, models, data, eval_data, report=events.put, attempt=attempt,
+                                          segment=segment)
+        except BaseException as e:  # raised again below, in the task's own thread
+            outcome["error"] = e
+        finally:
+            events.put(None)
+
+    threading.Thread(target=train, name=f"onnxfuse-array-{job['id']}", daemon=True).start()
+    while (event := events.get()) is not None:
+        yield {"event": event}
+    if "error" in outcome:
+        raise outcome["error"]
+    yield {"result": outcome["result"]}
 
 
 def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
@@ -205,13 +228,11 @@ class _Runner:
 
     def __init__(self, sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool):
         import ray
-        from ray.util.queue import Queue
 
         self.sweep, self.spec, self.show = sweep, spec, progress
         self.params = {t["id"]: t["params"] for t in plan["trials"]}
-        self.queue = Queue(actor_options={"num_cpus": 0})
         self.task = ray.remote(_array_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=0,
-                                                    scheduling_strategy="SPREAD")
+                                                    scheduling_strategy="SPREAD", num_returns="streaming")
         self.data: dict = {}
         self.ran: list[str] = []
         self.failed: list[str] = []
@@ -232,33 +253,34 @@ class _Runner:
         for src in (job["data"], job["eval_data"]):
             if src not in self.data:
                 self.data[src] = _data_ref(src)
-        ref = self.task.remote(job, models, self.data[job["data"]], self.data[job["eval_data"]], self.queue,
-                               attempt, sent)
-        pending[ref] = (job, seg, attempt)
+        stream = self.task.remote(job, models, self.data[job["data"]], self.data[job["eval_data"]], attempt, sent)
+        pending[stream] = (job, seg, attempt)
 
     def run(self, work: list[tuple[dict, dict]], k: int, done: list[str], label: str) -> None:
         """Run every (job, segment) of ``work``; ``k``: the segment's index (the rung it runs to, or the end)."""
         import ray
-        from ray.util.queue import Empty
 
-        pending: dict = {}
+        pending: dict = {}  # each task's stream (see _array_task) -> (job, segment, attempt)
         bar = _Progress(self.sweep, [j for j, _ in work], done, label, self.show)
         try:
             for job, seg in work:
                 self._submit(pending, job, seg, k, 1)
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-                while True:
+                for stream in ready:
+                    job, seg, attempt = pending[stream]
                     try:
-                        bar.event(self.queue.get_nowait())
-                    except Empty:
-                        break
-                for ref in ready:
-                    job, seg, attempt = pending.pop(ref)
-                    try:
-                        out = ray.get(ref)
+                        item = ray.get(next(stream))
+                    except StopIteration:  # (never: a stream ends with its result or an error)
+                        item = {"error": "its task ended without a result"}
                     except Exception as e:  # the task raised, or its worker or node died
-                        why = _one_line(e)
+                        item = {"error": _one_line(e)}
+                    if "event" in item:
+                        bar.event(item["event"])
+                        continue
+                    del pending[stream]
+                    if "error" in item:
+                        why = item["error"]
                         if attempt <= self.spec.sections.retries:
                             log.warning("array %s failed (attempt %d: %s); running it again", job["id"], attempt,
                                         why)
@@ -271,7 +293,7 @@ class _Runner:
                             bar.set(job["id"], "failed", attempts=attempt, error=why)
                             self.failed.append(job["id"])
                         continue
-                    rec = write_array_result(self.sweep, job, out, attempt, self.params,
+                    rec = write_array_result(self.sweep, job, item["result"], attempt, self.params,
                                              None if seg["until"] is None else k)
                     bar.set(job["id"], "done", attempts=attempt, host=rec["host"], node=rec["node"],
                             elapsed_s=round(rec["elapsed_s"], 2))
@@ -280,8 +302,8 @@ class _Runner:
                 bar.write()
         finally:
             bar.close()
-            for ref in pending:
-                ray.cancel(ref, force=True)
+            for stream in pending:
+                ray.cancel(stream, force=True)
 
 
 def _survivors(sweep: SweepDir, plan: dict, arrays: list[str], k: int) -> list[str]:
