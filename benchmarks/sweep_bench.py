@@ -16,7 +16,10 @@ any array (each array's result.json records when its first step ended) and to th
     python benchmarks/sweep_bench.py --startup --rounds 5 --repo before=/tmp/old-checkout --repo after=.
 
 ``--ray-running``: the same with a Ray started once before the rounds (``ray start --head --block``, in a temporary
-folder of its own, stopped at the end) that every sweep uses (``RAY_ADDRESS``, no ``--cpus``).
+folder of its own, stopped at the end) that every sweep uses (``RAY_ADDRESS``, no ``--cpus``); ``NAME=DIR@ray``:
+that checkout's runs alone use it, so a new local Ray and a running one are compared in the same rounds:
+
+    python benchmarks/sweep_bench.py --startup --rounds 5 --repo before=/tmp/old --repo after=. --repo "ray=.@ray"
 """
 from __future__ import annotations
 
@@ -89,18 +92,20 @@ def startup(args) -> int:
     import yaml
 
     repos = dict(r.split("=", 1) if "=" in r else (r, r) for r in (args.repo or ["this=."]))
+    on_ray = {name: args.ray_running or d.endswith("@ray") for name, d in repos.items()}
+    repos = {name: d.removesuffix("@ray") for name, d in repos.items()}
     runs: dict[str, list[dict]] = {name: [] for name in repos}
-    with tempfile.TemporaryDirectory() as tmp, _running_ray(args.cpus, tmp) if args.ray_running else \
+    with tempfile.TemporaryDirectory() as tmp, _running_ray(args.cpus, tmp) if any(on_ray.values()) else \
             contextlib.nullcontext() as address:
         spec = os.path.join(tmp, "spec.yaml")
         with open(spec, "w") as f:
             yaml.safe_dump(startup_spec(args.steps), f)
-        ray_flags = [] if address else ["--cpus", str(args.cpus)]
         for r in range(args.rounds):
             for name in (list(repos) if r % 2 == 0 else list(reversed(repos))):
                 repo, out = os.path.abspath(repos[name]), os.path.join(tmp, f"{name}_{r}")
                 env = {**os.environ, "PYTHONPATH": repo,
-                       **({"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"} if address else {})}
+                       **({"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"} if on_ray[name] else {})}
+                ray_flags = [] if on_ray[name] else ["--cpus", str(args.cpus)]
                 t0 = time.time()
                 proc = subprocess.run([sys.executable, "-m", "onnxfuse", "sweep", spec, "-o", out, "-q", *ray_flags],
                                       cwd=repo, env=env, capture_output=True, text=True)
@@ -116,13 +121,13 @@ def startup(args) -> int:
                       f"{run['task_start_s']:.1f} s), done at {total:.1f} s, {len(results)} arrays", flush=True)
     keys = ("first_step_s", "task_start_s", "total_s")
     med = {name: {k: statistics.median(x[k] for x in v) for k in keys} for name, v in runs.items()}
-    how = f"a running Ray of {args.cpus} CPUs" if args.ray_running else f"--cpus {args.cpus}"
-    print(f"\n6 trials x {args.steps} steps, `onnxfuse sweep -q` ({how}), medians of {args.rounds}:\n"
-          "| code | time to first step | first array task started | total |\n|---|---:|---:|---:|")
+    print(f"\n6 trials x {args.steps} steps, `onnxfuse sweep -q`, medians of {args.rounds}:\n"
+          "| code | Ray | time to first step | first array task started | total |\n|---|---|---:|---:|---:|")
     for name, m in med.items():
-        print(f"| {name} | {m['first_step_s']:.1f} s | {m['task_start_s']:.1f} s | {m['total_s']:.1f} s |")
+        ray = f"running ({args.cpus} CPUs)" if on_ray[name] else f"new (--cpus {args.cpus})"
+        print(f"| {name} | {ray} | {m['first_step_s']:.1f} s | {m['task_start_s']:.1f} s | {m['total_s']:.1f} s |")
     with open(args.output, "w") as f:
-        json.dump({"args": vars(args), "repos": repos, "runs": runs, "median": med}, f, indent=1)
+        json.dump({"args": vars(args), "repos": repos, "on_ray": on_ray, "runs": runs, "median": med}, f, indent=1)
     return 0
 
 
