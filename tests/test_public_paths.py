@@ -45,8 +45,9 @@ def _named_in_docs() -> list[str]:
     found = set()
     for path in DOCS:
         text = open(path, encoding="utf-8").read()
-        # not a file name (.onnxfuse.lock), a logger or key in quotes, or a path (onnxfuse/...)
-        found |= {m.group(1) for m in re.finditer(r"(?<![\w.\"'/-])(onnxfuse(?:\.[A-Za-z_]\w*)+)", text)}
+        # not a file name (.onnxfuse.lock), a logger or key in quotes, a path (onnxfuse/...) or an op's domain
+        # (onnxfuse.torch::MatMulAdd)
+        found |= {m.group(1) for m in re.finditer(r"(?<![\w.\"'/-])(onnxfuse(?:\.[A-Za-z_]\w*)+)(?!\w|::)", text)}
     return sorted(found)
 
 
