@@ -87,7 +87,7 @@ def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp:
     for aid, state in seg["states"].items():
         os.makedirs(os.path.join(tmp, f"from_{aid}"))
         sources[aid] = checkpoint_models(_unpack(state, os.path.join(tmp, f"from_{aid}")))
-    protos, optimizer, status, template = [], [], [], None
+    protos, optimizer, status, best, template = [], [], [], [], None
     for tid, path in zip(job["trials"], paths):
         aid, place = seg["sources"][tid]
         src = sources[aid]
@@ -100,11 +100,12 @@ def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp:
         protos.append(proto)
         optimizer.append(src.optimizer[place])
         status.append(src.status.get(place))
+        best.append(src.best.get(place))
     if any(not same_position(s.record["sampler"], template["sampler"]) or s.record["step"] != template["step"]
            for s in sources.values()):
         raise RuntimeError(f"array {job['id']}: its trials' arrays stopped at different steps or batches")
     save_array(fuse_models(protos, labels=job["trials"], per_model_inputs=job["per_model_inputs"]), array_dir)
-    seed_run(array_dir, config, optimizer, status, template)
+    seed_run(array_dir, config, optimizer, status, template, best)
 
 
 def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Report | None = None,
