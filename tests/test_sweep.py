@@ -371,7 +371,7 @@ def test_a_killed_worker_is_retried_and_every_result_is_there(tmp_path):
     assert len(table) == 6 and all(r["status"] == "finished" and r["steps"] == "1500" for r in table)
 
 
-@pytest.mark.parametrize("halving", [False, True])
+@pytest.mark.parametrize("halving", [False, pytest.param(True, marks=pytest.mark.slow)])  # halving: make test-all
 def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path, halving):
     """Killed while the arrays (with halving: of the first rung) are half done; --resume runs only the rest."""
     raw = base_spec(tmp_path, steps=400, arrays={"size": 3}, eval_every=200, **({"halving": [200]} if halving else {}))
