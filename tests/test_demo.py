@@ -11,3 +11,4 @@ def test_demo_models_learn(tmp_path, capsys):
     good = [r for r in rows if r["lr"] in (0.01, 0.03, 0.1)]
     assert all(r["test_accuracy"] > 0.85 for r in good), rows
     assert (tmp_path / "demo" / "models" / "model_7.safetensors").exists()
+    assert (tmp_path / "demo" / "array" / "report.png").exists()  # the curves, the held-out digits evaluated too

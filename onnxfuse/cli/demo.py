@@ -1,8 +1,9 @@
 """`onnxfuse demo`: a learning-rate sweep of 8 small CNNs on scikit-learn's bundled digits, fused into one array.
 
 export (8 seeds) -> fuse -> train (SGD with momentum, 8 learning rates, all models in one step, on the runtime
-chosen) -> split -> each split checkpoint loaded into its own plain ``torch.nn.Module`` (the class the jobs were
-exported from) and evaluated alone on held-out digits: no onnxfuse code and no ONNX in the evaluation.
+chosen; the held-out digits evaluated every 20 steps, drawn in ``array/report.png``) -> split -> each split final
+checkpoint loaded into its own plain ``torch.nn.Module`` (the class the jobs were exported from) and evaluated
+alone on the held-out digits: no onnxfuse code and no ONNX in that evaluation.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     from onnxfuse.core.split import split_array
     from onnxfuse.exporters import export_array, zoo
 
+    from onnxfuse.training.report import make_report
     from onnxfuse.training.run import TrainConfig, train_array
     from onnxfuse.recipe.runtimes import resolve_runtime
 
@@ -75,8 +77,10 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
           f"{'' if precision == 'fp32' else ' in ' + precision} (SGD, momentum 0.9, lr "
           f"{', '.join(f'{v:g}' for v in lrs)})")
     cfg = TrainConfig(steps=steps, batch_size=batch_size, optimizer="sgd", lr=lrs, momentum=0.9, seed=0,
-                      log_every=10, runtime=runtime, precision=precision)
-    res = train_array(os.path.join(out_dir, "array"), data, cfg, progress=progress)
+                      log_every=10, eval_every=20, runtime=runtime, precision=precision)
+    res = train_array(os.path.join(out_dir, "array"), data, cfg, progress=progress,
+                      eval_data={"input": xte, "labels": yte})
+    make_report(os.path.join(out_dir, "array"))  # array/report.png: the curves of every model
     say(f"[4/4] splitting into {out_dir}/models and evaluating each model alone: its checkpoint in a plain "
           "zoo.DigitsCNN")
     split_array(os.path.join(out_dir, "array"), os.path.join(out_dir, "models"), overwrite=True)
@@ -94,5 +98,6 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     best = max(rows, key=lambda r: r["test_accuracy"])
     print(f"\nbest: model {best['model']} (lr {best['lr']:g}) {100 * best['test_accuracy']:.1f}% on {len(yte)} held-out "
           f"digits (chance 10%); training {res.samples_per_s:,.0f} samples/s; total {clock.seconds:.0f}s")
-    print(f"per-model checkpoints: {out_dir}/models/model_b.onnx and model_b.safetensors")
+    print(f"per-model checkpoints: {out_dir}/models/model_b.onnx and model_b.safetensors; curves: "
+          f"{out_dir}/array/report.png")
     return rows
