@@ -40,11 +40,12 @@ from typing import Iterator
 
 from onnxfuse.core.errors import (ArrayBusyError, ConfigError, InputFileError, OutOfMemoryError, OutputError,
                                   as_user_error, shell)
+from onnxfuse.recipe.ranking import rank_key
 from onnxfuse.sweep.folder import SweepDir
 from onnxfuse.sweep.planning import PlanStopped, Sizer, plan_sweep
 from onnxfuse.sweep.results import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
 from onnxfuse.sweep.spec import SweepSpec, load_spec, parse_spec
-from onnxfuse.sweep.worker import number, rank
+from onnxfuse.sweep.worker import number
 
 __all__ = ["run_sweep", "SweepResult"]
 
@@ -315,7 +316,7 @@ def _survivors(sweep: SweepDir, plan: dict, arrays: list[str], k: int) -> list[s
         for tid, t in rec["trials"].items():
             if t["status"] in ("finished", "diverged"):
                 value = number(t.get(plan["metric"])) if t["status"] == "finished" else math.nan
-                cands.append(rank(value, plan["direction"], tid))
+                cands.append(rank_key(value, plan["direction"], tid))
     n = max(1, math.ceil(len(cands) * plan["halving"]["keep"]))
     return sorted(tid for *_, tid in sorted(cands)[:n])
 

@@ -22,9 +22,9 @@ import socket
 import time
 
 from onnxfuse.core.errors import as_user_error
-from onnxfuse.recipe.ranking import score
+from onnxfuse.recipe.ranking import rank_key, score
 from onnxfuse.sweep.folder import METRICS, TRIAL_BEST_WEIGHTS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
-from onnxfuse.sweep.worker import RESULT_COLUMNS, TRIAL_METRICS, number, rank
+from onnxfuse.sweep.worker import RESULT_COLUMNS, TRIAL_METRICS, number
 
 __all__ = ["write_array_result", "close_rung", "failed_result", "collect", "best_first", "trial_score",
            "write_report", "table", "all_arrays", "run_name"]
@@ -229,7 +229,7 @@ def collect(sweep: SweepDir, plan: dict) -> list[dict]:
 def best_first(rows: list[dict], metric: str, direction: str) -> list[dict]:
     """Rows of :func:`collect` (of one sweep or several: an Optuna study's rounds) best first by
     :func:`trial_score`, trials without a finite one last, in id order."""
-    return sorted(rows, key=lambda r: rank(trial_score(r, metric), direction, r["trial"]))
+    return sorted(rows, key=lambda r: rank_key(trial_score(r, metric), direction, r["trial"]))
 
 
 def _fmt(v) -> str:

@@ -26,10 +26,9 @@ from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.array import ArrayDir, model_file, model_weights_file
 from onnxfuse.recipe.batches import same_position
 from onnxfuse.training.run import METRICS_HEADER
-from onnxfuse.recipe.ranking import rank_key as rank  # noqa: F401  (the driver's, from here)
 from onnxfuse.sweep.folder import TRIAL_FILES
 
-__all__ = ["run_array", "node_of_this_process", "number", "rank", "RESULT_COLUMNS", "TRIAL_METRICS"]
+__all__ = ["run_array", "node_of_this_process", "number", "RESULT_COLUMNS", "TRIAL_METRICS"]
 
 RESULT_COLUMNS = ("status", "steps", "train_loss", "eval_loss", "eval_accuracy")
 TRIAL_METRICS = tuple(c for c in METRICS_HEADER if c not in ("model", "run"))  # a trial's metrics.csv
