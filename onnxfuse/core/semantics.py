@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
-from onnxfuse.core._graph import node_label
+from onnxfuse.core._graph import node_label, producers
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec, FusedWeight
 
@@ -145,13 +145,13 @@ def padding_lookups(model: onnx.ModelProto, spec: ArraySpec) -> list[Lookup]:
     tables = {n: fw for n, fw in spec.weights.items() if fw.extra.get(PADDING_ROWS)}
     if not tables:
         return []
-    made_by = {o: n for n in model.graph.node for o in n.output}
+    nodes = list(model.graph.node)
+    made = producers(nodes)
 
     def source_table(name: str) -> str | None:
         """The fused table ``name`` is, or is a Reshape/Transpose view of."""
-        seen = 0
-        while name not in tables and name in made_by and made_by[name].op_type in _VIEW_OPS and seen < 8:
-            name, seen = made_by[name].input[0], seen + 1
+        while name not in tables and name in made and nodes[made[name][0]].op_type in _VIEW_OPS:
+            name = nodes[made[name][0]].input[0]
         return name if name in tables else None
 
     found: list[Lookup] = []

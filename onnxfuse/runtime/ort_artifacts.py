@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxfuse.core._graph import Names, all_nodes, node_label
+from onnxfuse.core._graph import Names, all_nodes, node_label, producers
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
 from onnxfuse.core.legalize import legalize, standard_onnx
@@ -303,7 +303,8 @@ def weights_ort_must_differentiate(model: onnx.ModelProto, untrained: Sequence[s
     LSTM or GRU reads (:data:`_WEIGHT_GRADIENTS_WRITTEN`), directly or through the ops that slice or lay out the
     fused weight for it. Their gradients are computed and never applied (the update reads the trained
     parameters' alone), so they stay as they are, as requires_grad=False leaves them."""
-    made_by = {o: n for n in model.graph.node for o in n.output if n.op_type not in ("Shape", "Size")}
+    nodes = list(model.graph.node)
+    made = producers(nodes)
     floats = {t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES}
     keep, found, seen = set(untrained) & floats, set(), set()
     todo = [i for n in model.graph.node if n.op_type in _WEIGHT_GRADIENTS_WRITTEN and n.domain in ("", "ai.onnx")
@@ -315,8 +316,8 @@ def weights_ort_must_differentiate(model: onnx.ModelProto, untrained: Sequence[s
         seen.add(name)
         if name in keep:
             found.add(name)
-        elif name in made_by:
-            todo.extend(i for i in made_by[name].input if i)
+        elif name in made and nodes[made[name][0]].op_type not in ("Shape", "Size"):  # shapes carry no gradient
+            todo.extend(i for i in nodes[made[name][0]].input if i)
     return [w for w in untrained if w in found]
 
 
