@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 from typing import TYPE_CHECKING, Callable
@@ -31,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_write_bytes
+from onnxfuse.core._machine import cpu_model
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.device import Device
 
@@ -63,12 +63,7 @@ def _device_key(runtime: str, device: Device, threads: int) -> str:
     if device.is_cuda:
         name = torch.cuda.get_device_name(device.torch())
     else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-        except OSError:
-            pass
+        name = cpu_model()
     version = torch.__version__
     if runtime == "ort":
         import onnxruntime

@@ -1,0 +1,67 @@
+"""What this machine's CPU is, in one place: its model name and the instruction set torch dispatches to
+(:func:`cpu_description`, written beside every figure: bench.json, the demo, the docs' tables), and whether it
+computes a reduced-precision dtype natively (:func:`native_low_precision`, behind ``--precision``'s warning).
+
+A figure measured on one CPU says little about another: a 2-core AVX2 EPYC runs bf16 3-10x slower than fp32
+(it converts every element), a Sapphire Rapids with AMX runs it faster. Everything that reports a time or picks a
+path by speed names the CPU with these."""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+__all__ = ["cpu_model", "cpu_isa", "cpu_description", "native_low_precision"]
+
+#: The CPU flags (``/proc/cpuinfo``) that compute each reduced-precision dtype natively: without one, oneDNN and
+#: ATen emulate it by converting to float32 and back around every op.
+NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's ``/proc/cpuinfo`` fields; empty where there is none (macOS, Windows)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+"), or the platform's processor."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_isa() -> str:
+    """The instruction set torch's kernels dispatch to here ("AVX512", "AVX2", "DEFAULT"), as lowered by
+    ``ATEN_CPU_CAPABILITY``; with ``ONEDNN_MAX_CPU_ISA`` set, that too."""
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return f"{isa}, oneDNN {onednn}" if onednn else isa
+
+
+def cpu_description() -> str:
+    """One line naming this CPU for a figure: model, instruction set, cores ("AMD EPYC (AVX2), 2 cores")."""
+    return f"{cpu_model()} ({cpu_isa()}), {os.cpu_count()} cores"
+
+
+def native_low_precision(dtype_name: str) -> bool:
+    """Whether this CPU computes ``dtype_name`` ("bfloat16", "float16") natively, by its flags (:data:`NATIVE_FLAGS`).
+    Where ``/proc/cpuinfo`` is missing, torch's own probe for AVX512-BF16 / AMX answers."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    if flags:
+        return any(f in flags for f in NATIVE_FLAGS[dtype_name])
+    import torch
+
+    if dtype_name == "bfloat16":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_amx_fp16_supported()
