@@ -123,8 +123,10 @@ class TorchTrainer:
             self._eval = self.array.program(to_inference(copy.deepcopy(fused)), outputs=[output]).eval()
             self.inputs = self.graph_inputs
         self.optimizer_state_names = [STATE_PREFIX + s for s in optimizer.state_names()]
+        # the workload whose compile and step times are recorded by every mode that compiles (on, auto), and read
+        # by auto (train_step.record_key adds the batch's shapes and this machine)
         key = graph_key(fused.SerializeToString(), self.loss.label if self.python else repr(self.loss), optimizer.kind,
-                        str(device), precision) if check_compile(compile) == "auto" else ""
+                        str(device), precision) if check_compile(compile) != "off" else ""
         self.compile, self.precision = compile, precision
         self.stepper = TrainStep(self.optimizer, self._loss_forward, self.stats, compile, key, total_steps,
                                  precision, loss_scale)

@@ -24,9 +24,11 @@ A batch of another shape than the one compiled for (a loader's last partial batc
 it never triggers a recompile. Eager and compiled steps differ by float rounding only (README, "Compiled
 steps").
 
-``compile="auto"`` (the run loop's default) decides from the run's length: see :func:`auto_decision`.
-Compiled code is cached by inductor under the user's cache folder (:func:`cache_dir`), so a second run of the
-same array compiles in seconds.
+``compile="auto"`` (the run loop's default) decides from the run's length and what was measured on this
+machine: see :func:`auto_decision`. Every run that compiles (``on`` and ``auto``) records its compile time and its
+steady-state compiled step, and ``auto`` its eager step, in ``compile-times.json`` under the workload's and the
+machine's key (:func:`record_key`). Compiled code is cached by inductor under the user's cache folder
+(:func:`cache_dir`), so a second run of the same array compiles in seconds.
 """
 from __future__ import annotations
 
@@ -51,15 +53,18 @@ from onnxfuse.recipe.runtimes import LossScale, Observed, check_compile, check_p
 from onnxfuse.runtime.precision import LossScales, autocast
 
 __all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
-           "compiled"]
+           "record_key", "machine_description", "read_times", "times_path", "compiled"]
 
 log = logging.getLogger("onnxfuse.train")
 
-# auto's rule (see auto_decision): the speed-up a compiled step is assumed to give before one was measured, and
-# the compile time assumed when none was (the issue's measurements on a 2-core CPU: 1.5-2.2x, 18-96 s cold)
+# auto's rule (see auto_decision) where nothing was measured on this machine yet: the speed-up a compiled step is
+# assumed to give and the compile time assumed (measured on a 2-core AVX-512 CPU: 1.5-2.2x, 18-96 s cold; on a
+# 2-core AVX2 EPYC compiled steps were not faster at all, which is why a measured figure replaces these)
 ASSUMED_SPEEDUP = 1.5
 ASSUMED_COMPILE_S = 60.0
-EAGER_PROBE_STEPS = 3  # auto times this many eager steps before deciding
+EAGER_PROBE_STEPS = 3  # auto times this many eager steps before deciding (the first builds the update graph)
+COMPILED_PROBE_STEPS = 4  # steps timed after the compiling one (the first dropped): the steady-state compiled step
+TIMES_FILE = "compile-times.json"  # in cache_dir(): {record_key: {compile_s, compiled_step_s, eager_step_s, ...}}
 
 
 def cache_dir() -> str:
@@ -79,27 +84,51 @@ def _use_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor")
 
 
-# ---- compile times measured before, for auto
-def _times_path() -> str:
-    return os.path.join(cache_dir(), "compile-times.json")
+# ---- compile and step times measured before, for auto
+def times_path() -> str:
+    """The record of measured compile and step times (:data:`TIMES_FILE` in :func:`cache_dir`)."""
+    return os.path.join(cache_dir(), TIMES_FILE)
 
 
-def _read_times() -> dict:
+def read_times() -> dict:
+    """``{record_key: {"compile_s", "compiled_step_s", "eager_step_s", "machine"}}`` as recorded (each figure only
+    once measured); empty when there is no record or it cannot be read."""
     try:
-        with open(_times_path()) as f:
-            return json.load(f)
+        with open(times_path()) as f:
+            times = json.load(f)
     except (OSError, ValueError):
         return {}
+    return times if isinstance(times, dict) else {}
 
 
-def _record_time(key: str, **values: float) -> None:
-    times = _read_times()
-    times[key] = {**times.get(key, {}), **{k: round(v, 6) for k, v in values.items()}}
+def _record_time(key: str, **values: float | str) -> None:
+    times = read_times()
+    rounded = {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
+    times[key] = {**times.get(key, {}), **rounded}
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        atomic_write_bytes(_times_path(), json.dumps(times, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(times_path(), json.dumps(times, indent=1, sort_keys=True).encode())
     except OSError as e:  # a cache that cannot be written only costs auto its memory
-        log.debug("could not record compile time in %s: %s", _times_path(), e)
+        log.debug("could not record compile time in %s: %s", times_path(), e)
+
+
+def machine_description(device: torch.device) -> str:
+    """What a step time depends on besides the workload: the CPU (model, instruction set, cores) and torch's thread
+    count; on CUDA the GPU too ("AMD EPYC (AVX2), 2 cores, 1 thread")."""
+    from onnxfuse.core._machine import cpu_description
+
+    threads = torch.get_num_threads()
+    host = f"{cpu_description()}, {threads} thread{'s' if threads != 1 else ''}"
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, host {host}"
+    return host
+
+
+def record_key(workload: str, batch: dict[str, torch.Tensor], device: torch.device) -> str:
+    """The key of a step's times in the record: its ``workload`` (the trainer's :func:`graph_key` of the graph,
+    loss, optimizer, device and precision), the batch's shapes the step is compiled for, and this machine
+    (:func:`machine_description`): a time measured on another CPU, thread count or batch says nothing here."""
+    return graph_key(workload, batch_shapes(batch), machine_description(device))
 
 
 @functools.cache
@@ -128,29 +157,51 @@ class Decision:
 
 
 def auto_decision(remaining_steps: int, eager_step_s: float, known: dict | None) -> Decision:
-    """``--compile auto``: compile when the time the remaining steps save pays for the compilation,
+    """``--compile auto``: the predicted end-to-end time of the remaining steps both ways,
 
-        remaining_steps * eager_step_s * (1 - 1 / speedup)  >  compile_s
+        eager     remaining_steps * eager_step_s
+        compiled  compile_s + remaining_steps * compiled_step_s
 
-    with ``compile_s`` and ``speedup`` (eager / compiled step time) this array's last measured ones on this machine
-    (the cache's ``compile-times.json``: a cached compile is the warm one), else the assumed
-    ``ASSUMED_COMPILE_S`` and ``ASSUMED_SPEEDUP``."""
+    compiling when the compiled one is shorter. ``eager_step_s`` is measured now (auto's probe); ``compile_s`` and
+    ``compiled_step_s`` are this workload's as last measured on this machine (``known``: its entry in
+    :data:`TIMES_FILE`, written by any run that compiled it; a cached compile is the warm one), and where one is
+    missing, :data:`ASSUMED_COMPILE_S` and ``eager_step_s / ASSUMED_SPEEDUP``. A compiled step measured here that
+    is not faster than the eager steps measured here (now, or recorded beside it) never compiles, however long the
+    run: the speed-up on one CPU is no promise on another."""
     known = known or {}
+    ms = 1000.0
+    compiled_step_s = known.get("compiled_step_s")
+    if compiled_step_s is not None:
+        eager_seen = [eager_step_s] + ([known["eager_step_s"]] if known.get("eager_step_s") else [])
+        if compiled_step_s >= min(eager_seen):
+            before = f", {known['eager_step_s'] * ms:.1f} ms before" if len(eager_seen) > 1 else ""
+            return Decision(False, f"compiled steps measured here took {compiled_step_s * ms:.1f} ms, not faster "
+                                   f"than the eager steps measured here ({eager_step_s * ms:.1f} ms now{before}) "
+                                   f"on {known.get('machine', 'this machine')}")
     compile_s = known.get("compile_s", ASSUMED_COMPILE_S)
-    speedup = (known["eager_step_s"] / known["compiled_step_s"]
-               if known.get("compiled_step_s") and known.get("eager_step_s") else ASSUMED_SPEEDUP)
-    saved = remaining_steps * eager_step_s * (1 - 1 / speedup) if speedup > 1 else 0.0
-    source = "measured here before" if "compile_s" in known else "assumed"
-    why = (f"{remaining_steps} steps of {eager_step_s * 1000:.1f} ms would save {saved:.1f} s at {speedup:.2f}x "
-           f"against a {compile_s:.1f} s compile ({source})")
-    return Decision(saved > compile_s, why)
+    if compiled_step_s is None:
+        compiled_step_s = eager_step_s / ASSUMED_SPEEDUP
+    eager_total = remaining_steps * eager_step_s
+    compiled_total = compile_s + remaining_steps * compiled_step_s
+    if "compile_s" in known and "compiled_step_s" in known:
+        source = "measured here before"
+    elif "compile_s" in known or "compiled_step_s" in known:  # a compiled run that stopped before timing its steps
+        source = f"the {'compile time' if 'compile_s' in known else 'compiled step'} measured here before, " \
+                 f"the other assumed"
+    else:
+        source = f"assumed: nothing compiled on this machine yet, {ASSUMED_COMPILE_S:.0f} s and {ASSUMED_SPEEDUP}x"
+    why = (f"{remaining_steps} steps of {eager_step_s * ms:.1f} ms eager: {eager_total:.1f} s; compiled: "
+           f"{compile_s:.1f} s compile + {remaining_steps} steps of {compiled_step_s * ms:.1f} ms = "
+           f"{compiled_total:.1f} s ({source})")
+    return Decision(compiled_total < eager_total, why)
 
 
 class TrainStep:
     """See the module docstring. ``forward(weights, batch)``: the loss graph over ``weights`` (every fused
     parameter and buffer by fused name) returning ``(loss, per_model_loss [B], [new value of each of
     buffers])``; ``buffers``: the fused buffers the step writes from it (BatchNorm statistics, applied only for
-    the models whose step is). ``key``: what identifies the array's graph in the compile-time record (auto)."""
+    the models whose step is). ``key``: the workload in the record of compile and step times (:func:`record_key`;
+    empty: nothing recorded)."""
 
     WINDOW = 64  # steps whose coefficients are computed at once when the caller knows them ahead (plan)
 
@@ -183,6 +234,7 @@ class TrainStep:
         self._compiled_key, self._guarded = None, True  # what the compiled step's update graph is (see _call_compiled)
         self._eager_times: list[float] = []
         self._compiled_times: list[float] = []
+        self._record: str | None = None  # the record's key, from the first batch (record_key)
         self.decision: Decision | None = Decision(True, "--compile on") if self.mode == "on" else (
             Decision(False, "--compile off") if self.mode == "off" else None)
         self.compile_s = 0.0
@@ -301,6 +353,8 @@ class TrainStep:
         self._planned, self._plan_first = list(upcoming[:len(table)]), self.opt.state["step"] + 1
 
     def _run(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
+        if self.key and self._record is None:
+            self._record = record_key(self.key, batch, self.array.device)
         if self.decision is None:  # auto: time a few eager steps, then decide
             self._probe(params, batch)
             return
@@ -316,17 +370,32 @@ class TrainStep:
             return
         if self._graphed is not None:
             self._graphed(params, batch, self._hyper)
+            if self._record and not self._compiled_times and self._graphed.step_s is not None:
+                self._compiled_times.append(self._graphed.step_s)  # the faster of replayed and launched
+                self._recorded_compiled_step()
             return
-        if self.key and len(self._compiled_times) < EAGER_PROBE_STEPS:  # the speed-up auto's next decision uses
+        if self._record and len(self._compiled_times) < COMPILED_PROBE_STEPS:  # what auto's next decision uses
             self._sync()
             t0 = time.perf_counter()
             self._call_compiled(params, batch)
             self._sync()
             self._compiled_times.append(time.perf_counter() - t0)
-            if len(self._compiled_times) == EAGER_PROBE_STEPS:
-                _record_time(self.key, compiled_step_s=float(np.median(self._compiled_times)))
+            if len(self._compiled_times) == COMPILED_PROBE_STEPS:
+                self._recorded_compiled_step()
             return
         self._call_compiled(params, batch)
+
+    def _recorded_compiled_step(self) -> None:
+        """The steady-state compiled step into the record (the median of the timed steps after the first); a step
+        not faster than the eager one measured here before says so: ``--compile off`` (or ``auto``) is faster."""
+        step_s = float(np.median(self._compiled_times[1:] or self._compiled_times))
+        eager_s = read_times().get(self._record, {}).get("eager_step_s")
+        _record_time(self._record, compiled_step_s=step_s, machine=machine_description(self.array.device))
+        log.info("compiled step: %.1f ms (recorded for --compile auto in %s)", step_s * 1000, times_path())
+        if self.mode == "on" and eager_s is not None and step_s >= eager_s:
+            log.warning("--compile on: compiled steps (%.1f ms) are not faster than the eager steps measured here "
+                        "(%.1f ms) on %s; --compile auto or off would be faster", step_s * 1000, eager_s * 1000,
+                        machine_description(self.array.device))
 
     def _call_compiled(self, params, batch) -> None:
         """The compiled step, without dynamo's guards while nothing it was specialized for can have changed.
@@ -355,11 +424,12 @@ class TrainStep:
             return
         eager = float(np.median(self._eager_times[1:]))  # the first eager step builds the update graph
         remaining = max(self.total_steps - (self.opt.state["step"] + 1), 0)
-        known = _read_times().get(self.key)
+        known = read_times().get(self._record) if self._record else None
         self.decision = auto_decision(remaining, eager, known)
         log.info("--compile auto: %s the step: %s", "compiling" if self.decision.compile else "not compiling",
                  self.decision.why)
-        _record_time(self.key, eager_step_s=eager)
+        if self._record:
+            _record_time(self._record, eager_step_s=eager, machine=machine_description(self.array.device))
 
     def _compile(self, params, batch, shapes) -> None:
         _use_cache()
@@ -372,8 +442,8 @@ class TrainStep:
         self._sync()
         self.compile_s = time.perf_counter() - t0
         log.info("compiled the training step in %.1f s", self.compile_s)
-        if self.key:
-            _record_time(self.key, compile_s=self.compile_s)
+        if self._record:
+            _record_time(self._record, compile_s=self.compile_s, machine=machine_description(self.array.device))
         if self.array.device.type == "cuda":
             self._graphed = _CudaGraphed(self._compiled, self.array.device)
 
@@ -427,6 +497,7 @@ class _CudaGraphed:
     def __init__(self, fn: Callable, device: torch.device):
         self.fn, self.device = fn, device
         self.state, self.times = "warmup", {"plain": [], "graph": []}
+        self.step_s: float | None = None  # the chosen way's median step, once decided
         self.graph, self.static, self.stream = None, None, torch.cuda.Stream(device)
 
     def __call__(self, params: list, batch: dict, hyper: torch.Tensor) -> None:
@@ -445,6 +516,7 @@ class _CudaGraphed:
             if len(self.times["graph"]) >= self.TRIALS:
                 plain, graph = (float(np.median(self.times[k][1:] or self.times[k])) for k in ("plain", "graph"))
                 self.state = "on" if graph < plain else "off"
+                self.step_s = min(graph, plain)
                 log.info("CUDA graph: step %.2f ms replayed vs %.2f ms launched: %s", graph * 1e3, plain * 1e3,
                          "replaying it" if self.state == "on" else "launching the kernels")
 
@@ -465,6 +537,7 @@ class _CudaGraphed:
         except Exception as e:  # noqa: BLE001 - any capture failure: the step runs as it did
             _sync(self.device)
             self.state, self.graph = "off", None
+            self.step_s = float(np.median(self.times["plain"][1:] or self.times["plain"]))
             log.info("the step could not be captured in a CUDA graph (%s); it runs without one",
                      " ".join(str(e).split())[:200])
             self.fn(params, batch, hyper)
