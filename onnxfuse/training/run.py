@@ -108,14 +108,17 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
     checked with Dropout off, in a trainer of its own; an array trained in bf16 or fp16 is checked in fp32 (what is
-    checked is the graph's and the weights' mapping: reduced precision would hide a defect in its rounding)."""
+    checked is the graph's and the weights' mapping: reduced precision would hide a defect in its rounding).
+    A run's trainer of its own for the check is eager: its graph is not the one the run compiles, and compiling
+    it (and so the reference, verify.py) would cost two cold compiles the run never uses; ``onnxfuse check``
+    (``trainer`` None) compiles as asked, to check the compiled step itself."""
     watch = Stopwatch()
     dropout_off = has_random_dropout(fused)
     if trainer is None or dropout_off or config.precision != "fp32":
         opt, _ = optimizer_and_schedules(config, spec.B, total)
         trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
-                               loss, opt, config.device, threads=config.threads or None, compile=config.compile,
-                               total_steps=K)
+                               loss, opt, config.device, threads=config.threads or None,
+                               compile=config.compile if trainer is None else "off", total_steps=K)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(source, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)

@@ -635,6 +635,15 @@ def _check_model(step: _FusedStep, b: int, trainer: Runtime, reference: Runtime,
     return check
 
 
+def _reference(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec]) -> Runtime:
+    """The one-model trainer the models are checked against, compiled exactly when the array's checked step ran
+    compiled (read after that step: ``auto`` probes its first steps eagerly, and a run that stays eager never
+    pays a cold compile of the reference). Like with like: a compiled step's kernels may round or break ties
+    (a max-pool's equal maxima) otherwise than eager ones, and a compiled reference makes the same choices."""
+    kw = {"compile": "on"} if trainer.compiled else {}
+    return type(trainer)(*one_model, trainer.loss, reference_optimizer(trainer.opt), device=trainer.device, **kw)
+
+
 def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
                  batches: Sequence[dict[str, np.ndarray]], values: Sequence[StepValues]) -> VerifyReport:
     """Check ``len(batches)`` steps of the array in ``trainer`` (from its current state: step t with ``values[t]``
@@ -647,17 +656,18 @@ def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
     spec = trainer.spec
     per_model = {i["name"] for i in spec.inputs if i.get("per_model")} | (
         {LABELS} if trainer.loss.per_model_labels else set())
-    # like with like: a compiled array is checked against a compiled reference ("auto" decides each alone; its
-    # first steps, the ones checked, are eager)
-    kw = {"compile": trainer.compile} if trainer.compile != "off" else {}
-    reference = type(trainer)(*one_model, trainer.loss, reference_optimizer(trainer.opt), device=trainer.device, **kw)
     saved = (trainer.weights(), trainer.optimizer_state())
     saved_steps = trainer.steps
     checks: list[ModelCheck] = []
+    references: dict[bool, Runtime] = {}  # by whether the checked step ran compiled (auto may start after a probe)
     try:
         state = saved
         for feeds, step_values in zip(batches, values):
             step = _fused_step(trainer, feeds, step_values, state)
+            compiled = bool(trainer.compiled)
+            if compiled not in references:
+                references[compiled] = _reference(trainer, one_model)
+            reference = references[compiled]
             checks += [_check_model(step, b, trainer, reference, per_model) for b in range(spec.B)]
             state = step.after
     finally:
