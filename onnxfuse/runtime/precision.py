@@ -11,11 +11,18 @@ per model.
 The weights, optimizer state and BatchNorm running statistics stay float32 (master weights), and the update is
 the fp32 update graph on float32 gradients: autocast casts a weight's copy for the ops that use it, and the
 gradient flows back through that cast.
+
+A CPU without native bf16 / fp16 arithmetic (no AVX512_BF16 or AMX: ``core._machine.native_low_precision``)
+emulates it, converting around every op, and trains several times slower than in fp32: the first bf16 / fp16
+step of a process on such a CPU warns once with the slow-down measured here (:func:`warn_if_emulated`).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
+import time
 from typing import Collection, Sequence
 
 import onnx
@@ -23,11 +30,12 @@ import torch
 from onnx import helper
 
 from onnxfuse.core._graph import Names
+from onnxfuse.core._machine import NATIVE_FLAGS, cpu_description, native_low_precision
 
 from onnxfuse.recipe.runtimes import LossScale
 
 __all__ = ["DTYPES", "DOMAIN", "autocast", "autocast_graph", "LossScales", "biased_products", "norms_in_fp32",
-           "loss_in_fp32"]
+           "loss_in_fp32", "emulation_slowdown", "warn_if_emulated"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DOMAIN = "onnxfuse.torch"  # the torch runtime's own ops (biased_products' MatMulAdd)
@@ -214,6 +222,51 @@ def autocast(precision: str, device: torch.device):
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+@functools.cache
+def emulation_slowdown(precision: str) -> float:
+    """How many times a float32 step's time a small training step takes under ``torch.autocast("cpu", dtype)``
+    here: a 3x3 convolution and a matmul, forward and backward, at torch's thread count now; the fastest of 3
+    timed runs each way, after one untimed. Measured once per process (~0.2 s where the dtype is emulated)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, 16, 16, generator=generator)
+    kernel = torch.randn(32, 16, 3, 3, generator=generator, requires_grad=True)
+    weight = torch.randn(512, 128, generator=generator, requires_grad=True)
+
+    def step(p: str) -> float:
+        t0 = time.perf_counter()
+        with torch.enable_grad(), autocast(p, torch.device("cpu")):
+            y = torch.nn.functional.conv2d(x, kernel, padding=1).reshape(128, 512) @ weight
+        y.float().square().mean().backward()
+        return time.perf_counter() - t0
+
+    def fastest(p: str) -> float:
+        return min([step(p) for _ in range(4)][1:])  # the first run allocates and picks kernels
+
+    return fastest(precision) / fastest("fp32")
+
+
+_WARNED: set[str] = set()  # the precisions warned about in this process
+
+
+def warn_if_emulated(precision: str, device: torch.device) -> None:
+    """On a CPU device without native ``precision`` arithmetic, warn once per process with the slow-down measured
+    here (:func:`emulation_slowdown`); fp32, a GPU, or a CPU with AVX512_BF16 / AMX: nothing."""
+    if precision == "fp32" or device.type != "cpu" or precision in _WARNED:
+        return
+    dtype_name = str(DTYPES[precision]).removeprefix("torch.")
+    if native_low_precision(dtype_name):
+        return
+    _WARNED.add(precision)
+    factor = emulation_slowdown(precision)
+    # the probe's steps (a convolution and a matmul), not the run's: a model of other ops converts less or more
+    measured = (f"{precision} conv/matmul steps measured {factor:.1f}x slower than float32 here; use --precision fp32"
+                if factor >= 1 else
+                f"{precision} conv/matmul steps measured {1 / factor:.1f}x faster than float32 here even so")
+    logging.getLogger("onnxfuse.train").warning(
+        "this CPU (%s) has no native %s (no %s): %s", cpu_description(), dtype_name,
+        "/".join(NATIVE_FLAGS[dtype_name]), measured)
 
 
 class LossScales:

@@ -50,7 +50,7 @@ from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.recipe.optim import StepValues
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.runtimes import LossScale, Observed, check_compile, check_precision
-from onnxfuse.runtime.precision import LossScales, autocast
+from onnxfuse.runtime.precision import LossScales, autocast, warn_if_emulated
 
 __all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
            "record_key", "machine_description", "read_times", "times_path", "compiled"]
@@ -213,6 +213,7 @@ class TrainStep:
         self.key, self.total_steps = key, total_steps
         B, device = self.array.B, self.array.device
         self.precision = check_precision(precision, where="precision")
+        warn_if_emulated(self.precision, device)  # bf16 / fp16 on a CPU that converts every element: once
         if precision == "fp16":
             loss_scale = loss_scale or LossScale((LossScale.INIT,) * B)
             if len(loss_scale.init) != B:
