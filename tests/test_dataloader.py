@@ -372,6 +372,7 @@ def test_per_model_inputs_and_halving_with_a_loader(template, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- sweep
+@pytest.mark.slow
 def test_a_sweep_whose_data_factory_returns_a_loader(tmp_path):
     """data.train / data.eval: MODULE:FUNCTION returning DataLoaders; each array's worker calls them and trains
     on the loader's batches: a trial's weights equal torch.optim training it alone on them."""

@@ -180,6 +180,7 @@ def test_each_model_trains_as_torch_autocast_trains_it_alone(case, precision, di
     assert trace["failed_at"] == [0] * B
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_compiled_step_trains_as_torch_autocast_too(precision, digits):
     arr, reduced, full, trace = train("bn-cnn-adamw", digits, precision, 4, compile="on")
@@ -188,7 +189,7 @@ def test_the_compiled_step_trains_as_torch_autocast_too(precision, digits):
         assert [list(s) for s in zip(*trace["scales"])] == [a.scales for a in reduced]
 
 
-@pytest.mark.parametrize("compile", ["off", "on"])
+@pytest.mark.parametrize("compile", ["off", pytest.param("on", marks=pytest.mark.slow)])  # on: make test-all
 def test_an_overflowing_model_skips_and_backs_off_alone(compile, digits):
     """Model 1 starts at a loss scale of 2**24: its scaled gradients overflow fp16 until GradScaler's backoff
     brings the scale down, then it trains and its scale grows every 3 steps. Its scales and skipped steps are
@@ -238,6 +239,7 @@ def test_precision_is_checked_in_one_line(digits):
         onnxfuse.optim.train_step(arr, opt, class_loss, precision="fp16", loss_scale=[1.0, 2.0])
 
 
+@pytest.mark.slow
 def test_a_killed_fp16_run_resumes_to_the_uninterrupted_runs_weights_and_scales(tmp_path):
     """``onnxfuse train --precision fp16`` SIGKILLed twice at random moments and resumed: the final weights are
     bit-identical to an uninterrupted run's, and so is every model's loss scale in metrics.csv (the scales grow

@@ -258,6 +258,7 @@ def test_sweep_cli_errors(tmp_path, capsys, sweep12):
     assert "0 arrays trained now" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_sweep_says_its_plan_once_and_ray_says_nothing(tmp_path):
     """The command as a user runs it (its own process, a new local Ray, progress bars on): the plan line once, the
     table, the summary; on stderr nothing but the bars (Ray's notices, e.g. that it turned token authentication
@@ -297,6 +298,7 @@ def test_a_training_run_imports_no_dynamo(tmp_path):
     assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_failing_array_is_retried_once_and_loses_no_other_result(tmp_path, capsys):
     """batch_size 200 > the 90 training samples: that array fails in its worker, twice; the others finish."""
     from onnxfuse.cli.main import main
@@ -350,6 +352,7 @@ def _start(spec, out, *flags):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_retried_and_every_result_is_there(tmp_path):
     raw = base_spec(tmp_path, steps=1500, search={"space": {"optimizer.lr": LRS, "seed": [0, 1]}},
                     arrays={"size": 3}, eval_every=500)
@@ -371,7 +374,8 @@ def test_a_killed_worker_is_retried_and_every_result_is_there(tmp_path):
     assert len(table) == 6 and all(r["status"] == "finished" and r["steps"] == "1500" for r in table)
 
 
-@pytest.mark.parametrize("halving", [False, pytest.param(True, marks=pytest.mark.slow)])  # halving: make test-all
+@pytest.mark.slow
+@pytest.mark.parametrize("halving", [False, True])
 def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path, halving):
     """Killed while the arrays (with halving: of the first rung) are half done; --resume runs only the rest."""
     raw = base_spec(tmp_path, steps=400, arrays={"size": 3}, eval_every=200, **({"halving": [200]} if halving else {}))
@@ -405,6 +409,7 @@ def test_a_killed_driver_resumes_without_retraining_finished_arrays(tmp_path, ha
 
 
 # ----------------------------------------------------------------------------------- a two-node Ray cluster
+@pytest.mark.slow
 def test_sweep_on_a_two_node_cluster(tmp_path):
     """Ray's own test-cluster utility: a head node and a second node, one CPU each, on this machine."""
     import ray
@@ -426,6 +431,7 @@ def test_sweep_on_a_two_node_cluster(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------- Optuna
+@pytest.mark.slow
 def test_optuna_study_runs_as_arrays(tmp_path):
     import optuna
 
@@ -482,6 +488,7 @@ def test_optuna_study_runs_as_arrays(tmp_path):
         optimize(optuna.create_study(direction="maximize"), parse_spec(raw, "spec", str(tmp_path)), 1, tmp_path / "x")
 
 
+@pytest.mark.slow
 def test_an_optuna_study_is_one_folder_and_resumes_without_redoing_trials(tmp_path):
     """Two rounds of 2 trials (arrays of 1, on one CPU): trial ids run on across the rounds, one results.csv holds
     every trial. A call stopped by a real SIGINT while its second round runs is resumed: no finished array is
@@ -555,6 +562,7 @@ def test_resume_refuses_a_folder_that_is_no_sweep(tmp_path):
 
 
 # --------------------------------------------------------------------------- successive halving across arrays
+@pytest.mark.slow
 def test_successive_halving_across_arrays(tmp_path):
     """8 trials in 4 arrays of 2; rungs at steps 4 and 8 keep the best half of the trials still training, by eval
     loss at the rung, whatever array they are in, and re-fuse the survivors into the fewest arrays of 2. A survivor
@@ -593,6 +601,7 @@ def test_successive_halving_across_arrays(tmp_path):
                 for f in os.listdir(out.array_path(a)) if f.endswith(".tar")]  # no rung folder left
 
 
+@pytest.mark.slow
 def test_auto_array_size_comes_from_the_planner_on_a_worker(tmp_path):
     raw = base_spec(tmp_path, steps=4, arrays={"size": "auto", "max_size": 2},
                     search={"space": {"optimizer.lr": LRS}})
@@ -604,6 +613,7 @@ def test_auto_array_size_comes_from_the_planner_on_a_worker(tmp_path):
     assert len(res.rows) == 3 and all(r["status"] == "finished" for r in res.rows)
 
 
+@pytest.mark.slow
 def test_a_sweep_that_fails_before_its_plan_leaves_nothing(tmp_path, capsys):
     """A factory argument the factory does not take: one line naming the trial; the -o folder is left as it was
     (absent), so the fixed spec runs there."""

@@ -57,6 +57,7 @@ def test_compiled_run_equals_each_model_trained_alone_and_the_eager_run(tmp_path
     assert np.isfinite(res.final_loss).all()
 
 
+@pytest.mark.slow
 def test_compiled_divergence_is_frozen_at_its_step_and_the_others_are_bit_identical(tmp_path):
     """Model 1's lr blows it up; the compiled run records it at the step torch alone first goes non-finite (read
     only every 4th step: the step is kept on the device) and models 0 and 2 are bit-identical to a compiled run
@@ -83,6 +84,7 @@ def test_compiled_divergence_is_frozen_at_its_step_and_the_others_are_bit_identi
     assert all(np.isfinite(v).all() for v in sa[1].values())
 
 
+@pytest.mark.slow
 def test_no_host_read_between_two_logged_steps_of_a_compiled_run(tmp_path, monkeypatch):
     """Every way a tensor reaches the host (item, cpu, numpy, tolist, __array__, float/int/bool) is counted; a
     compiled run logging every 5th step makes none during the steps in between. Nor does the host compute any
@@ -113,6 +115,7 @@ def test_no_host_read_between_two_logged_steps_of_a_compiled_run(tmp_path, monke
     assert marks[1][1] == 15 and marks[15][1] == 15  # every step's coefficients, computed at the first
 
 
+@pytest.mark.slow
 def test_a_partial_last_batch_never_recompiles(tmp_path):
     """A DataLoader of 40 samples in batches of 16 ends each epoch with 8: that step runs the same body eagerly,
     and the compiled graph is built once (dynamo's count of frames compiled)."""
@@ -130,6 +133,7 @@ def test_a_partial_last_batch_never_recompiles(tmp_path):
     assert counters["stats"]["unique_graphs"] - before <= 2  # the step's graph (and the eval's, if any)
 
 
+@pytest.mark.slow
 def test_compiled_halving_keeps_the_survivors_as_in_the_full_compiled_array(tmp_path):
     data = data_file(tmp_path, n=128)
     lrs = [0.2, 0.01, 0.1, 0.001]
@@ -146,6 +150,7 @@ def test_compiled_halving_keeps_the_survivors_as_in_the_full_compiled_array(tmp_
             assert rel_err(half[b][k], v) < 1e-5, (b, k)
 
 
+@pytest.mark.slow
 def test_check_compares_a_compiled_array_with_a_compiled_reference(tmp_path, capsys):
     from onnxfuse.cli.main import main
 
@@ -218,6 +223,7 @@ def _killed_and_resumed(tmp_path, args, kills_wanted=2):
         return arr_ref, arr, kills
 
 
+@pytest.mark.slow
 def test_a_killed_compiled_run_resumes_bit_identical_to_an_uninterrupted_compiled_run(tmp_path):
     data = data_file(tmp_path, n=128)
     args = ["--data", str(data), "--steps", "400", "--batch-size", "16", "--optimizer", "adamw",

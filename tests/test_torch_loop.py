@@ -171,6 +171,7 @@ def test_fused_outputs_are_each_models_stacked_and_eval_mode_uses_running_statis
     assert int(arr.forwards) == 1 and all(int(sd["bn1.num_batches_tracked"]) == 1 for sd in arr.state_dicts())
 
 
+@pytest.mark.slow
 def test_torch_compile_gives_the_outputs_of_the_array(digits):
     """A training-mode forward and backward of the compiled array equal the array's own: outputs, gradients and
     the BatchNorm statistics it updates in place."""
@@ -389,7 +390,7 @@ def test_the_python_api_page_loop_is_the_example_file_and_it_runs(tmp_path):
     assert os.path.exists(tmp_path / "array" / "array.json")
 
 
-@pytest.mark.parametrize("compile", ["off", "on"])
+@pytest.mark.parametrize("compile", ["off", pytest.param("on", marks=pytest.mark.slow)])  # on: make test-all
 def test_train_step_is_the_whole_step_as_one_function_and_trains_each_model_as_torch_alone(digits, compile):
     """``onnxfuse.optim.train_step``: forward, the user's loss, gradients, per-model clipping and AdamW, and the
     BatchNorm statistics as one function (compiled: one captured graph), the step onnxfuse train runs; each model

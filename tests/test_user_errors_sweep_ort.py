@@ -102,6 +102,7 @@ def test_an_integer_range_of_an_integer_setting_is_sampled(tmp_path):
     assert len(trials) == 3 and all(isinstance(t["batch_size"], int) and 8 <= t["batch_size"] <= 32 for t in trials)
 
 
+@pytest.mark.slow
 def test_an_array_asking_for_more_cpus_than_the_local_ray_has_is_one_line(tmp_path):
     """resources.cpus 3 on a local Ray of 2 CPUs: no array could ever start (Ray would only warn, and the sweep
     would wait forever); one line naming the key, and the -o folder is left as it was (absent)."""
@@ -114,6 +115,7 @@ def test_an_array_asking_for_more_cpus_than_the_local_ray_has_is_one_line(tmp_pa
 
 
 # ------------------------------------------------------------------------------------- B. a disk that fills up
+@pytest.mark.slow
 def test_full_disk_during_a_sweep_names_the_file_leaves_no_broken_record_and_resume_completes(tmp_path):
     """A sweep folder on a tmpfs sized to fill during the trial writes: 4 trials of a 325 KB MLP in 2 arrays;
     the models, the plan and the space a driver holds back fit, one trial's files (2 x 325 KB) fit, a second's
