@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_write_bytes
-from onnxfuse.core._machine import cpu_model
+from onnxfuse.runtime._machine import cpu_model
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.device import Device
 

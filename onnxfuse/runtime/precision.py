@@ -12,7 +12,7 @@ The weights, optimizer state and BatchNorm running statistics stay float32 (mast
 the fp32 update graph on float32 gradients: autocast casts a weight's copy for the ops that use it, and the
 gradient flows back through that cast.
 
-A CPU without native bf16 / fp16 arithmetic (no AVX512_BF16 or AMX: ``core._machine.native_low_precision``)
+A CPU without native bf16 / fp16 arithmetic (no AVX512_BF16 or AMX: ``runtime._machine.native_low_precision``)
 emulates it, converting around every op, and trains several times slower than in fp32: the first bf16 / fp16
 step of a process on such a CPU warns once with the slow-down measured here (:func:`warn_if_emulated`).
 """
@@ -30,7 +30,7 @@ import torch
 from onnx import helper
 
 from onnxfuse.core._graph import Names
-from onnxfuse.core._machine import NATIVE_FLAGS, cpu_description, native_low_precision
+from onnxfuse.runtime._machine import NATIVE_FLAGS, cpu_description, native_low_precision
 
 from onnxfuse.recipe.runtimes import LossScale
 

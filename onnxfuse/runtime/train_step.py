@@ -115,7 +115,7 @@ def _record_time(key: str, **values: float | str) -> None:
 def machine_description(device: torch.device) -> str:
     """What a step time depends on besides the workload: the CPU (model, instruction set, cores) and torch's thread
     count; on CUDA the GPU too ("AMD EPYC (AVX2), 2 cores, 1 thread")."""
-    from onnxfuse.core._machine import cpu_description
+    from onnxfuse.runtime._machine import cpu_description
 
     threads = torch.get_num_threads()
     host = f"{cpu_description()}, {threads} thread{'s' if threads != 1 else ''}"
