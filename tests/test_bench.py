@@ -20,6 +20,7 @@ from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import MLP
 from onnxfuse.measure import bench
 from onnxfuse.measure.workloads import file_protos, interleaved_rounds, load_onnx_file, zoo_batch
+from onnxfuse.runtime._machine import cpu_description
 
 
 def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
@@ -50,6 +51,8 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
 
     md = (out / "bench.md").read_text()
     assert result["command"] in md and "onnxfuse bench --models lenet --B 1,2" in md
+    # the figures name the CPU they come from: model, instruction set, cores, in bench.json and above the tables
+    assert result["env"]["cpu"] == cpu_description() and cpu_description() in md
     assert md.count("| lenet |") == 2 + 2 * len(modes)  # a line per B, then a line per B and mode
     assert all(f"- lenet B={r['B']} fp32: {r['winner']} won" in md for r in result["rows"])
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -62,6 +65,7 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     for mode, line in by_mode.items():
         assert list(line.get_ydata()) == pytest.approx([r["modes"][mode]["over_seq_torch"] for r in result["rows"]])
     assert data_overlap(fig, fig.legends[0], ax) == 0
+    assert any(cpu_description() in " ".join(t.get_text().split()) for t in fig.texts)  # the caption names it too
 
 
 def _children(pid: int) -> set[int]:

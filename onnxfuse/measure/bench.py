@@ -114,6 +114,7 @@ from onnxfuse.core._io import claim_output
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, shell
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIMES, check_precision
+from onnxfuse.runtime._machine import cpu_description
 
 from onnxfuse.measure.workloads import (OnnxFile, file_batch, file_protos, interleaved_rounds, is_onnx_file,
                                         load_onnx_file, zoo_batch, zoo_module, zoo_modules, zoo_protos)
@@ -814,13 +815,22 @@ def _spread(row: dict, mode: str) -> tuple[float, float, float]:
     return row["modes"][mode]["over_seq_torch"], min(r), max(r)
 
 
+def _where(env: dict, device_type: str) -> str:
+    """The machine a bench.json's figures come from: on the CPU its model, instruction set and cores (env's
+    ``cpu``, :func:`onnxfuse.runtime._machine.cpu_description`), on CUDA the GPU and its host's CPU. A bench.json
+    written before ``cpu`` was recorded: the device name and the core count it has."""
+    if "cpu" not in env:
+        cores = f" ({env['cpu_count']} cores)" if env.get("cpu_count") and device_type == "cpu" else ""
+        return f"{env.get('device_name') or device_type}{cores}"
+    return env["cpu"] if device_type == "cpu" else f"{env.get('device_name', device_type)}, host {env['cpu']}"
+
+
 def _caption(rows: list[dict], env: dict) -> str:
     """How the figures were measured, in words, and where the command is (bench.md, bench.json)."""
     r = rows[0] if rows else {}
-    cores = f" ({env['cpu_count']} cores)" if env.get("cpu_count") and r.get("device", "cpu") == "cpu" else ""
     threads = env.get("threads", "?")
-    where = env.get("device_name") or r.get("device", "?")
-    how = (f"{where}{cores}, torch {env.get('torch', '?')}, {threads} thread{'s' if threads != 1 else ''}; batch "
+    where = _where(env, r.get("device", "cpu").split(":")[0])
+    how = (f"{where}, torch {env.get('torch', '?')}, {threads} thread{'s' if threads != 1 else ''}; batch "
            f"{r.get('batch', '?')} per model, AdamW, {r.get('steps', '?')} steps x {r.get('rounds', '?')} rounds after "
            f"{r.get('warmup', '?')} warm-up, the modes interleaved in each round")
     return (how + ".\nMarker or bar: the median of the per-round ratios; whiskers: the slowest and the fastest "
@@ -1011,8 +1021,9 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         files = {name: load_onnx_file(name, batch) for name in models if is_onnx_file(name)}  # all checked before measuring
         plan = _plan(models, measured, files, notes)
         env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count()}
-        say(f"onnxfuse bench on {device} ({env['device_name']}), torch {env['torch']} ({env['threads']} threads), batch "
+               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count(),
+               "cpu": cpu_description()}  # every figure says which CPU (model, instruction set, cores) it comes from
+        say(f"onnxfuse bench on {device} ({_where(env, dev.type)}), torch {env['torch']} ({env['threads']} threads), batch "
             f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes "
             f"{','.join(measured)}; precision {','.join(precisions)}")
         for note in notes:
@@ -1055,7 +1066,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         _write_csv(os.path.join(out, "bench.csv"), rows, measured)
         text = table(rows, measured)
         with open(os.path.join(out, "bench.md"), "w") as f:
-            f.write(f"`{cmd}`\n\n{env['device_name']}, torch {env['torch']} ({env['threads']} threads); samples/s over "
+            f.write(f"`{cmd}`\n\n{_where(env, dev.type)}, torch {env['torch']} ({env['threads']} threads); samples/s over "
                     "all B models (median round); ratios are medians of per-round "
                     "ratios, each within one precision.\n\n"
                     + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
