@@ -53,6 +53,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     from onnxfuse.training.report import make_report
     from onnxfuse.training.run import TrainConfig, train_array
     from onnxfuse.recipe.runtimes import resolve_runtime
+    from onnxfuse.runtime._machine import cpu_description
 
     from onnxfuse.core.errors import ConfigError
 
@@ -80,7 +81,9 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
                       log_every=10, eval_every=20, runtime=runtime, precision=precision)
     res = train_array(os.path.join(out_dir, "array"), data, cfg, progress=progress,
                       eval_data={"input": xte, "labels": yte})
-    make_report(os.path.join(out_dir, "array"))  # array/report.png: the curves of every model
+    # the CPU beside the figures: the high learning rates' runs are chaotic, and another CPU's rounding moves them
+    where = f"trained on {cpu_description()}, {runtime} runtime{'' if precision == 'fp32' else ', ' + precision}"
+    make_report(os.path.join(out_dir, "array"), note=where)  # array/report.png: the curves of every model
     say(f"[4/4] splitting into {out_dir}/models and evaluating each model alone: its checkpoint in a plain "
           "zoo.DigitsCNN")
     split_array(os.path.join(out_dir, "array"), os.path.join(out_dir, "models"), overwrite=True)
@@ -92,7 +95,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
             logits = module.eval()(torch.from_numpy(np.ascontiguousarray(xte))).numpy()
         rows.append({"model": b, "lr": lrs[b], "train_loss": res.final_loss[b],
                      "test_accuracy": float((logits.argmax(1) == yte).mean())})
-    print(f"\n{'model':>5}  {'lr':>7}  {'final train loss':>16}  {'test accuracy':>13}")
+    print(f"\n{where}:\n{'model':>5}  {'lr':>7}  {'final train loss':>16}  {'test accuracy':>13}")
     for r in rows:
         print(f"{r['model']:>5}  {r['lr']:>7g}  {r['train_loss']:>16.4f}  {100 * r['test_accuracy']:>12.1f}%")
     best = max(rows, key=lambda r: r["test_accuracy"])

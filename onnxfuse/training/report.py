@@ -284,7 +284,8 @@ def _plot(logs: dict[int, ModelLog], summary: dict, out_png: str) -> list[dict]:
 def report_figure(logs: dict[int, ModelLog], summary: dict):
     """The report figure of :func:`read_metrics`' logs and their summary: a panel per series that has values
     (train loss, eval loss, eval accuracy in %), the legend below them naming each model by the per-model settings
-    that differ between the models. Returns (the matplotlib Figure, the panel records)."""
+    that differ between the models, the summary's ``note`` under it. Returns (the matplotlib Figure, the panel
+    records)."""
     from matplotlib.lines import Line2D
 
     from onnxfuse.core._plot import figure, legend_below
@@ -307,20 +308,22 @@ def report_figure(logs: dict[int, ModelLog], summary: dict):
                               markeredgewidth=2, color="0.3", markerfacecolor="none" if status == "dropped" else None))
         names.append(MARKER_NAMES.get(status, status))
     differ = any(": " in s for s in names)
-    note = None if any(p[0].startswith("eval") for p in panels) else (
+    no_eval = None if any(p[0].startswith("eval") for p in panels) else (
         "no evaluation in this run: train with --eval-data (or eval_fraction) and eval_every to plot eval loss "
         "and accuracy")
+    note = "\n".join(n for n in (summary.get("note"), no_eval) if n) or None
     legend_below(fig, handles, names, title="model: the hyper-parameters that differ" if differ else None, note=note)
     return fig, records
 
 
 # ---------------------------------------------------------------- entry points
-def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None = None) -> dict:
+def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None = None,
+                note: str | None = None) -> dict:
     """Read ``ARRAY_DIR/metrics.csv``; write the plot (``out_png``, default ``ARRAY_DIR/report.png``) and
     ``ARRAY_DIR/report.json``; return the summary (per model: the per-model settings that differ, peak and final
     lr, last train loss, best eval loss and its step, best and last eval accuracy, its kept best state, the value
     it is ranked by, status and its step; the best model and what it was ranked by; per panel: the curves
-    plotted)."""
+    plotted). ``note``: a line under the figure and in the summary (the demo's: the CPU it trained on)."""
     array_dir = os.fspath(array_dir)
     array = ArrayDir(array_dir)
     png = os.fspath(out_png) if out_png is not None else array.report_png_path
@@ -330,6 +333,8 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
         run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
         logs = read_metrics(path)
         summary = summarize(logs, *_recorded(array))
+        if note:
+            summary["note"] = note
         json_path = array.report_json_path
         summary.update({"array_dir": array_dir, "run": run_id, "metrics": path, "png": png, "json": json_path})
         summary["panels"] = _plot(logs, summary, png)
