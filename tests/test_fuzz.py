@@ -56,12 +56,10 @@ def test_fused_model_trains_like_torch_in_a_users_loop(seed, worker):
 REDUCED_LIMITS = {
     ("bf16", 7): "nn.MultiheadAttention: torch alone runs F.scaled_dot_product_attention, whose CPU kernel keeps the "
        "softmax in float32; the exported graph is MatMul, Softmax, MatMul, which the array runs in bf16",
-    ("bf16", 16): "an RNN then an LSTM: 1.01 after 3 AdamW steps at B = 1; recurrent layers in bf16 / fp16 are "
-                  "not matched yet",
+    ("bf16", 16): "an RNN then an LSTM: 1.25 at step 1 at B = 2 (an AMD EPYC with AVX2); recurrent layers in "
+                  "bf16 / fp16 are not matched yet",
     ("fp16", 16): "an RNN then an LSTM: the fused model overflows at step 2, alone at step 1",
     ("bf16", 23): "a bidirectional GRU: 0.89 at step 1 at B = 1",
-    ("bf16", 361): "an LSTM after an embedding with a padding row: 1.08 after 3 AdamW steps at B = 3 (bound 1); "
-                   "the same model passes without the LSTM, and without the padding row",
     ("bf16", 28): "a LayerNorm over 2 values after two max-pools: torch's mixed-dtype LayerNorm kernel vs float32 then "
         "one rounding",
 }

@@ -31,7 +31,7 @@ from fuzz.harness import DRIFT_RATIO, STEP1_RATIO
 from test_torch_loop import DigitsCNN, DigitsMLP  # the same BatchNorm CNN and LayerNorm MLP
 
 B, N = 3, 32
-STEP1, DRIFT = STEP1_RATIO, DRIFT_RATIO  # the fuzzer's bounds (0.5, 1.0): one definition
+STEP1, DRIFT = STEP1_RATIO, DRIFT_RATIO  # the fuzzer's bounds (0.5, sqrt(2)): one definition
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

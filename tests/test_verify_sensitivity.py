@@ -1,6 +1,6 @@
 """Run-time verification and the model's own rounding sensitivity: an ill-conditioned model (torchvision's
 regnet_x_400mf, random weights, 32x32, batch 8) differs between the fused array and alone by as much as rounding
-alone moves it, beyond the fixed tolerances, and trains; a planted defect is still refused, in that model and in
+alone moves it (on some CPUs beyond the fixed tolerances) and trains; a planted defect is still refused, in that model and in
 every zoo model; a correct array of well-conditioned models never pays for the measurement."""
 from __future__ import annotations
 
@@ -47,13 +47,15 @@ def regnet(tmp_path_factory):
 
 
 def test_an_ill_conditioned_model_trains_with_verification_on(regnet, capsys):
-    """The issue's case: `onnxfuse train` on the default runtime verifies step 1 and trains; the models differ from
-    themselves alone beyond the tolerances (so the sensitivity was what decided), and the log line says so."""
+    """The issue's case: `onnxfuse train` on the default runtime verifies step 1 and trains. Whether a CPU needs the
+    sensitivity fallback depends on its kernels (AVX-512 here beyond the fixed tolerances, an AVX2 EPYC within
+    them): the test asserts the outcome, and only that a line which says "within" names the sensitivity."""
     _, array, data = regnet
     code, _, err = cli(capsys, "train", array, "--data", data, "--steps", 1, "--batch-size", N, "--optimizer", "adamw")
     assert code == 0, err
     line = next(line for line in err.splitlines() if "verified" in line)
-    assert "every model matches" in line and "within" in line and "own rounding sensitivity" in line, line
+    assert "every model matches" in line, line
+    assert ("within" in line) == ("own rounding sensitivity" in line), line
 
 
 def test_a_planted_defect_in_the_ill_conditioned_model_is_refused(regnet):
