@@ -19,6 +19,7 @@ from conftest import RUNTIME_PARAMS, rel_err, run_onnx
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
+from onnxfuse.training.verify import NUDGES, SENSITIVITY_FACTOR
 
 
 def zoo_modules(name: str, B: int, seed0: int = 0) -> list[torch.nn.Module]:
@@ -137,7 +138,7 @@ class ZooRun:
     torch_losses: np.ndarray  # [STEPS, B]
     exact: list  # float64 copies trained the same way
     noise: set
-    perturbed: list  # float32 copies trained the same way from weights nudged by 1e-7 (relative)
+    perturbed: list  # per model: float32 copies trained the same way from weights nudged by 1e-7 (more drawn on use)
     runtime: str | None  # what trained the fused array (None: not trained)
 
 
@@ -189,28 +190,51 @@ def _torch_reference(name, kind, B) -> ZooRun:
     batches = [(zoo_input(name, BATCH, seed=10 + s), make_labels(gen, BATCH)) for s in range(STEPS)]
     noise = _grad_is_noise(zoo_modules(name, 1, seed0=3)[0], torch_loss, *batches[0]) if kind == "adamw" else set()
     exact = [copy.deepcopy(m).double() for m in mods]
-    perturbed = [copy.deepcopy(m) for m in mods]
-    with torch.no_grad():
-        gen_p = torch.Generator().manual_seed(7)
-        for m in perturbed:
-            for p in m.parameters():
-                p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=gen_p))
     torch_losses = np.zeros((STEPS, B))
     for b in range(B):
-        for m, dtype in ((mods[b], None), (exact[b], torch.float64), (perturbed[b], torch.float32)):
-            opt = _optimizer(kind, m.parameters(), lrs[b], extra)
-            for s, (x, y) in enumerate(batches):
-                if dtype is not None:
-                    x = x.to(dtype) if x.dtype.is_floating_point else x
-                    y = y.to(dtype) if y.dtype.is_floating_point else y
-                opt.zero_grad()
-                out = torch_loss(m.train()(x), y)
-                out.backward()
-                opt.step()
-                if m is mods[b]:
-                    torch_losses[s, b] = out.item()
+        torch_losses[:, b] = _train_torch(name, kind, mods[b], lrs[b], extra, batches)
+        _train_torch(name, kind, exact[b], lrs[b], extra, batches, torch.float64)
+    perturbed = [[_train_nudged(name, kind, initial[b], lrs[b], extra, batches, seed=7 + b)] for b in range(B)]
     return ZooRun(name, kind, lrs, extra, batches, initial, None, None, mods, torch_losses, exact, noise, perturbed,
                   None)
+
+
+def _train_torch(name, kind, m, lr, extra, batches, dtype=None) -> list[float]:
+    """``m`` trained in place by torch.optim on ``batches`` (cast to ``dtype`` if given); the per-step losses."""
+    torch_loss = _loss_for(name)[3]
+    opt = _optimizer(kind, m.parameters(), lr, extra)
+    losses = []
+    for x, y in batches:
+        if dtype is not None:
+            x = x.to(dtype) if x.dtype.is_floating_point else x
+            y = y.to(dtype) if y.dtype.is_floating_point else y
+        opt.zero_grad()
+        out = torch_loss(m.train()(x), y)
+        out.backward()
+        opt.step()
+        losses.append(out.item())
+    return losses
+
+
+def _train_nudged(name, kind, initial: dict, lr, extra, batches, seed: int) -> torch.nn.Module:
+    """Model ``initial`` with every weight multiplied by 1 + 1e-7 N(0, 1) (float32's rounding), trained as torch."""
+    m = _module(name, initial)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in m.parameters():
+            p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=gen))
+    with torch.enable_grad():  # drawn on use, maybe inside a comparison's no_grad
+        _train_torch(name, kind, m, lr, extra, batches)
+    return m
+
+
+def _nudged_run(run: ZooRun, b: int, draw: int) -> torch.nn.Module:
+    """Model b's ``draw``-th nudged training (drawn on first use, kept with the run's torch side)."""
+    while len(run.perturbed[b]) <= draw:
+        seed = 7 + b + 1000 * len(run.perturbed[b])
+        run.perturbed[b].append(_train_nudged(run.name, run.kind, run.initial[b], run.lrs[b], run.extra, run.batches,
+                                              seed))
+    return run.perturbed[b][draw]
 
 
 def _module(name: str, state: dict) -> torch.nn.Module:
@@ -235,7 +259,7 @@ def _mismatch(run: ZooRun, b: int, got: dict, got_losses, ref: torch.nn.Module, 
       route a small gradient elsewhere: one flip in a [8, 16] BatchNorm1d-ReLU changes a bias gradient by 1/8);
       then what the model computes decides: train- and eval-mode outputs must agree within 1e-4, or within 3x
       the training's own sensitivity to rounding when that is larger (torch float32 vs float64, and torch vs
-      torch from weights nudged by 1e-7: a chaotic model, e.g. PointNet with BatchNorm1d on 8 samples, amplifies
+      torch from weights nudged by 1e-7, up to verification's NUDGES draws: a chaotic model, e.g. PointNet with BatchNorm1d on 8 samples, amplifies
       rounding differences through ReLU flips to ~1e-3 within 5 steps)."""
     if np.abs(np.asarray(got_losses) - np.asarray(ref_losses)).max() > 1e-4 * max(1.0, float(np.max(ref_losses))):
         return f"per-step losses {np.asarray(got_losses)} vs {np.asarray(ref_losses)}"
@@ -260,11 +284,17 @@ def _mismatch(run: ZooRun, b: int, got: dict, got_losses, ref: torch.nn.Module, 
             for mode in ("train", "eval"):
                 a, r = _outputs(ours, mode, x), _outputs(ref, mode, x)
                 t32 = _outputs(run.torch_mods[b], mode, x)
-                # the training's own sensitivity to float rounding: float32 vs float64, and vs a 1e-7 nudge
-                floor = max(rel_err(t32, _outputs(run.exact[b], mode, x64)),
-                            rel_err(t32, _outputs(run.perturbed[b], mode, x)))
-                if rel_err(a, r) >= max(1e-4, 3 * floor):
-                    return f"{mode}-mode outputs differ by {rel_err(a, r):.3g} (loose: {sorted(loose)})"
+                # the training's own sensitivity to float rounding, as verification measures it: float32 vs
+                # float64, and the largest of up to NUDGES trainings from weights nudged by 1e-7, drawn until the
+                # difference is within SENSITIVITY_FACTOR of it (a draw can only raise it)
+                floor = rel_err(t32, _outputs(run.exact[b], mode, x64))
+                for draw in range(NUDGES):
+                    floor = max(floor, rel_err(t32, _outputs(_nudged_run(run, b, draw), mode, x)))
+                    if rel_err(a, r) < max(1e-4, SENSITIVITY_FACTOR * floor):
+                        break
+                else:
+                    return (f"{mode}-mode outputs differ by {rel_err(a, r):.3g}, {rel_err(a, r) / floor:.2g}x what "
+                            f"rounding moves torch alone (loose: {sorted(loose)})")
     return None
 
 
