@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 TORCHVISION ?= torchvision==0.28.0
 EXTRA  ?= cpu
 
-.PHONY: install demo test test-all fuzz bench clean gpu-wheels
+.PHONY: install demo test test-all test-isa fuzz bench clean gpu-wheels
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v >= (3, 10) and ("$(EXTRA)" == "torch" or \
@@ -37,6 +37,18 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
+
+# the numerical tests (marker "numerical": tests/conftest.py's NUMERICAL) with torch, oneDNN and MKL held to a lower
+# instruction set than this CPU may have, one run per name in ISA: avx2, or default (SSE, torch's unvectorized
+# kernels). ONNX Runtime picks its kernels by the CPU alone (no setting): its tests run as on the machine.
+ISA ?= avx2 default
+ISA_ENV_avx2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ISA_ENV_default := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+test-isa: $(STAMP)
+	@$(foreach isa,$(ISA),$(if $(ISA_ENV_$(isa)),,$(error ISA=$(isa): one of avx2, default)))
+	@set -e; $(foreach isa,$(ISA),echo "== numerical tests, $(ISA_ENV_$(isa)):" \
+	  "$$(env $(ISA_ENV_$(isa)) $(BIN)/python -c 'from onnxfuse.runtime._machine import cpu_description as d; print(d())')"; \
+	  env $(ISA_ENV_$(isa)) $(BIN)/python -m pytest -q -m "numerical and not slow";)
 
 # a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3 (nodes in the form
 # STRATEGY: default, grouped or per-model), trained on RUNTIME (ort, torch, loop: the array as a torch module in a plain loop, both or all) and compared with torch;
