@@ -16,6 +16,13 @@ from conftest import RUNTIME_PARAMS
 SEEDS = list(range(37)) + [48, 50, 91, 129, 151, 153, 169, 224, 228, 266, 361]
 
 
+def skip_if_torch_alone_cannot(out) -> None:
+    """torch itself cannot run some generated models in some precision on some CPUs (oneDNN has no fp16 LSTM, and
+    no bf16 LSTM without AVX-512 bf16 support): there is nothing to compare with, so the test is skipped, not passed."""
+    if out.status == "invalid":
+        pytest.skip(out.message)
+
+
 @pytest.fixture(scope="module")
 def worker():
     with Worker() as w:  # one process for the module: a native crash fails its model, not the test session
@@ -76,7 +83,8 @@ def test_fused_model_trains_like_torch_autocast_in_reduced_precision(precision, 
     DRIFT_RATIO), and fp16's loss scales exactly."""
     spec = generate(seed)
     out = worker.check(spec, runtime="torch", precision=precision)
-    assert out.status in ("pass", "sensitive", "invalid"), (  # invalid: torch alone cannot (fp16 LSTM on CPU)
+    skip_if_torch_alone_cannot(out)
+    assert out.status in ("pass", "sensitive"), (
         f"seed {seed} at B={out.B}, {out.stage}: {out.message}\n{render(spec).source}\n"
         f"(python -m fuzz --n 1 --seed {seed} --runtime torch --precision {precision} shrinks it)")
 
@@ -85,6 +93,7 @@ def test_fused_model_trains_like_torch_autocast_in_reduced_precision(precision, 
 def test_a_users_loop_under_torch_autocast_trains_like_torch(seed, worker):
     """The array in a user's own loop with its forward and loss under torch.autocast(bf16)."""
     out = worker.check(generate(seed), runtime="loop", precision="bf16")
+    skip_if_torch_alone_cannot(out)
     assert out.status in ("pass", "sensitive"), (seed, out.B, out.stage, out.message)
 
 
