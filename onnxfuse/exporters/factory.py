@@ -16,10 +16,10 @@ import re
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.errors import ConfigError, OnnxFuseError
 
-__all__ = ["load_factory", "factory_args", "check_factory_args", "model_inputs", "inputs_from_flags",
-           "INPUT_DTYPES", "DEFAULT_INPUT", "DEFAULT_OPSET"]
+__all__ = ["load_factory", "call_factory", "factory_name", "factory_args", "check_factory_args", "model_inputs",
+           "inputs_from_flags", "INPUT_DTYPES", "DEFAULT_INPUT", "DEFAULT_OPSET"]
 
 # The TorchScript exporter keeps BatchNorm's training outputs; the dynamo exporter (torch >= 2.9 default) folded
 # BatchNorm into the preceding Conv even in train mode, which makes the graph untrainable as exported.
@@ -33,10 +33,15 @@ DEFAULT_INPUT = "input"  # the graph input's name when the model takes one input
 
 
 def load_factory(spec: str) -> Callable:
-    """Resolve ``MODULE:FACTORY`` (a dotted module importable from the current folder, or a .py file path)."""
-    if ":" not in spec:
+    """Resolve ``MODULE:FACTORY`` (a dotted module importable from the current folder, or a .py file path): a Python
+    function or class. Whatever goes wrong (no such file or module, a module that fails to import, a SyntaxError,
+    a name that is not a function or class) is one ConfigError naming the factory."""
+    if not isinstance(spec, str) or ":" not in spec:
         raise ConfigError(f"'{spec}' is not MODULE:FACTORY (e.g. onnxfuse.exporters.zoo:LeNet or my_models.py:make)")
     mod_name, _, attr = spec.rpartition(":")
+    if not mod_name.strip() or not attr.strip():
+        raise ConfigError(f"'{spec}' is not MODULE:FACTORY: give both a module (or .py file) and a name, e.g. "
+                          "my_models.py:make")
     try:
         if mod_name.endswith(".py"):
             if not os.path.exists(mod_name):
@@ -48,13 +53,78 @@ def load_factory(spec: str) -> Callable:
             if os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(mod_name)
+    except ConfigError:
+        raise
+    except SyntaxError as e:  # the file's own line, not this frame's
+        raise ConfigError(f"'{e.filename or mod_name}' (of {spec}) has a syntax error at line {e.lineno}: {e.msg}; "
+                          "fix the file") from e
     except ImportError as e:
-        raise ConfigError(f"cannot import '{mod_name}' ({e}); run from the folder that holds it or give a .py "
-                          "path") from e
+        raise ConfigError(f"cannot import '{mod_name}' (of {spec}: {e}); run from the folder that holds it or give "
+                          "a .py path") from e
+    except Exception as e:  # the module's own code failed while it was imported
+        raise ConfigError(f"importing '{mod_name}' (of {spec}) raised {_exception_line(e)}; fix the module "
+                          "(--verbose shows the traceback)") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ConfigError(f"'{mod_name}' has no callable '{attr}'")
+        raise ConfigError(f"'{mod_name}' has no callable '{attr}'" + (
+            f" ('{attr}' is {type(factory).__name__})" if hasattr(module, attr) else "")
+            + "; give a function or class that builds the model")
+    if inspect.isbuiltin(factory):  # os:system, print: C functions that build no model
+        raise ConfigError(f"'{spec}' is a built-in function, not a model factory; give a Python function "
+                          "or class that builds the model (e.g. my_models.py:make)")
     return factory
+
+
+def factory_name(factory: Callable) -> str:
+    """``MODULE:NAME`` of a factory, as ``load_factory`` takes it (its own repr when it has no such name)."""
+    qualname, module = getattr(factory, "__qualname__", None), getattr(factory, "__module__", None)
+    return f"{module}:{qualname}" if qualname and module else repr(factory)
+
+
+def _exception_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def _mismatched_args(factory: Callable, args: Mapping) -> list[str]:
+    """The arguments given as text where the factory's default (or annotation) is a number or a bool: the likely
+    cause when the call fails (``hidden=abc`` for ``hidden: int = 64``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for key, value in args.items():
+        p = params.get(key)
+        if p is None or not isinstance(value, str):
+            continue
+        if isinstance(p.default, (int, float)):  # bool is an int
+            out.append(f"{key}={value!r} is text where its default is {p.default!r} ({type(p.default).__name__})")
+        elif p.annotation in (int, float, bool, "int", "float", "bool"):
+            out.append(f"{key}={value!r} is text where it is annotated {getattr(p.annotation, '__name__', p.annotation)}")
+    return out
+
+
+def call_factory(factory: str | Callable, args: Mapping[str, Any] | None = None, name: str | None = None,
+                 where: str = "") -> Any:
+    """``factory(**args)``, ``factory`` a callable or ``MODULE:FACTORY`` (:func:`load_factory`): the arguments
+    checked against its signature first (:func:`check_factory_args`), and whatever the call raises one ConfigError
+    naming the factory and its arguments (the factory's own exception chained, for ``--verbose``)."""
+    if isinstance(factory, str):
+        name, factory = name or factory, load_factory(factory)
+    args = dict(args or {})
+    name = name or factory_name(factory)
+    check_factory_args(factory, args, name, where)
+    try:
+        return factory(**args)
+    except OnnxFuseError:
+        raise
+    except Exception as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items())
+        hint = "; ".join(_mismatched_args(factory, args))
+        raise ConfigError(f"{where}the factory {name}({given}) raised {_exception_line(e)}; "
+                          + (f"{hint}: give a value of that type (--args, model.args)" if hint else
+                             "fix the factory or its arguments (--args, model.args); --verbose shows the traceback")
+                          ) from e
 
 
 # ------------------------------------------------------------------------------------------ factory arguments
@@ -66,14 +136,39 @@ def _number_text(v: Any) -> Any:
     return float(v) if isinstance(v, str) and _EXPONENT.fullmatch(v.strip()) else v
 
 
-def _yaml_value(text: str, key: str, item: str) -> Any:
+def _yaml_value(text: str, key: str, name: str, where: str) -> Any:
     import yaml
 
     try:
         return yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{key}: the value of '{item}' is not YAML ({' '.join(str(e).split())[:120]}); quote it "
-                          "for a string") from None
+        problem = " ".join(str(e).split())[:120]
+        raise ConfigError(f"{where}{key}: the value of {name}, {text!r}, does not parse as YAML ({problem}); quote it "
+                          "if it is text") from None
+
+
+def split_pairs(text: str) -> list[str]:
+    """``KEY=VALUE`` pairs however they are separated: ``width=8,p=0.1``, ``width=8 p=0.1``, ``width=8, p=0.1``.
+    A comma or a space separates two pairs only outside brackets and quotes and where a ``KEY=`` follows, so a value
+    keeps its own commas: ``sizes=[16, 32],p=0.1`` is ``sizes=[16, 32]`` and ``p=0.1``; ``names=a,b`` is one pair."""
+    pairs, start, depth, quote = [], 0, 0, ""
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"" and text[:i].rstrip()[-1:] in ("=", "[", "{", "(", ",", ":"):  # a YAML quoted scalar
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth = max(depth - 1, 0)
+        elif (ch == "," or ch.isspace()) and depth == 0 and _NEXT_KEY.match(text, i + 1):
+            pairs.append(text[start:i])
+            start = i + 1
+    pairs.append(text[start:])
+    return [p.strip(", \t\n") for p in pairs if p.strip(", \t\n")]
+
+
+_NEXT_KEY = re.compile(r"[\s,]*[A-Za-z_][A-Za-z0-9_]*\s*=")
 
 
 def factory_args(raw: Mapping | Sequence[str] | None, key: str = "model.args", where: str = "") -> dict:
@@ -87,11 +182,11 @@ def factory_args(raw: Mapping | Sequence[str] | None, key: str = "model.args", w
         items = list(raw.items())
     elif isinstance(raw, (list, tuple)) and all(isinstance(x, str) for x in raw):
         items = []
-        for item in raw:
+        for item in (pair for text in raw for pair in split_pairs(text)):
             name, sep, text = item.partition("=")
             if not sep or not name.strip():
                 raise ConfigError(f"{where}{key}: '{item}' is not KEY=VALUE; give e.g. vocab_size=128")
-            items.append((name.strip(), _yaml_value(text, key, item)))
+            items.append((name.strip(), _yaml_value(text, key, name.strip(), where)))
     else:
         raise ConfigError(f"{where}{key} must be a mapping of the factory's keyword arguments (name: value), got "
                           f"{raw!r}")
@@ -106,21 +201,25 @@ def factory_args(raw: Mapping | Sequence[str] | None, key: str = "model.args", w
 
 
 def check_factory_args(factory: Callable, args: Mapping, name: str, where: str = "") -> None:
-    """``factory`` takes every keyword of ``args`` (checked against its signature before it is called, so that an
-    error inside the factory stays the factory's own)."""
+    """``factory`` takes every keyword of ``args`` and is given every argument it requires (checked against its
+    signature before it is called, so that an error inside the factory stays the factory's own)."""
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin without a signature: let the call say
         return
+    takes = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     try:
         signature.bind_partial(**args)
     except TypeError:
-        takes = [p.name for p in signature.parameters.values()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         unknown = [k for k in args if k not in takes]
         takes_text = ", ".join(takes) or "no keyword arguments"
         raise ConfigError(f"{where}{name} takes no argument '{(unknown or list(args))[0]}' (--args, model.args or "
                           f"a search key model.<name>); it takes: {takes_text}") from None
+    missing = [p.name for p in signature.parameters.values()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in args]
+    if missing:
+        raise ConfigError(f"{where}{name} requires the argument '{missing[0]}', which is not given; give it as "
+                          f"--args {missing[0]}=VALUE (model.args in a config or sweep spec)")
 
 
 # ------------------------------------------------------------------------------------------ example inputs

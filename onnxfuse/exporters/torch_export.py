@@ -18,7 +18,7 @@ from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.semantics import PADDING_ROWS
 from onnxfuse.core.source import METADATA_KEY
-from onnxfuse.exporters.factory import DEFAULT_OPSET, check_factory_args, load_factory, model_inputs
+from onnxfuse.exporters.factory import DEFAULT_OPSET, call_factory, factory_name, load_factory, model_inputs
 
 __all__ = ["export_module", "export_array", "load_factory", "build_module", "trace_inputs", "DEFAULT_OPSET"]
 
@@ -221,22 +221,21 @@ def export_module(
     return proto
 
 
-def build_module(factory: Callable[..., torch.nn.Module], seed: int, args: Mapping[str, Any] | None = None,
-                 where: str = "") -> torch.nn.Module:
-    """``factory(**args)`` after ``torch.manual_seed(seed)``: one model of an array (``args`` checked against the
-    factory's signature first, ``factory.check_factory_args``)."""
-    args = dict(args or {})
-    name = getattr(factory, "__qualname__", None) or repr(factory)
-    check_factory_args(factory, args, name, where)
+def build_module(factory: Callable[..., torch.nn.Module] | str, seed: int, args: Mapping[str, Any] | None = None,
+                 where: str = "", name: str | None = None) -> torch.nn.Module:
+    """``factory(**args)`` after ``torch.manual_seed(seed)``: one model of an array (``factory.call_factory``: the
+    arguments checked against the factory's signature first, and a failing call one ConfigError naming the factory,
+    ``name`` or its own ``MODULE:NAME``)."""
+    name = name or (factory if isinstance(factory, str) else factory_name(factory))
     torch.manual_seed(seed)
-    module = factory(**args)
+    module = call_factory(factory, args, name, where)
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"{where}the factory {name} returned {type(module).__name__}, not a torch.nn.Module")
     return module
 
 
 def export_array(
-    factory: Callable[..., torch.nn.Module],
+    factory: Callable[..., torch.nn.Module] | str,
     out_dir: str | os.PathLike,
     count: int,
     input_shape: Sequence[int] | Mapping[str, Sequence[int]],
@@ -247,19 +246,22 @@ def export_array(
     **export_kwargs,
 ) -> list[str]:
     """Build ``count`` modules (:func:`build_module`: ``torch.manual_seed(seed)``, then
-    ``factory(**factory_args)``) and export each to ``out_dir/model_{b}.onnx`` (example inputs from
-    ``input_shape`` and ``input_dtype``: :func:`trace_inputs`). Returns the file paths."""
+    ``factory(**factory_args)``; ``factory`` a callable or ``MODULE:FACTORY``) and export each to
+    ``out_dir/model_{b}.onnx`` (example inputs from ``input_shape`` and ``input_dtype``: :func:`trace_inputs`).
+    Returns the file paths."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"--count is {count!r}; give the number of models, at least 1")
     seeds = list(range(count)) if seeds is None else list(seeds)
     if len(seeds) != count:
         raise ConfigError(f"--seeds has {len(seeds)} values but --count is {count}; give one seed per model")
-    if count < 1:
-        raise ConfigError("--count must be at least 1")
+    name = factory if isinstance(factory, str) else factory_name(factory)
+    factory = load_factory(factory) if isinstance(factory, str) else factory
     check_opset(export_kwargs.get("opset", DEFAULT_OPSET))
     shapes, dtypes = model_inputs(input_shape, input_dtype, key="input_shape", dtype_key="input_dtype")
     out_dir = os.fspath(out_dir)
     with atomic_dir(out_dir, overwrite, command="export") as tmp:
         for b, seed in enumerate(seeds):
-            module = build_module(factory, seed, factory_args)
+            module = build_module(factory, seed, factory_args, name=name)
             export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape, input_dtype=input_dtype,
                           **export_kwargs)
         with open(os.path.join(tmp, "jobs.json"), "w") as f:

@@ -251,11 +251,11 @@ def _build_array(model: dict, array_dir: str) -> None:
     """export (one model per seed) + fuse, as `onnxfuse export` and `onnxfuse fuse` would."""
     import tempfile
 
-    from onnxfuse.exporters import export_array, load_factory
+    from onnxfuse.exporters import export_array
     from onnxfuse.core.passes import fuse_models, save_array
 
     with tempfile.TemporaryDirectory(prefix="onnxfuse-jobs-") as jobs:
-        paths = export_array(load_factory(model["factory"]), os.path.join(jobs, "jobs"), model["count"],
+        paths = export_array(model["factory"], os.path.join(jobs, "jobs"), model["count"],
                              model["input_shape"], seeds=model["seeds"], factory_args=model["args"],
                              input_dtype=model["input_dtype"])
         # never over an existing folder: one that is not empty (and holds no array) is refused
