@@ -9,9 +9,10 @@ written says in its metadata which state it holds, from which step (and, for a b
 value)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -25,7 +26,7 @@ from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.core.weights import ArraySpec, unpack_weight
 
 __all__ = ["to_inference", "split_weights", "with_extra_state", "model_steps", "final_states", "split_states",
-           "split_array", "WHICH"]
+           "split_array", "check_like", "WHICH"]
 
 log = logging.getLogger("onnxfuse")
 WHICH = ("final", "best")  # the states of a trained model split writes (--which); "initial" is --initial's
@@ -180,7 +181,60 @@ def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
 
 def graph_keys(spec: ArraySpec) -> set[str]:
     """The state_dict keys model 0's split state has without ``like``: its weights and recorded extra state."""
-    return {fw.sources[0] for fw in spec.weights.values()} | set(spec.extra_state[0])
+    return set(_key_shapes(spec))
+
+
+def _key_shapes(spec: ArraySpec) -> dict[str, list[int] | None]:
+    """Model 0's split state without ``like``, as {state_dict key: shape} (every model's has the same; None: a
+    tied key whose tensor the array does not hold)."""
+    shapes: dict[str, list[int] | None] = {fw.sources[0]: list(fw.orig_shape) for fw in spec.weights.values()}
+    extra = spec.extra_state[0]
+    for key, e in extra.items():
+        shapes[key] = list(e["shape"]) if e.get("kind") != "alias" else None
+    for key, e in extra.items():  # a tied key: its tensor's shape
+        if e.get("kind") == "alias":
+            shapes[key] = shapes.get(e["of"])
+    return shapes
+
+
+def check_like(spec: ArraySpec, state_dict: Mapping, name: str) -> None:
+    """``split --like`` / ``state_dicts(like=)``: the module (its ``state_dict``, key -> tensor) is the array's
+    models' architecture: every key a split writes from the array is one of its keys, of the same shape. Its
+    other keys are those the graph of a plain export cannot hold (tied names, BatchNorm counters): what ``like``
+    is for. Otherwise one ConfigError line naming ``name`` (the module or its factory), the first difference and
+    the fix, before anything is written: a split would write keys or shapes no ``load_state_dict(strict=True)``
+    of the models' class accepts."""
+    have = {k: list(v.shape) for k, v in state_dict.items()}
+    want = _key_shapes(spec)
+    fix = "give the class (and factory arguments) the models were made with"
+    missing = [k for k in want if k not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more of the array's {len(want)} keys)" if len(missing) > 1 else ""
+        theirs = ", ".join(sorted(have)[:3]) + (", ..." if len(have) > 3 else "") if have else "no keys"
+        raise ConfigError(f"{name} is not the array's models' architecture: its state_dict has no "
+                          f"'{missing[0]}'{more}; it has {theirs}; {fix}")
+    for k, shape in want.items():
+        if shape is not None and have[k] != shape:
+            raise ConfigError(f"{name} is not the array's models' architecture: its '{k}' is {have[k]}, the "
+                              f"models' is {shape}; {fix}")
+
+
+def _safetensors_bytes(state: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """A safetensors file's bytes with the header in one order (metadata by key, tensors by offset):
+    safetensors writes the metadata from a hash map, in an order that differs between processes, so that two
+    identical splits would differ byte for byte."""
+    from safetensors.numpy import save
+
+    # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
+    raw = save({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()}, metadata=dict(metadata))
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    meta = header.pop("__metadata__", None)
+    ordered = {**({"__metadata__": dict(sorted(meta.items()))} if meta else {}),
+               **dict(sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"], kv[0])))}
+    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
 
 
 def plain_export_note(spec: ArraySpec, sources: Sequence[onnx.ModelProto]) -> str | None:
@@ -197,8 +251,6 @@ def plain_export_note(spec: ArraySpec, sources: Sequence[onnx.ModelProto]) -> st
 
 def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, like: dict | None = None
                   ) -> list[str]:
-    from safetensors.numpy import save_file
-
     spec = array.load_spec()
     if which != "initial":
         array.check_one_run()
@@ -211,8 +263,7 @@ def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, li
             src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
             onnx.helper.set_model_props(src, {**{p.key: p.value for p in src.metadata_props}, **what})
             onnx.save(to_inference(src), os.path.join(tmp, model_file(b)))
-            # reshape: ascontiguousarray makes a 0-d tensor (num_batches_tracked) 1-d
-            save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()},
-                      os.path.join(tmp, model_weights_file(b)), metadata=what)
+            with open(os.path.join(tmp, model_weights_file(b)), "wb") as f:
+                f.write(_safetensors_bytes(state, what))
             paths.append(os.path.join(out_dir, model_file(b)))
     return paths

@@ -149,9 +149,10 @@ class FusedArray(torch.nn.Module):
         device = self.device
         extra = None
         if like is not None:
-            from onnxfuse.core.split import graph_keys
+            from onnxfuse.core.split import check_like, graph_keys
             from onnxfuse.exporters.torch_export import module_extra_state
 
+            check_like(self.spec, like.state_dict(), f"state_dicts(like=): the {type(like).__name__} given")
             extra = module_extra_state(like, graph_keys(self.spec))
         dicts = split_weights(self.spec, fused, int(self.forwards), extra)
         return [{k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)).to(device)
