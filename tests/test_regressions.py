@@ -359,13 +359,12 @@ class FuzzNet(nn.Module):
 }
 
 
-# (runtime, case) whose result may be beyond a bound only as far as torch's own rounding goes ('sensitive'):
-# the LayerNorm over two nearly equal values amplifies last-bit differences. On the torch runtime (B = 1, SGD) its
-# l.bias is 1.9e-4 from torch (1.6x the bound) where torch itself from weights nudged by 1e-7, or in float64,
-# is 1.7x the bound away: the fused graph's LayerNorm (no affine, then the per-model Mul/Add) rounds differently
-# On ort, bias_before_batchnorm_adamw's AdamW eval outputs differ from torch by rounding noise in a gradient that is
-# exactly 0 (see its comment): SGD checks every tensor of it, BatchNorm statistics included, within the bounds.
-SENSITIVE = {("torch", "layernorm_of_two_near_equal_values"), ("ort", "bias_before_batchnorm_adamw")}
+# 'sensitive': beyond a bound only as far as torch's own rounding goes (the harness measures it: torch from weights
+# nudged by 1e-7, and in float64). Which cases land there depends on the CPU's kernels, so every case may: the
+# LayerNorm over two nearly equal values amplifies last-bit differences (its l.bias 1.9e-4 from torch on an
+# AVX-512 CPU's torch runtime, 1.6e-4 under SSE kernels on ort, where torch itself from nudged weights is 1.7-2.8x
+# the bound away), and bias_before_batchnorm_adamw's AdamW outputs differ by rounding noise in a gradient that is
+# exactly 0 (see its comment). A case beyond its sensitivity is 'fail', whatever the CPU.
 
 
 def rendered(name: str) -> Rendered:
@@ -385,5 +384,4 @@ def rendered(name: str) -> Rendered:
 def test_regression_trains_like_torch(name, runtime):
     out = check_source(rendered(name), seed=3, runtime=runtime)
     # runtime (ort only): ONNX Runtime alone differs from torch, and the fused array equals ONNX Runtime alone
-    allowed = ("pass", "runtime") + (("sensitive",) if (runtime, name) in SENSITIVE else ())
-    assert out.status in allowed, (out.status, out.B, out.stage, out.message)
+    assert out.status in ("pass", "runtime", "sensitive"), (out.status, out.B, out.stage, out.message)
