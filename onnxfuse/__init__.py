@@ -53,7 +53,7 @@ MOVED = {f"onnxfuse.{m}": f"onnxfuse.core.{m}" for m in (
     "onnxfuse.training.runtime": "onnxfuse.recipe.runtimes",
     "onnxfuse.training.torch_runtime": "onnxfuse.runtime.torch_runtime",
     "onnxfuse.training.torch_graph": "onnxfuse.runtime.torch_graph",
-    "onnxfuse.training.torch_ops": "onnxfuse.runtime.torch_kernels",
+    "onnxfuse.training.torch_ops": "onnxfuse.runtime.torch.kernels",
     "onnxfuse.training.trainer": "onnxfuse.runtime.ort_runtime",
     "onnxfuse.training.artifacts": "onnxfuse.runtime.ort_artifacts",
     "onnxfuse.training.plan": "onnxfuse.measure.sizing",

@@ -8,7 +8,7 @@ from onnxfuse.core._graph import last_readers, node_label
 from onnxfuse.core.legalize._engine import REWRITES, rewrite
 from onnxfuse.core.registry import Registry
 from onnxfuse.core.rules import RULES, rule
-from onnxfuse.runtime.torch_kernels import OPS, op
+from onnxfuse.runtime.torch.kernels import OPS, op
 
 CATALOGS = [(RULES, rule, "Conv"), (REWRITES, rewrite, "InstanceNormalization"), (OPS, op, "Relu")]
 

@@ -1,4 +1,4 @@
-"""The torch runtime's own forms (onnxfuse/runtime/torch_forms.py, torch_kernels.folded_matmul): the same values
+"""The torch runtime's own forms (onnxfuse/runtime/torch_forms.py, torch/kernels/gemm.py folded_matmul): the same values
 as the ONNX graph node by node, in fewer or larger kernels."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from onnx import helper as h
 from conftest import export_module
 from onnxfuse.runtime.torch_forms import torch_forms
 from onnxfuse.runtime.torch_graph import OnnxModule
-from onnxfuse.runtime.torch_kernels import folded_matmul
+from onnxfuse.runtime.torch.kernels import folded_matmul
 
 
 class _HFGelu(torch.nn.Module):  # HF BERT's gelu: x * 0.5 * (1 + erf(x / sqrt(2)))

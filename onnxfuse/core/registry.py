@@ -1,5 +1,5 @@
 """One registry class for the op catalogs: the fusion rules (``core.rules.RULES``, ``@rule``), the legalization
-rewrites (``core.legalize.REWRITES``, ``@rewrite``) and the torch kernels (``runtime.torch_kernels.OPS``, ``@op``).
+rewrites (``core.legalize.REWRITES``, ``@rewrite``) and the torch kernels (``runtime.torch.kernels.OPS``, ``@op``).
 
 A :class:`Registry` maps (domain, op type) to one entry; the default domain is ``""`` (``"ai.onnx"`` is the same
 domain, :func:`op_key`). ``registry.register(*op_types)`` decorates the one function that handles those op types;

@@ -256,7 +256,7 @@ def _torch_cannot(fused: onnx.ModelProto, device: str) -> str | None:
     """Why the torch runtime cannot train ``fused`` on ``device`` (None: it has a kernel for every op of the graph
     and runs there); the same test the torch runtime makes when it converts a graph (``torch_graph.py``)."""
     from onnxfuse.recipe.runtimes import RUNTIMES
-    from onnxfuse.runtime.torch_kernels import OPS
+    from onnxfuse.runtime.torch.kernels import OPS
 
     missing = op_names({op_key(n) for n in all_nodes(fused.graph) if OPS.lookup(n) is None})
     if missing:

@@ -10,12 +10,12 @@
   node and node computable from them alone is a constant, evaluated once at build time (constant folding).
 - Execution is a precomputed list of :class:`Step`s (kernel, input slots, output slots, slots to free, node label)
   in the graph's topological order; a tensor is released as soon as its last reader has run
-  (``_graph.last_readers``). Kernels come from :mod:`torch_kernels` (one builder per ONNX op); the forward pass
+  (``_graph.last_readers``). Kernels come from :mod:`onnxfuse.runtime.torch.kernels` (one builder per ONNX op); the forward pass
   parses no attribute.
 - Shape arithmetic (Shape, and int ops over it and constants) runs on the host (CPU tensors), so reading a shape
   into a Reshape never synchronises a device; a host value read as data is copied to the module's device once.
 - ``module.train()`` / ``module.eval()`` switch between two programs: training-mode BatchNorm uses batch statistics
-  and updates the running ones (torch's rule: :func:`torch_kernels.batch_norm`), Dropout drops; in eval mode
+  and updates the running ones (torch's rule: :func:`kernels.norm.batch_norm`), Dropout drops; in eval mode
   BatchNorm uses the running statistics and Dropout is the identity (as torch modules do).
 - Works on any device (``.to(device)``) and with channels-last tensors (kernels never assume contiguity).
 """
@@ -35,7 +35,7 @@ from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
 from onnxfuse.runtime.torch_forms import torch_forms
-from onnxfuse.runtime.torch_kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
+from onnxfuse.runtime.torch.kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
                                             UnsupportedTorchOpError, node_outputs, supported_ops)
 
 __all__ = ["OnnxModule", "Step", "TorchOptions", "UnsupportedTorchOpError"]
@@ -302,7 +302,7 @@ class _ProgramBuilder:
             raise UnsupportedTorchOpError(
                 f"node '{node_label(node)}' ({where}, opset {m.opset}): op type '{where}' has no torch kernel. To "
                 f"fix this, convert the fused graph before the ORT legalization, export the model without it, train "
-                f"this array with --runtime ort, or add a builder to onnxfuse/runtime/torch_kernels.py (supported: "
+                f"this array with --runtime ort, or add a builder to onnxfuse/runtime/torch/kernels/ (supported: "
                 f"{', '.join(supported_ops())})")
         used = tuple(bool(o) and (self.readers.get(o, 0) > 0 or o in self.wanted) for o in outs)
         writable = tuple(bool(i) and i in m.buffer_keys and self.readers.get(i, 0) == 1 and i not in self.wanted

@@ -9,7 +9,7 @@ The forms, measured on a 2-core CPU (``benchmarks/recurrent_forms.py``, README "
 
     batched         one ``onnxfuse.torch::Batched<op>`` node: every input and output with a leading model axis
                     ([B, ...], stacked(0)); the recurrence runs once over all models, each step one batched
-                    product per direction (``torch.baddbmm``). The torch runtime's own op (``torch_kernels``); for
+                    product per direction (``torch.baddbmm``). The torch runtime's own op (``runtime/torch/kernels/recurrent.py``); for
                     ONNX Runtime the legalization writes it back as B standard nodes (LSTM, GRU: ORT's own
                     kernels) or one RNN unrolled with a model axis (``legalize/recurrent.py``).
                     Fastest for GRU and RNN on the torch runtime (torch's CPU GRU/RNN is a loop of small products

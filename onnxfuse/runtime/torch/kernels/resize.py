@@ -1,0 +1,128 @@
+"""Resize: F.interpolate where it computes what ONNX defines, else separable index_select / lerp per axis."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from onnxfuse.core._resize import nearest_index, source_coords
+from onnxfuse.runtime.torch.kernels._base import Kernel, NodeSpec, kern, norm_axis, op
+
+_TORCH_LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+@op("Resize")
+def resize(spec: NodeSpec) -> Kernel:
+    """Resize(X, roi, scales, sizes) with constant scales or sizes (opsets 13..19; axes from 18).
+
+    Per resized axis: output length = sizes[a], or floor(L * scales[a]); x_original from
+    coordinate_transformation_mode. torch's F.interpolate where it computes the same (nearest + asymmetric + floor;
+    linear + half_pixel / align_corners; cubic with a = -0.75, exclude_outside 0); otherwise nearest and linear
+    run separably per axis with index_select (exactly ONNX's definition), and other forms are refused.
+    """
+    mode = spec.attr("mode", "nearest")
+    ctm = spec.attr("coordinate_transformation_mode", "half_pixel")
+    nearest_mode = spec.attr("nearest_mode", "round_prefer_floor")
+    cubic_a = float(spec.attr("cubic_coeff_a", -0.75))
+    exclude = int(spec.attr("exclude_outside", 0))
+    if ctm == "tf_crop_and_resize":
+        spec.fail("tf_crop_and_resize is not supported", "use another coordinate_transformation_mode")
+    if int(spec.attr("antialias", 0)) or spec.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        spec.fail("antialias / keep_aspect_ratio_policy are not supported", "resize without them")
+    spec.need_const(2, "scales")
+    spec.need_const(3, "sizes")
+    scales = spec.const(2) if spec.has(2) and spec.const(2).numel() else None
+    sizes = spec.ints(3) if spec.has(3) else None
+    scales = [float(s) for s in scales.tolist()] if scales is not None else None
+    axes_attr = spec.attr("axes")
+
+    def plan(shape):
+        r = len(shape)
+        axes = [norm_axis(int(a), r) for a in axes_attr] if axes_attr is not None else list(range(r))
+        out, sc = list(shape), [1.0] * r
+        for j, a in enumerate(axes):
+            if sizes is not None:
+                out[a], sc[a] = sizes[j], sizes[j] / shape[a]
+            else:
+                out[a], sc[a] = int(math.floor(shape[a] * scales[j])), scales[j]
+        return out, sc
+
+    def torch_path(x, out, sc):
+        resized = [a for a in range(x.dim()) if out[a] != x.shape[a] or sc[a] != 1.0]
+        if not resized:
+            return x
+        first = min(resized)
+        S = x.dim() - first
+        if mode == "nearest" and not (ctm == "asymmetric" and nearest_mode == "floor"):
+            return None
+        if mode == "linear" and ctm not in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+            return None
+        if mode == "cubic" and (ctm not in ("half_pixel", "pytorch_half_pixel", "align_corners") or
+                                abs(cubic_a + 0.75) > 1e-6 or exclude or S > 2):
+            return None
+        if S > 3 or (ctm == "pytorch_half_pixel" and any(out[a] == 1 for a in resized)):
+            return None
+        lead = x.shape[:first]
+        y = x.reshape((1, math.prod(lead)) + tuple(x.shape[first:]))
+        size = out[first:]
+        if mode == "cubic" and S == 1:
+            y = y.unsqueeze(2)
+            size = [1] + size
+        kw = {}
+        if sizes is None and ctm != "align_corners":  # ONNX maps coordinates with the given scales, not out/in
+            kw = dict(scale_factor=sc[first:] if not (mode == "cubic" and S == 1) else [1.0] + sc[first:],
+                      recompute_scale_factor=False)
+        else:
+            kw = dict(size=size)
+        if mode == "nearest":
+            y = F.interpolate(y, mode="nearest", **kw)
+        elif mode == "linear":
+            y = F.interpolate(y, mode=_TORCH_LINEAR[S], align_corners=ctm == "align_corners", **kw)
+        else:
+            y = F.interpolate(y, mode="bicubic", align_corners=ctm == "align_corners", **kw)
+        if mode == "cubic" and S == 1:
+            y = y.squeeze(2)
+        return y.reshape(tuple(lead) + tuple(y.shape[2:]))
+
+    cache: dict = {}
+
+    def separable(x, out, sc):
+        for a in range(x.dim()):
+            if out[a] == x.shape[a] and sc[a] == 1.0:  # onnxruntime leaves such axes as they are
+                continue
+            key = (a, x.shape[a], out[a], sc[a], x.device)
+            if key not in cache:
+                # float32 coordinates, as onnxruntime computes them
+                xs = source_coords(out[a], x.shape[a], sc[a], ctm, np.float32)
+                if mode == "nearest":
+                    cache[key] = (torch.from_numpy(nearest_index(xs, nearest_mode, x.shape[a])).to(x.device),)
+                else:
+                    xo = torch.from_numpy(xs).clamp(0, x.shape[a] - 1)
+                    i0 = xo.floor().to(torch.int64)
+                    i1 = (i0 + 1).clamp(max=x.shape[a] - 1)
+                    w = (xo - i0).to(x.dtype).reshape([-1] + [1] * (x.dim() - 1 - a))
+                    cache[key] = (i0.to(x.device), i1.to(x.device), w.to(x.device))
+            c = cache[key]
+            if mode == "nearest":
+                x = x.index_select(a, c[0])
+            else:
+                x = torch.lerp(x.index_select(a, c[0]), x.index_select(a, c[1]), c[2])
+        return x
+
+    if mode == "cubic":
+        def cubic(x):
+            out, sc = plan(x.shape)
+            y = torch_path(x, out, sc)
+            if y is None:
+                spec.fail(f"cubic resize with {ctm}, a = {cubic_a}, exclude_outside {exclude} is not supported",
+                          "use half_pixel or align_corners with a = -0.75, or linear")
+            return y
+        return kern(cubic, 0)
+
+    def fn(x):
+        out, sc = plan(x.shape)
+        y = torch_path(x, out, sc)
+        return separable(x, out, sc) if y is None else y
+    return kern(fn, 0)
