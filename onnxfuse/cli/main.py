@@ -11,6 +11,7 @@ import logging
 import traceback
 import warnings
 
+from onnxfuse.cli._args import at_least
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
                                   shell)
 from onnxfuse.core.split import WHICH
@@ -57,17 +58,16 @@ def _model_files(items: list[str]) -> list[str]:
 
 def cmd_export(args) -> int:
     from onnxfuse.core.array import check_output_location
-    from onnxfuse.exporters import export_array, load_factory
+    from onnxfuse.exporters import export_array
     from onnxfuse.exporters.factory import factory_args, inputs_from_flags, model_inputs
 
     shape, dtype = inputs_from_flags(args.input_shape, args.input_dtype)
     model_inputs(shape, dtype, key="--input-shape", dtype_key="--input-dtype")
-    factory_kwargs = factory_args(args.args, "--args")
+    factory_kwargs = factory_args(args.args, "--args", where=f"{args.factory}: ")
     seeds = _numbers(args.seeds, "--seeds", int)
     module_file = args.factory.rpartition(":")[0]
     check_output_location(args.output, [module_file] if module_file.endswith(".py") else [])
-    factory = load_factory(args.factory)
-    paths = export_array(factory, args.output, args.count, shape, seeds=seeds, overwrite=args.overwrite,
+    paths = export_array(args.factory, args.output, args.count, shape, seeds=seeds, overwrite=args.overwrite,
                          opset=args.opset, factory_args=factory_kwargs, input_dtype=dtype)
     files = "model_0.onnx" + (f" .. model_{len(paths) - 1}.onnx" if len(paths) > 1 else "")
     print(f"exported {len(paths)} model{'s' if len(paths) != 1 else ''} to {args.output}/ ({files})")
@@ -171,11 +171,12 @@ def cmd_split(args) -> int:
     like = None
     if args.like:
         from onnxfuse.core.array import ArrayDir
-        from onnxfuse.core.split import graph_keys
-        from onnxfuse.exporters import load_factory
-        from onnxfuse.exporters.torch_export import module_extra_state
+        from onnxfuse.core.split import check_like, graph_keys
+        from onnxfuse.exporters.torch_export import build_module, module_extra_state
 
-        like = module_extra_state(load_factory(args.like)(), graph_keys(ArrayDir(args.array).load_spec()))
+        module, spec = build_module(args.like, 0), ArrayDir(args.array).load_spec()
+        check_like(spec, module.state_dict(), f"--like {args.like}")
+        like = module_extra_state(module, graph_keys(spec))
     else:
         from onnxfuse.core.array import ArrayDir
         from onnxfuse.core.split import plain_export_note
@@ -276,7 +277,27 @@ def _add_common_flags(p: argparse.ArgumentParser, default) -> None:
                    help="debug log lines, and the traceback of an error")
 
 
-class _CommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A command line argparse cannot read is one line (argparse prints the whole usage first), exit status 2:
+    ``onnxfuse train: error: --steps: invalid int value 'abc' (`onnxfuse train --help` shows the usage)``."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ([^:]+): ", r"\1: ", " ".join(message.split()))
+        message = re.sub(r"(invalid \w+ value): '", r"\1 '", message)
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Arguments a subcommand does not take are its error (named by it), not the top parser's."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        command = getattr(parsed, "command", None)
+        if extras and command and self._subparsers is not None:
+            for action in self._subparsers._group_actions:
+                if command in getattr(action, "choices", {}):
+                    action.choices[command].error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+class _CommandParser(_Parser):
     """The parser of every subcommand (``add_subparsers(parser_class=...)``): the common flags come with it, so a
     new subcommand has them without asking."""
 
@@ -293,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     from onnxfuse.core._version import __version__
     from onnxfuse.exporters.factory import DEFAULT_OPSET, INPUT_DTYPES
 
-    p = argparse.ArgumentParser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
+    p = _Parser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
                                 "ONNX graph and train them together (PyTorch or ONNX Runtime).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="print onnxfuse's version and exit")
@@ -307,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
                    help="the factory's keyword arguments, each value read as YAML (16, 0.1, 1e-3, true, [16, 32], "
                    "text), e.g. --args vocab_size=128 dropout=0 (a run config's and a sweep spec's model.args)")
-    e.add_argument("--count", type=int, required=True, help="number of models B")
+    e.add_argument("--count", type=at_least(1), required=True, help="number of models B")
     e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1): torch.manual_seed(seed) "
                    "before each model is built")
     e.add_argument("--input-shape", action="append", required=True, metavar="[NAME=]D,D,...",
@@ -348,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "fastest on --runtime/--device at --batch samples per model (measured once per device, cached)")
     f.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="the runtime auto measures on")
     f.add_argument("--device", default="cpu", help="the device auto measures on (cpu, cuda, cuda:N)")
-    f.add_argument("--batch", type=int, default=32, help="samples per model per step auto measures with")
-    f.add_argument("--threads", type=int, default=0, help="CPU threads auto measures with (0: the runtime's "
+    f.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step auto measures with")
+    f.add_argument("--threads", type=at_least(0), default=0, help="CPU threads auto measures with (0: the runtime's "
                    "default)")
     f.add_argument("--compile", choices=("off", "on"), default="off",
                    help="auto measures the forms' compiled steps (for arrays trained with --compile on)")
@@ -395,9 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", default="onnxfuse-demo",
                    help="the demo's folder: the data, the jobs, the array and the split models (default "
                    "onnxfuse-demo)")
-    d.add_argument("--models", type=int, default=8, help="how many CNNs, with learning rates from 0.001 to 1 "
+    d.add_argument("--models", type=at_least(1), default=8, help="how many CNNs, with learning rates from 0.001 to 1 "
                    "(default 8)")
-    d.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    d.add_argument("--steps", type=at_least(1), default=300, help="training steps (default 300)")
     d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
     d.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="train in fp32, or bf16 / fp16 under autocast (the torch runtime)")
@@ -416,12 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated, default all (the compiled ones add their compile time to the run, not to "
                    "their samples/s): " + ", ".join(f"{m} ({t}{': always measured' if m == BASELINE else ''})"
                                                     for m, t in MODE_TITLES.items()))
-    b.add_argument("--batch", type=int, default=32, help="samples per model per step")
-    b.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    b.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes; medians reported")
-    b.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before the rounds")
+    b.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step")
+    b.add_argument("--steps", type=at_least(1), default=10, help="timed steps per round")
+    b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the modes; medians reported")
+    b.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps per mode before the rounds")
     b.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
-    b.add_argument("--threads", type=int, default=0, help="CPU threads of every mode, both runtimes (0: each "
+    b.add_argument("--threads", type=at_least(0), default=0, help="CPU threads of every mode, both runtimes (0: each "
                    "one's default: 1 for the torch runtime, onnxruntime's own)")
     b.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
                    help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
@@ -438,13 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model", metavar="MODEL", help="a zoo model (e.g. lenet) or an ONNX file with one data input")
     pl.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array")
     pl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    pl.add_argument("--batch", type=int, default=32, help="samples per model per step")
+    pl.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step")
     pl.add_argument("--memory-budget", metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes (default: 0.9 x the GPU's "
                     "memory, 0.8 x the RAM available)")
-    pl.add_argument("--max-B", type=int, default=1024, help="largest array size considered")
+    pl.add_argument("--max-B", type=at_least(1), default=1024, help="largest array size considered")
     pl.add_argument("--probe", default="1,2,4", help="array sizes really trained to fit the predictions")
     pl.add_argument("--optimizer", default="adamw", help="the optimizer whose state the arrays hold")
-    pl.add_argument("--threads", type=int, default=0, help="CPU threads (0: the runtime's default)")
+    pl.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: the runtime's default)")
     pl.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
     pl.set_defaults(func=cmd_plan)
     sw = sub.add_parser("sweep", help="run a hyper-parameter sweep: trials grouped into fused arrays by graph "
@@ -456,9 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "with no result (or a failed one)")
     sw.add_argument("--address", help="a running Ray cluster (e.g. HEAD_IP:6379, or auto); default: start a "
                     "local Ray on this machine")
-    sw.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all of this machine's)")
+    sw.add_argument("--cpus", type=at_least(1), help="CPUs of the local Ray (default: all of this machine's)")
     sw.add_argument("--runtime", choices=RUNTIME_CHOICES, help="what trains the arrays (default: the spec's)")
-    sw.add_argument("--top", type=int, default=20, help="trials shown in the table (all are in results.csv)")
+    sw.add_argument("--top", type=at_least(1), default=20, help="trials shown in the table (all are in results.csv)")
     sw.set_defaults(func=cmd_sweep)
     from onnxfuse.cli.place import add_place_parser
     add_place_parser(sub)

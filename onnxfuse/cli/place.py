@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from onnxfuse.cli._args import at_least
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.placement.orders import ORDER_NAMES
 from onnxfuse.placement.placers import PLACER_NAMES, PLACERS
@@ -72,7 +73,7 @@ def add_place_parser(subparsers) -> argparse.ArgumentParser:
                      "and profiled costs when no link flags or device spec are given)")
     cal.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                      help="keep the devices' overheads and link as given (or the defaults)")
-    p.add_argument("--batch-size", type=int, default=32, help="size of the free batch dimension of the inputs "
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="size of the free batch dimension of the inputs "
                    "(default 32)")
     p.add_argument("--dims", help="other free input dimensions by name, e.g. T=16,S=128")
     p.add_argument("--inputs", metavar="FEEDS.npz", help="input arrays by graph input name (their shapes fix the "

@@ -100,7 +100,8 @@ def _mismatched_args(factory: Callable, args: Mapping) -> list[str]:
         if isinstance(p.default, (int, float)):  # bool is an int
             out.append(f"{key}={value!r} is text where its default is {p.default!r} ({type(p.default).__name__})")
         elif p.annotation in (int, float, bool, "int", "float", "bool"):
-            out.append(f"{key}={value!r} is text where it is annotated {getattr(p.annotation, '__name__', p.annotation)}")
+            annotation = getattr(p.annotation, "__name__", p.annotation)
+            out.append(f"{key}={value!r} is text where it is annotated {annotation}")
     return out
 
 
