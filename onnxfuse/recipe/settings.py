@@ -439,6 +439,8 @@ RUN_SETTINGS: tuple[Setting, ...] = (
             resumable=True),
 )
 _RUN = {s.name: s for s in RUN_SETTINGS}
+# fp16's loss scaling: these settings do nothing in another precision, so giving one there is refused
+FP16_ONLY = tuple(s.name for s in RUN_SETTINGS if s.name.startswith("loss_scale"))
 # settings a resumed run may change: how long it runs, what it logs and checks, where it runs; every other setting
 # decides what a step computes, and a run resumed with another value would not be the run its checkpoint began
 RESUMABLE = tuple(s.name for s in RUN_SETTINGS if s.resumable)
@@ -592,8 +594,8 @@ def raw_from_flat(flat: Mapping[str, Any], recorded: bool = False) -> dict:
     takes = {p.name for p in OPTIMIZERS[kind].params} if kind in OPTIMIZERS else None
     hyper = hyper_params()
     for name, v in flat.items():
-        if v is None:
-            continue
+        if v is None or (recorded and name in FP16_ONLY and flat.get("precision") != "fp16"):
+            continue  # a recorded run's loss scale outside fp16 did nothing (runs before that was refused)
         if name == "loss_options":
             if not isinstance(v, Mapping):
                 raise _fail(f"loss_options must be a mapping of {', '.join(p.name for p in LOSS_PARAMS)}, got "
@@ -859,7 +861,22 @@ def normalize_config(raw: dict, source: str = "config", base_dir: str | None = N
         check_held_out(cfg, cfg["data"]["eval"] is not None, at)
     if cfg["halving"] and cfg["steps"] is not None:
         check_halving(cfg["halving"], cfg["steps"], "file", at("halving", "steps"))
+    if cfg["precision"] != "fp16":
+        _check_no_loss_scale(raw, cfg, at)
     return cfg
+
+
+def _check_no_loss_scale(raw: Mapping, cfg: Mapping, at: Origins) -> None:
+    """A loss-scale setting given (not its default) for a run that is not fp16 is refused, as any setting that
+    would do nothing is (an optimizer's hyper-parameter it does not take, a schedule's parameter)."""
+    def given(name: str) -> bool:
+        v, default = get_dotted(raw, _RUN[name].path), _RUN[name].param.default
+        return v is not None and any(x != default for x in (v if isinstance(v, (list, tuple)) else [v]))
+    keys = [_RUN[n].path for n in FP16_ONLY if given(n)] + [k for k in cfg["grid"] if k in FP16_ONLY]
+    if keys:
+        raise _fail(f"{at(*keys, 'precision')}{', '.join(keys)} {'applies' if len(keys) == 1 else 'apply'} to "
+                    f"precision fp16 only (its loss scaling), and this run trains in {cfg['precision']}; remove "
+                    f"{'it' if len(keys) == 1 else 'them'} or train in fp16")
 
 
 def check_held_out(cfg: Mapping, has_eval: bool, where: Origins | str = "") -> None:

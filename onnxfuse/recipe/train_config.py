@@ -34,7 +34,7 @@ from onnxfuse.recipe.runtimes import LossScale
 from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, check_held_out, flag_of, flat_default, flat_settings,
                                       get_dotted, hyper_params, merge_raw, normalize_config, raw_from_flat, raw_key)
 
-__all__ = ["TrainConfig", "RunPlan", "run_config"]
+__all__ = ["TrainConfig", "RunPlan", "run_config", "as_train_config"]
 
 PerModel = Union[Any, Sequence[Any]]  # one value for every model, or a list with one per model
 
@@ -192,6 +192,20 @@ class TrainConfig:
 
     def loss_spec(self) -> LossSpec:
         return _loss_spec(self._cfg)
+
+
+def as_train_config(config: Any, name: str = "config") -> TrainConfig:
+    """``config`` if it is a TrainConfig; anything else (a dict of settings, a file path) is one ConfigError naming
+    the argument and saying how to make one: the Python API reads no guessed form of the settings."""
+    if isinstance(config, TrainConfig):
+        return config
+    if config is None:
+        raise ConfigError(f"no training configuration given ({name}=None); give {name}=TrainConfig(steps=..., ...)")
+    if isinstance(config, Mapping):
+        raise ConfigError(f"{name} is a {type(config).__name__}, not a TrainConfig; give "
+                          f"{name}=TrainConfig(**settings) (TrainConfig's fields, e.g. steps, lr, batch_size)")
+    raise ConfigError(f"{name} is a {type(config).__name__}, not a TrainConfig; give {name}=TrainConfig(steps=..., "
+                      "...)")
 
 
 def run_config(array_dir: str | os.PathLike, given: Mapping | None = None, named: Mapping[str, str] | None = None,

@@ -19,7 +19,7 @@ from onnxfuse.recipe.losses import AS_GIVEN, LABELS, LossSpec, PythonLoss, pytho
 from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.settings import check_halving
 from onnxfuse.recipe.runtimes import resolve_runtime
-from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+from onnxfuse.recipe.train_config import RunPlan, TrainConfig, as_train_config
 
 if TYPE_CHECKING:  # torch is imported when a DataLoader is given
     from onnxfuse.recipe.loader import LoaderBatches
@@ -237,8 +237,7 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
     A DataLoader's first batches (those a fresh run verifies) are drawn and checked here; ``resuming``: not here,
     the resumed position's are (``LoaderBatches.load_state_dict``). ``loss``: a Python function (``PythonLoss``)
     instead of the settings' loss, for the torch runtime."""
-    if config is None:
-        raise ConfigError("no training configuration given")
+    config = as_train_config(config)  # a dict or a path is refused in one line, not an AttributeError later
     if len(spec.outputs) != 1:
         raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
     batch_size_given = config.given("batch_size")
