@@ -5,7 +5,9 @@ Each rule is one small function ``rule(nodes, at, graph) -> (the nodes it replac
 the node list in graph order; it matches only where every intermediate tensor has a single reader and is not
 wanted as an output, so the rewrite computes the same values (up to rounding: one kernel instead of several).
 
-    gelu_erf     x * 0.5 * (1 + erf(x / sqrt(2)))  ->  Gelu(x)          (torch's export of nn.GELU before opset 20)
+    gelu_erf       x * 0.5 * (1 + erf(x / sqrt(2)))  ->  Gelu(x)        (torch's export of nn.GELU before opset 20)
+    fake_quantize  DequantizeLinear(QuantizeLinear(x, s, z), s, z)  ->  FakeQuantize(x, s, z)
+                   (quantization-aware training's export: torch's fake-quant, its straight-through gradient)
 
 Gelu is what the source module computed (``F.gelu``): the fused model is then closer to each model trained alone,
 and its forward and backward are one kernel each instead of five and about ten (measured on the zoo's Transformer
@@ -32,6 +34,7 @@ class _Graph:
     readers: dict[str, int]
     scalars: dict[str, float]
     keep: set[str]
+    dtypes: dict[str, int]  # the element type of each initializer
 
     def only_reader(self, name: str) -> bool:
         return self.readers.get(name, 0) == 1 and name not in self.keep
@@ -98,7 +101,31 @@ def gelu_erf(erf: onnx.NodeProto, g: _Graph, by_input: dict[str, list[onnx.NodeP
     return chain, helper.make_node("Gelu", [x], [last.output[0]], name=f"{last.name or last.output[0]}/gelu")
 
 
-RULES: Sequence[Callable] = (gelu_erf,)
+def fake_quantize(dq: onnx.NodeProto, g: _Graph, by_input: dict[str, list[onnx.NodeProto]]
+                  ) -> tuple[list[onnx.NodeProto], onnx.NodeProto] | None:
+    """``QuantizeLinear(x, s, z) -> DequantizeLinear(., s, z)`` with the same scale, zero point and axis as one
+    ``onnxfuse.torch::FakeQuantize(x, s, z)`` (``qtype``: the quantized element type, from the zero point's
+    initializer, uint8 without one). The pair's integer output stops autograd; torch's fake-quant passes the
+    gradient straight through where nothing was clamped, as the model's own QAT training does."""
+    if dq.op_type != "DequantizeLinear" or not dq.input:
+        return None
+    q = g.producer.get(dq.input[0])
+    if q is None or q.op_type != "QuantizeLinear" or not g.only_reader(dq.input[0]) or \
+            list(q.input[1:]) != list(dq.input[1:]) or _attrs(q) != _attrs(dq) or \
+            any(a.name in ("block_size", "output_dtype", "saturate") and a.i for a in q.attribute):
+        return None
+    zero_point = q.input[2] if len(q.input) > 2 and q.input[2] else None
+    qtype = g.dtypes.get(zero_point, onnx.TensorProto.UINT8) if zero_point else onnx.TensorProto.UINT8
+    axis = _attrs(q).get("axis", 1)
+    return [q, dq], helper.make_node("FakeQuantize", list(q.input), [dq.output[0]], domain="onnxfuse.torch",
+                                     name=f"{dq.name or dq.output[0]}/fake_quantize", axis=axis, qtype=qtype)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+RULES: Sequence[Callable] = (gelu_erf, fake_quantize)
 
 
 def torch_forms(graph: onnx.GraphProto, keep: Sequence[str]) -> list[onnx.NodeProto]:
@@ -113,7 +140,8 @@ def torch_forms(graph: onnx.GraphProto, keep: Sequence[str]) -> list[onnx.NodePr
             if i:
                 readers[i] = readers.get(i, 0) + 1
                 by_input.setdefault(i, []).append(n)
-    g = _Graph(producer, readers, _scalars(graph), set(keep) | {o.name for o in graph.output})
+    g = _Graph(producer, readers, _scalars(graph), set(keep) | {o.name for o in graph.output},
+               {t.name: t.data_type for t in graph.initializer})
     replaced: dict[int, onnx.NodeProto | None] = {}
     for n in nodes:
         for rule in RULES:

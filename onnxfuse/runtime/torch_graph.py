@@ -10,8 +10,8 @@
   node and node computable from them alone is a constant, evaluated once at build time (constant folding).
 - Execution is a precomputed list of :class:`Step`s (kernel, input slots, output slots, slots to free, node label)
   in the graph's topological order; a tensor is released as soon as its last reader has run
-  (``_graph.last_readers``). Kernels come from :mod:`onnxfuse.runtime.torch.kernels` (one builder per ONNX op); the forward pass
-  parses no attribute.
+  (``_graph.last_readers``). Kernels come from :mod:`onnxfuse.runtime.torch.kernels` (one builder per ONNX op);
+  the forward pass parses no attribute.
 - Shape arithmetic (Shape, and int ops over it and constants) runs on the host (CPU tensors), so reading a shape
   into a Reshape never synchronises a device; a host value read as data is copied to the module's device once.
 - ``module.train()`` / ``module.eval()`` switch between two programs: training-mode BatchNorm uses batch statistics
@@ -35,8 +35,8 @@ from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
 from onnxfuse.runtime.torch_forms import torch_forms
-from onnxfuse.runtime.torch.kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
-                                            UnsupportedTorchOpError, node_outputs, supported_ops)
+from onnxfuse.runtime.torch.kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, RandomStreams,
+                                            TorchOptions, UnsupportedTorchOpError, node_outputs, supported_ops)
 
 __all__ = ["OnnxModule", "Step", "TorchOptions", "UnsupportedTorchOpError"]
 
@@ -149,6 +149,7 @@ class OnnxModule(torch.nn.Module):
             self.buffer_keys[n] = key
         self.register_buffer("_probe", torch.empty(0), persistent=False)
         self._device = _DeviceRef()
+        self.random_streams = RandomStreams()  # the generators of random nodes with a seed (both programs share them)
         constants = {n: _tensor(t) for n, t in inits.items() if n not in self.param_keys and n not in self.buffer_keys}
         self._const_keys: dict[str, str] = {}
         self._const_taken: set[str] = set()
@@ -310,7 +311,7 @@ class _ProgramBuilder:
         device = m._device
         spec = NodeSpec.of(node, m.opset, [self.consts.get(i) if i else None for i in node.input],
                            training=self.training, options=m.options, writable=writable, used_outputs=used,
-                           device=lambda: device.device)
+                           device=lambda: device.device, streams=m.random_streams)
         try:
             kernel = builder(spec)
         except UnsupportedTorchOpError:

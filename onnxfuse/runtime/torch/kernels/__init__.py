@@ -18,12 +18,14 @@ Adding an op = one ``@op("OpType")`` builder in its family's module and one test
 from __future__ import annotations
 
 # the family modules register their builders in OPS when imported
-from onnxfuse.runtime.torch.kernels import (control_flow, conv, elementwise, gather, gemm, generators,  # noqa: F401
-                                            norm, pool, random, recurrent, reduce, resize, shape, slicing, softmax)
-from onnxfuse.runtime.torch.kernels._base import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, TorchOptions,
-                                                  UnsupportedTorchOpError, autocast_lowered, node_outputs, op,
-                                                  supported_ops, torch_dtype)
+from onnxfuse.runtime.torch.kernels import (control_flow, conv, detection, elementwise, gather, gemm,  # noqa: F401
+                                            generators, norm, pool, quantize, random, recurrent, reduce, resize,
+                                            shape, signal, slicing, softmax, sort)
+from onnxfuse.runtime.torch.kernels._base import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, RandomStreams,
+                                                  TorchOptions, UnsupportedTorchOpError, autocast_lowered,
+                                                  node_outputs, op, supported_ops, torch_dtype)
 from onnxfuse.runtime.torch.kernels.gemm import folded_matmul
 
-__all__ = ["OPS", "op", "Kernel", "NodeSpec", "node_outputs", "TorchOptions", "UnsupportedTorchOpError",
-           "supported_ops", "torch_dtype", "HOST_OPS", "RANDOM_OPS", "autocast_lowered", "folded_matmul"]
+__all__ = ["OPS", "op", "Kernel", "NodeSpec", "RandomStreams", "node_outputs", "TorchOptions",
+           "UnsupportedTorchOpError", "supported_ops", "torch_dtype", "HOST_OPS", "RANDOM_OPS", "autocast_lowered",
+           "folded_matmul"]

@@ -3,9 +3,11 @@ reads, the :class:`Kernel` it returns, and small helpers. The builders themselve
 beside this one, as the fusion rules are (``core/rules/``)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
@@ -53,6 +55,16 @@ class NodeSpec:
     writable: tuple[bool, ...] = ()  # per input: a module buffer that this node alone reads (may update in place)
     used_outputs: tuple[bool, ...] = ()  # per output: read by another node or returned
     device: Callable[[], torch.device] = lambda: torch.device("cpu")  # the module's device, for new tensors
+    # the generator a random op with ``seed`` draws from (its own stream, kept by the module across programs and
+    # checkpoints); None without a seed: torch's global generator, as torch's own random functions draw
+    streams: "RandomStreams | None" = None
+
+    def generator(self) -> torch.Generator | None:
+        """The generator this random node draws from on the module's device (None: torch's global one)."""
+        seed = self.attr("seed")
+        if seed is None or self.streams is None:
+            return None
+        return self.streams.get(node_label(self.node), float(seed), self.device())
 
     @classmethod
     def of(cls, node: onnx.NodeProto, opset: int, consts: Sequence[torch.Tensor | None] = (), **kw) -> "NodeSpec":
@@ -100,6 +112,39 @@ class NodeSpec:
         if self.has(i) and self.const(i) is None:
             self.fail(f"its {what} (input {i}) is computed at run time, and the torch runtime needs it constant",
                       "make it a constant in the model, or train this array with --runtime ort")
+
+
+class RandomStreams:
+    """The generators of a module's random nodes that carry a ``seed``: one per node, seeded from the node's seed
+    (and ``base``, the run's seed), created on first use on the device drawn on. A model's node in a fused array
+    has its own seed (the fusion's per-model random nodes), so what each model draws does not depend on B or on its
+    place in the array. ``state()`` / ``load()`` carry them through a checkpoint."""
+
+    def __init__(self, base: int = 0):
+        self.base = base
+        self.streams: dict[str, torch.Generator] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def get(self, label: str, seed: float, device: torch.device) -> torch.Generator:
+        g = self.streams.get(label)
+        if g is None or g.device != torch.device(device):
+            g = torch.Generator(device=device)
+            # the node's seed (a float: ONNX's attribute type) and the run's, hashed: torch's CPU generator keeps
+            # only the low 32 bits of a seed, where float seeds such as 3.0 and 4.0 do not differ
+            digest = hashlib.blake2b(np.array([seed], np.float64).tobytes() + str(self.base).encode(), digest_size=8)
+            g.manual_seed(int.from_bytes(digest.digest(), "little") & (2 ** 63 - 1))
+            if label in self._pending:
+                g.set_state(self._pending.pop(label))
+            self.streams[label] = g
+        return g
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {label: g.get_state() for label, g in self.streams.items()} | dict(self._pending)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore streams (applied at each stream's next use, when it is created on its device)."""
+        self.streams.clear()
+        self._pending = dict(state)
 
 
 def node_outputs(node: onnx.NodeProto) -> list[str]:
@@ -152,6 +197,7 @@ _DTYPES = {
     onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.BFLOAT16: torch.bfloat16,
     onnx.TensorProto.INT64: torch.int64, onnx.TensorProto.INT32: torch.int32, onnx.TensorProto.INT16: torch.int16,
     onnx.TensorProto.INT8: torch.int8, onnx.TensorProto.UINT8: torch.uint8, onnx.TensorProto.BOOL: torch.bool,
+    onnx.TensorProto.UINT16: torch.uint16, onnx.TensorProto.UINT32: torch.uint32, onnx.TensorProto.UINT64: torch.uint64,
 }
 
 

@@ -25,6 +25,9 @@ _UNARY: dict[str, Callable] = {
     "Softplus": F.softplus, "Softsign": F.softsign, "HardSwish": F.hardswish, "Mish": F.mish,
     "Floor": torch.floor, "Ceil": torch.ceil, "Round": torch.round, "Sign": torch.sign, "Not": torch.logical_not,
     "IsNaN": torch.isnan, "Sin": torch.sin, "Cos": torch.cos, "Identity": identity,
+    "Tan": torch.tan, "Asin": torch.asin, "Acos": torch.acos, "Atan": torch.atan, "Sinh": torch.sinh,
+    "Cosh": torch.cosh, "Asinh": torch.asinh, "Acosh": torch.acosh, "Atanh": torch.atanh,
+    "BitwiseNot": torch.bitwise_not,
 }
 
 
@@ -118,6 +121,7 @@ _BINARY: dict[str, Callable] = {
     "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": _int_div,
     "Equal": torch.eq, "Less": torch.lt, "LessOrEqual": torch.le, "Greater": torch.gt, "GreaterOrEqual": torch.ge,
     "And": torch.logical_and, "Or": torch.logical_or, "Xor": torch.logical_xor,
+    "BitwiseAnd": torch.bitwise_and, "BitwiseOr": torch.bitwise_or, "BitwiseXor": torch.bitwise_xor,
 }
 
 
@@ -140,6 +144,24 @@ def pow_(spec: NodeSpec) -> Kernel:
             return kern(torch.square, 0)
         return kern(lambda x: torch.pow(x, v), 0)
     return kern(lambda x, y: torch.pow(x, y).to(x.dtype), 0, 1)
+
+
+@op("BitShift")
+def bit_shift(spec: NodeSpec) -> Kernel:
+    """x << y or x >> y (``direction`` LEFT / RIGHT) on unsigned integers, the bits shifted out dropped. torch
+    shifts uint8 itself; wider unsigned types are shifted as int64 bit patterns (a right shift then clears the
+    sign-extended bits: a logical shift, as for an unsigned type) and cast back."""
+    left = spec.attr("direction") == "LEFT"
+
+    def fn(x, y):
+        if x.dtype == torch.uint8:
+            return (torch.bitwise_left_shift if left else torch.bitwise_right_shift)(x, y)
+        a, s = x.to(torch.int64), y.to(torch.int64)
+        if left:
+            return torch.bitwise_left_shift(a, s).to(x.dtype)
+        kept = torch.bitwise_left_shift(torch.ones_like(a), (64 - s).clamp(max=63)) - 1  # the low 64 - s bits
+        return torch.where(s > 0, torch.bitwise_right_shift(a, s) & kept, a).to(x.dtype)
+    return kern(fn, 0, 1)
 
 
 @op("Mod")

@@ -1,5 +1,8 @@
-"""Indexing: Gather, GatherElements and the runtime's ``GatherKeepRows`` (an embedding's padding rows)."""
+"""Indexing: Gather, GatherElements, GatherND, the runtime's ``GatherKeepRows`` (an embedding's padding rows),
+ScatterElements, ScatterND, Compress and NonZero. Negative indices count from the end, as ONNX defines."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,3 +59,103 @@ def gather_elements(spec: NodeSpec) -> Kernel:
         a = norm_axis(axis, x.dim())
         return torch.gather(x, a, torch.where(i < 0, i + x.shape[a], i))
     return kern(fn, 0, 1)
+
+
+def _wrapped(i: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices with negative ones counted from the end (ONNX's rule for every indexing op)."""
+    return torch.where(i < 0, i + size, i)
+
+
+def _nd_rows(x: torch.Tensor, idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For the ND ops: ``x [*batch, *D, *rest]`` as ``[prod(batch), prod(D), *rest]`` and ``idx [*batch, *Q, k]``
+    (k = len(D)) as row numbers ``[prod(batch), prod(Q)]`` into it, with Q's size. Row = the index tuple in
+    row-major order over D, negative entries counted from the end."""
+    k = idx.shape[-1]
+    D = x.shape[b:b + k]
+    lead = math.prod(x.shape[:b])
+    strides = torch.tensor([math.prod(D[j + 1:]) for j in range(k)], dtype=torch.int64, device=idx.device)
+    sizes = torch.tensor(list(D), dtype=torch.int64, device=idx.device)
+    rows = (_wrapped(idx.to(torch.int64), sizes) * strides).sum(-1)
+    q = math.prod(idx.shape[b:-1])
+    return x.reshape(lead, math.prod(D), *x.shape[b + k:]), rows.reshape(lead, q), q
+
+
+@op("GatherND")
+def gather_nd(spec: NodeSpec) -> Kernel:
+    """GatherND(data, indices [*batch, *Q, k], batch_dims b): out[*batch, *Q] = data[*batch][tuple(idx)], shape
+    batch + Q + data.shape[b + k:]. One advanced-indexing read (its gradient accumulates repeated rows)."""
+    b = int(spec.attr("batch_dims", 0))
+
+    def fn(x, idx):
+        flat, rows, _ = _nd_rows(x, idx, b)
+        picked = flat[torch.arange(flat.shape[0], device=x.device).unsqueeze(1), rows]
+        return picked.reshape(*idx.shape[:-1], *x.shape[b + idx.shape[-1]:])
+    return kern(fn, 0, 1)
+
+
+# ONNX's scatter reductions as torch's scatter_reduce / index_reduce names (include_self: the data takes part)
+_REDUCE = {"mul": "prod", "max": "amax", "min": "amin"}
+
+
+@op("ScatterElements")
+def scatter_elements(spec: NodeSpec) -> Kernel:
+    """ScatterElements(data, indices, updates, axis, reduction): a copy of data with ``updates[i..]`` written at
+    ``indices[i..]`` along ``axis`` (reduction none), or combined with what is there (add: torch.scatter_add, the
+    message passing of graph networks; mul / max / min: scatter_reduce with the data included)."""
+    axis, reduction = int(spec.attr("axis", 0)), spec.attr("reduction", "none")
+
+    def fn(x, i, u):
+        a = norm_axis(axis, x.dim())
+        i = _wrapped(i.to(torch.int64), x.shape[a])
+        if reduction == "none":
+            return torch.scatter(x, a, i, u)
+        if reduction == "add":
+            return torch.scatter_add(x, a, i, u)
+        return torch.scatter_reduce(x, a, i, u, _REDUCE[reduction], include_self=True)
+    return kern(fn, 0, 1, 2)
+
+
+@op("ScatterND")
+def scatter_nd(spec: NodeSpec) -> Kernel:
+    """ScatterND(data, indices [*Q, k], updates [*Q, *data.shape[k:]], reduction): a copy of data with each
+    ``updates[q]`` written at (none) or combined with (add, mul, max, min) ``data[tuple(indices[q])]``; rows as
+    :func:`_nd_rows` numbers them (index_copy / index_add / index_reduce along them)."""
+    reduction = spec.attr("reduction", "none")
+
+    def fn(x, idx, u):
+        flat, rows, q = _nd_rows(x, idx, 0)  # no batch axes: one [1, rows, *rest] block
+        flat, rows = flat[0], rows.reshape(q)
+        u = u.reshape(q, *flat.shape[1:])
+        if reduction == "none":
+            y = flat.index_copy(0, rows, u)
+        elif reduction == "add":
+            y = flat.index_add(0, rows, u)
+        else:
+            y = flat.index_reduce(0, rows, u, _REDUCE[reduction], include_self=True)
+        return y.reshape(x.shape)
+    return kern(fn, 0, 1, 2)
+
+
+@op("Compress")
+def compress(spec: NodeSpec) -> Kernel:
+    """The slices of x along ``axis`` (the flattened x without one) where ``condition`` is true; a condition shorter
+    than the axis keeps none of the rest. The output's length depends on the data (read on the host)."""
+    axis = spec.attr("axis")
+
+    def fn(x, cond):
+        if axis is None:
+            x = x.reshape(-1)
+        a = 0 if axis is None else norm_axis(int(axis), x.dim())
+        keep = torch.nonzero(cond.reshape(-1)[: x.shape[a]].to(torch.bool)).reshape(-1)
+        return x.index_select(a, keep)
+    return kern(fn, 0, 1)
+
+
+@op("NonZero")
+def non_zero(spec: NodeSpec) -> Kernel:
+    """[rank, count] indices of the non-zero elements in row-major order (numpy's nonzero, stacked)."""
+    def fn(x):
+        if x.dim() == 0:  # a scalar has no axes: [0, 1] when it is non-zero, else [0, 0]
+            return torch.zeros(0, int(bool(x != 0)), dtype=torch.int64, device=x.device)
+        return torch.nonzero(x).t()
+    return kern(fn, 0)

@@ -131,3 +131,9 @@ def gemm(spec: NodeSpec) -> Kernel:
 def einsum(spec: NodeSpec) -> Kernel:
     eq = spec.attr("equation").replace(" ", "")
     return kern(lambda *xs: torch.einsum(eq, *xs), *all_inputs(spec))
+
+
+@op("Det")
+def det(spec: NodeSpec) -> Kernel:
+    """The determinant of each square matrix in the last two axes: torch.linalg.det (its gradient too)."""
+    return kern(torch.linalg.det, 0)

@@ -1,5 +1,6 @@
 """Normalizations: BatchNormalization (training and inference, torch's running-statistics rule),
-LayerNormalization (and the runtime's ``LayerNormAffine`` for autocast), InstanceNormalization."""
+LayerNormalization (and the runtime's ``LayerNormAffine`` for autocast), InstanceNormalization, GroupNormalization,
+LRN, LpNormalization, MeanVarianceNormalization."""
 from __future__ import annotations
 
 import torch
@@ -123,3 +124,55 @@ def layer_norm_affine(spec: NodeSpec) -> Kernel:
 def instance_norm(spec: NodeSpec) -> Kernel:
     eps = float(spec.attr("epsilon", 1e-5))
     return kern(lambda x, w, b: F.instance_norm(x, None, None, w, b, True, 0.0, eps), 0, 1, 2)
+
+
+@op("GroupNormalization")
+def group_norm(spec: NodeSpec) -> Kernel:
+    """x [N, C, *S] normalized per sample over each of ``num_groups`` groups of C / G channels, then
+    ``scale * . + bias``: F.group_norm, torch.nn.GroupNorm's kernel. From opset 21 scale and bias are per channel
+    [C]; before, per group [G] (each group's value repeated over its channels). ``stash_type`` 1 (float32, the
+    default) is how torch computes a float32 input."""
+    G, eps = int(spec.attr("num_groups")), float(spec.attr("epsilon", 1e-5))
+    per_group = spec.opset < 21
+
+    def fn(x, scale, bias):
+        if per_group:
+            scale, bias = (t.repeat_interleave(x.shape[1] // G) for t in (scale, bias))
+        return F.group_norm(x, G, scale, bias, eps)
+    return kern(fn, 0, 1, 2)
+
+
+@op("LRN")
+def lrn(spec: NodeSpec) -> Kernel:
+    """Local response normalization across channels: y = x / (bias + alpha / size * sum of x^2 over channels
+    [c - floor((size-1)/2), c + ceil((size-1)/2)])^beta. torch's F.local_response_norm centres an even window the
+    other way, so the sum is an average pool of x^2 over ONNX's window (zero-padded at the ends), times size."""
+    size, alpha = int(spec.attr("size")), float(spec.attr("alpha", 1e-4))
+    beta, bias = float(spec.attr("beta", 0.75)), float(spec.attr("bias", 1.0))
+    before, after = (size - 1) // 2, size // 2
+
+    def fn(x):
+        sq = (x * x).reshape(x.shape[0], 1, x.shape[1], -1)  # [N, 1, C, rest]
+        mean = F.avg_pool2d(F.pad(sq, [0, 0, before, after]), (size, 1), 1)
+        return x / (bias + alpha * mean.reshape(x.shape)).pow(beta)
+    return kern(fn, 0)
+
+
+@op("LpNormalization")
+def lp_normalization(spec: NodeSpec) -> Kernel:
+    """x / ||x||_p along ``axis`` (p 1 or 2), no epsilon: the specification's division."""
+    axis, p = int(spec.attr("axis", -1)), int(spec.attr("p", 2))
+    return kern(lambda x: x / torch.linalg.vector_norm(x, p, norm_axis(axis, x.dim()), keepdim=True), 0)
+
+
+@op("MeanVarianceNormalization")
+def mean_variance_normalization(spec: NodeSpec) -> Kernel:
+    """(x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9) over ``axes`` (default [0, 2, 3]): the specification's
+    function, in its order of operations."""
+    axes = tuple(int(a) for a in spec.attr("axes", [0, 2, 3]))
+
+    def fn(x):
+        mean = x.mean(axes, keepdim=True)
+        std = ((x * x).mean(axes, keepdim=True) - mean * mean).sqrt()
+        return (x - mean) / (std + 1e-9)
+    return kern(fn, 0)

@@ -1,4 +1,5 @@
-"""Pooling over spatial windows: MaxPool (with ONNX's flat indices), AveragePool, LpPool, the global pools."""
+"""Pooling over spatial windows: MaxPool (with ONNX's flat indices), AveragePool, LpPool, the global pools, and
+MaxUnpool (the inverse of MaxPool's indices)."""
 from __future__ import annotations
 
 import math
@@ -129,3 +130,24 @@ def global_pool(spec: NodeSpec) -> Kernel:
         return kern(lambda x: x.amax(dim=tuple(range(2, x.dim())), keepdim=True), 0)
     p = float(spec.attr("p", 2))
     return kern(lambda x: x.abs().pow(p).sum(dim=tuple(range(2, x.dim())), keepdim=True).pow(1.0 / p), 0)
+
+
+@op("MaxUnpool")
+def max_unpool(spec: NodeSpec) -> Kernel:
+    """MaxUnpool(X, I, output_shape?): zeros of the unpooled shape with X's values at I (a MaxPool's indices, flat
+    over [N, C, *S]). Default spatial size: (L - 1) * stride + kernel - pad_begin - pad_end per axis; a given
+    output_shape (a host value) wins."""
+    k = [int(v) for v in spec.attr("kernel_shape")]
+    S = len(k)
+    strides = [int(v) for v in spec.attr("strides", [1] * S)]
+    pads = [int(v) for v in spec.attr("pads", [0] * (2 * S))]
+
+    def fn(x, i, shape=None):
+        if shape is not None:
+            out = [int(v) for v in shape.reshape(-1).tolist()]
+        else:
+            out = list(x.shape[:2]) + [(x.shape[2 + a] - 1) * strides[a] + k[a] - pads[a] - pads[S + a]
+                                       for a in range(S)]
+        y = x.new_zeros(math.prod(out)).scatter(0, i.reshape(-1).to(torch.int64), x.reshape(-1))
+        return y.reshape(out)
+    return kern(fn, *[j for j in (0, 1, 2) if spec.has(j)], host=(2,) if spec.has(2) else ())

@@ -1,4 +1,5 @@
-"""Resize: F.interpolate where it computes what ONNX defines, else separable index_select / lerp per axis."""
+"""Resampling: Resize (F.interpolate where it computes what ONNX defines, else separable index_select / lerp per
+axis), GridSample and AffineGrid (a spatial transformer's grid and sampler)."""
 from __future__ import annotations
 
 import math
@@ -126,3 +127,35 @@ def resize(spec: NodeSpec) -> Kernel:
         y = torch_path(x, out, sc)
         return separable(x, out, sc) if y is None else y
     return kern(fn, 0)
+
+
+# GridSample's modes: opset 16's names and opset 20's, as F.grid_sample names them
+_SAMPLE_MODES = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
+                 "cubic": "bicubic"}
+
+
+@op("GridSample")
+def grid_sample(spec: NodeSpec) -> Kernel:
+    """GridSample(X [N, C, *S], grid [N, *S_out, len(S)]): X sampled at the grid's normalized coordinates (x first,
+    in [-1, 1]), F.grid_sample with the same mode, padding_mode (zeros, border, reflection) and align_corners, for
+    2-D and 3-D images (cubic: 2-D, as torch). A spatial transformer's sampler."""
+    mode = _SAMPLE_MODES.get(spec.attr("mode", "bilinear" if spec.opset < 20 else "linear"))
+    padding, align = spec.attr("padding_mode", "zeros"), bool(spec.attr("align_corners", 0))
+    if mode is None:
+        spec.fail(f"mode '{spec.attr('mode')}' is not a GridSample mode", "use linear, nearest or cubic")
+
+    def fn(x, grid):
+        if x.dim() not in (4, 5) or (mode == "bicubic" and x.dim() != 4):
+            spec.fail(f"{mode} sampling of a {x.dim() - 2}-D image has no torch kernel",
+                      "sample 2-D images (or 3-D ones with linear or nearest)")
+        return F.grid_sample(x, grid.to(x.dtype), mode, padding, align)
+    return kern(fn, 0, 1)
+
+
+@op("AffineGrid")
+def affine_grid(spec: NodeSpec) -> Kernel:
+    """AffineGrid(theta [N, 2, 3] or [N, 3, 4], size [N, C, *S]) -> [N, *S, 2|3]: F.affine_grid, the normalized
+    coordinates of the affine map of each output pixel (align_corners as given). size is a host value."""
+    align = bool(spec.attr("align_corners", 0))
+    return kern(lambda theta, size: F.affine_grid(theta, [int(v) for v in size.reshape(-1).tolist()], align), 0, 1,
+                host=(1,))

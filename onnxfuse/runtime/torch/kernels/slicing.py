@@ -1,5 +1,5 @@
 """Pieces of a tensor: Split, Slice (ONNX's clamping, negative steps), Pad (constant, reflect, edge, wrap),
-DepthToSpace, SpaceToDepth."""
+DepthToSpace, SpaceToDepth, Trilu, ReverseSequence, CenterCropPad."""
 from __future__ import annotations
 
 import math
@@ -143,3 +143,51 @@ def space_to_depth(spec: NodeSpec) -> Kernel:
         N, C, H, W = x.shape
         return x.reshape(N, C, H // b, b, W // b, b).permute(0, 3, 5, 1, 2, 4).reshape(N, C * b * b, H // b, W // b)
     return kern(fn, 0)
+
+
+@op("Trilu")
+def trilu(spec: NodeSpec) -> Kernel:
+    """The upper (``upper`` 1: torch.triu) or lower (torch.tril) triangle of the last two axes from diagonal k
+    (input 1, a host value, default 0), zeros elsewhere."""
+    f = torch.triu if int(spec.attr("upper", 1)) else torch.tril
+    if not spec.has(1):
+        return kern(f, 0)
+    return kern(lambda x, k: f(x, int(k.reshape(-1)[0])), 0, 1, host=(1,))
+
+
+@op("ReverseSequence")
+def reverse_sequence(spec: NodeSpec) -> Kernel:
+    """Each batch entry's first ``sequence_lens[b]`` steps along ``time_axis`` reversed, the rest as they are: one
+    gather along time with index ``len[b] - 1 - t`` for t < len[b], else t."""
+    t_axis, b_axis = int(spec.attr("time_axis", 0)), int(spec.attr("batch_axis", 1))
+
+    def fn(x, lens):
+        T = x.shape[t_axis]
+        t = torch.arange(T, device=x.device).unsqueeze(1)  # [T, batch]
+        lens = lens.to(torch.int64).to(x.device).unsqueeze(0)
+        src = torch.where(t < lens, lens - 1 - t, t)
+        if t_axis > b_axis:
+            src = src.t()
+        src = src.reshape(src.shape + (1,) * (x.dim() - 2)).expand(x.shape)
+        return torch.gather(x, t_axis, src)
+    return kern(fn, 0, 1)
+
+
+@op("CenterCropPad")
+def center_crop_pad(spec: NodeSpec) -> Kernel:
+    """Each of ``axes`` (default all) cropped or zero-padded to ``shape``, centred: a crop of d elements drops
+    floor(d/2) at the start, a pad of d adds floor(d/2) at the start (the odd one at the end). shape is a host
+    value."""
+    axes = spec.attr("axes")
+
+    def fn(x, shape):
+        target = [int(v) for v in shape.reshape(-1).tolist()]
+        ax = [norm_axis(int(a), x.dim()) for a in axes] if axes is not None else list(range(x.dim()))
+        for a, n in zip(ax, target):
+            d = x.shape[a] - n
+            if d > 0:
+                x = x.narrow(a, d // 2, n)
+            elif d < 0:
+                x = F.pad(x, [0, 0] * (x.dim() - 1 - a) + [(-d) // 2, -d - (-d) // 2])
+        return x
+    return kern(fn, 0, 1, host=(1,))
