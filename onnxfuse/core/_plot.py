@@ -14,7 +14,7 @@ import os
 from typing import Sequence
 
 __all__ = ["figure", "legend_below", "footer", "wrapped", "save", "smoothed", "legend_columns", "data_overlap",
-           "log_ticks"]
+           "log_ticks", "accuracy_axis"]
 
 
 def figure(width: float, height: float, **kwargs):
@@ -85,10 +85,16 @@ def wrapped(text: str, width_in: float, fontsize: float) -> str:
 
 
 def save(fig, path_or_buffer: str | os.PathLike | io.BytesIO, dpi: int = 110) -> None:
-    """Write the figure as a PNG (or the type its file name says)."""
+    """Write the figure as a PNG (or the type its file name says), a file whole or not at all (``atomic_file``:
+    a full disk is one error naming it)."""
     if not isinstance(path_or_buffer, io.BytesIO):
-        os.makedirs(os.path.dirname(os.path.abspath(path_or_buffer)), exist_ok=True)
-        fig.savefig(path_or_buffer, dpi=dpi)
+        from onnxfuse.core._io import atomic_file
+
+        path = os.fspath(path_or_buffer)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        kind = os.path.splitext(path)[1].lstrip(".").lower() or "png"  # the temporary name has no extension
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format=kind, dpi=dpi)
     else:
         fig.savefig(path_or_buffer, format="png", dpi=dpi)
 
@@ -122,6 +128,54 @@ def log_ticks(ax, values: Sequence[float], axis: str = "y") -> None:
     which = ax.yaxis if axis == "y" else ax.xaxis
     which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     which.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if few_decades and f"{v:.0e}"[0] in "235" else ""))
+
+
+# where an accuracy axis may put its ticks (percent): dense near 100 %, where good models differ
+ACCURACY_TICKS = (1, 2, 5, 10, 20, 50, 80, 90, 95, 98, 99, 99.5, 99.8, 99.9, 99.95, 99.98, 99.99)
+ACCURACY_CLIP = 0.01  # percent: 0 % and 100 % are drawn this far inside the logit axis' open interval
+
+
+def accuracy_axis(ax, values: Sequence[float], axis: str = "y") -> str:
+    """The scale of an axis of accuracies in percent (``values``, as drawn): once they reach above 90 %, a logit
+    scale, ``log(p / (100 - p))``, which gives 90 -> 99 % and 99 -> 99.9 % the room 50 -> 90 % has, so that
+    models that all learn are told apart (on a linear axis that also holds a model at chance, 97 and 99 % are one
+    line); ticks at round percentages. Below that, linear. Returns the scale's name, for the record of a panel:
+    ``logit`` or ``linear``."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite or max(finite) <= 90:
+        return "linear"
+
+    def clip(p):
+        import numpy as np
+
+        return np.clip(p, ACCURACY_CLIP, 100 - ACCURACY_CLIP)
+
+    def forward(p):
+        import numpy as np
+
+        q = clip(np.asarray(p, dtype=float)) / 100
+        return np.log(q / (1 - q))
+
+    def inverse(z):
+        import numpy as np
+
+        return 100 / (1 + np.exp(-np.asarray(z, dtype=float)))
+
+    lo, hi = float(clip(min(finite))), float(clip(max(finite)))
+    bottom = max((t for t in ACCURACY_TICKS if t <= lo), default=lo)  # the round percentages around the values
+    top = min((t for t in ACCURACY_TICKS if t >= hi), default=hi)
+    ticks = [t for t in ACCURACY_TICKS if bottom <= t <= top]
+    which = ax.yaxis if axis == "y" else ax.xaxis
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("function", functions=(forward, inverse))
+    z0, z1 = float(forward(bottom)), float(forward(top))
+    pad = 0.04 * (z1 - z0 or 1.0)  # a marker on the first or last tick is drawn whole
+    (ax.set_ylim if axis == "y" else ax.set_xlim)(float(inverse(z0 - pad)), float(inverse(z1 + pad)))
+    which.set_major_locator(FixedLocator(ticks))
+    which.set_minor_locator(NullLocator())
+    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    return "logit"
 
 
 def data_overlap(fig, artist, *axes) -> float:

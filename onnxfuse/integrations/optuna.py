@@ -11,9 +11,13 @@ Each round asks the study for ``batch`` trials (default: ``arrays.size`` of the 
 sweep (grouped by graph identity, fused, trained on Ray, every file of a sweep), and tells the study each trial's
 metric (the spec's ``metric``; the study's direction must agree with it): the value its row of results.csv is
 ranked by, its best state's when the sweep keeps them (``results.trial_score``). A trial that diverged or whose
-array failed is told as FAIL; its row says why. The parameters come from ``suggest(trial) -> {space key: value}``,
-or, without it, from the spec's ``search.space``: a list is ``suggest_categorical``, a range ``suggest_float`` /
-``suggest_int`` (``log`` as given). Optuna's parameter names are the space keys (``optimizer.lr``, ``seed``).
+array failed is told as FAIL; its row says why. Each trial's user attributes name the files of the state whose
+value it was told (``onnxfuse.state``: best or final; ``onnxfuse.checkpoint``: its weights, ``onnxfuse.onnx``: its
+inference model, as absolute paths), so ``study.best_trial.user_attrs["onnxfuse.checkpoint"]`` is the model that
+won. The parameters come from ``suggest(trial) -> {space key: value}``, or, without it, from the spec's
+``search.space``: a list is ``suggest_categorical``, a range a distribution, ``suggest_float`` / ``suggest_int``
+(``log`` as given; no ``search.method`` needed: the study's sampler draws the trials). Optuna's parameter names
+are the space keys (``optimizer.lr``, ``seed``).
 
 A sampler that learns from results (TPE) sees a round's results before it suggests the next round: a larger
 ``batch`` fuses more models per array, a smaller one gives the sampler more rounds.
@@ -36,6 +40,7 @@ in a database, asked by the call that stopped) is told.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from typing import Callable
@@ -50,13 +55,22 @@ from onnxfuse.sweep.spec import Range, SweepSpec, load_spec, parse_spec
 __all__ = ["optimize", "suggest_from_space", "STUDY_RECORD"]
 
 STUDY_RECORD, ROUNDS = "study.json", "rounds"
+log = logging.getLogger("onnxfuse.sweep")
 
 
 def suggest_from_space(spec: SweepSpec) -> Callable:
-    """``suggest(trial)`` asking Optuna for every key of the spec's ``search.space``."""
-    if spec.sections.search is None:
+    """``suggest(trial)`` asking Optuna for every key of the spec's ``search.space``: a list is
+    ``suggest_categorical``, a range a distribution (``suggest_float`` / ``suggest_int``, ``log`` as given). The
+    study's sampler draws the trials: ``search.method``, ``samples`` and ``seed`` (how ``onnxfuse sweep`` draws
+    them) are not used, and a spec with method random is told so."""
+    search = spec.sections.search
+    if search is None:
         raise ConfigError(f"{spec.source}: give optimize() a suggest function, or the spec a search.space")
-    space = spec.sections.search.space
+    if search.method == "random":
+        log.warning("%s: search.method random, samples and seed are how `onnxfuse sweep` draws trials; the Optuna "
+                    "study's sampler draws them here (a range is a distribution), so they are not used",
+                    spec.source)
+    space = search.space
 
     def suggest(trial) -> dict:
         out = {}
@@ -98,8 +112,24 @@ class _Study:
         with contextlib.suppress(OSError):  # a file system without links: the round's folder has the files
             os.symlink(os.path.relpath(folder, os.path.dirname(link)), link, target_is_directory=True)
 
-    def write_report(self, metric: str, direction: str) -> None:
-        """results.csv, report.md, report.png of every trial of every round, best first."""
+    def space(self) -> dict:
+        """The searched keys as the study's report.png draws them, from the distributions Optuna sampled (a
+        ``suggest`` function's too, under its parameter names): a float or int distribution is a range
+        ``{low, high, log}``, a categorical one its list of choices; a key no trial recorded one for, as the spec's
+        ``search.space`` has it."""
+        from optuna.distributions import CategoricalDistribution, json_to_distribution
+
+        space = dict((self.record["spec"].get("search") or {}).get("space") or {})
+        for t in self.record["trials"]:
+            for name, text in t["distributions"].items():
+                d = json_to_distribution(text)
+                space[name] = list(d.choices) if isinstance(d, CategoricalDistribution) else \
+                    {"low": d.low, "high": d.high, "log": d.log}
+        return space
+
+    def report(self, metric: str, direction: str) -> tuple[dict | None, list[dict]]:
+        """The study as one sweep's plan (every round's trials, groups and arrays, and the searched ``space``) and
+        its results' rows, best first (None, [] before a round has a plan)."""
         plans, rows = [], []
         for k in sorted({t["round"] for t in self.record["trials"]}):
             sweep = SweepDir(self.round_path(k))
@@ -110,10 +140,17 @@ class _Study:
             rows += [{"trial": r["trial"], "round": k, **{c: v for c, v in r.items() if c != "trial"}}
                      for r in collect(sweep, plan)]
         if not plans:
-            return
+            return None, []
         study_plan = {"trials": [t for p in plans for t in p["trials"]], "metric": metric, "direction": direction,
-                      **{key: [x for p in plans for x in p[key]] for key in ("groups", "arrays")}, "halving": None}
-        write_report(self.folder, study_plan, best_first(rows, metric, direction))
+                      **{key: [x for p in plans for x in p[key]] for key in ("groups", "arrays")}, "halving": None,
+                      "space": self.space()}
+        return study_plan, best_first(rows, metric, direction)
+
+    def write_report(self, metric: str, direction: str) -> None:
+        """results.csv, report.md, report.png of every trial of every round, best first."""
+        plan, rows = self.report(metric, direction)
+        if plan is not None:
+            write_report(self.folder, plan, rows)
 
 
 def _check(study, spec: SweepSpec, n_trials) -> None:
@@ -160,6 +197,19 @@ def _value(row: dict, metric: str) -> float | None:
     return value if row["status"] in ("finished", "stopped") and math.isfinite(value) else None
 
 
+def _attrs(row: dict, sweep_path: str) -> dict:
+    """The user attributes a trial is told with, from its row of the round's results: its array, status, sweep
+    folder and, when it has files, the state it is ranked by (the value told: ``onnxfuse.state``, best or
+    final) and that state's files, as paths from anywhere (``onnxfuse.checkpoint``: its weights, a
+    ``load_state_dict`` checkpoint; ``onnxfuse.onnx``: its inference model)."""
+    attrs = {"onnxfuse.array": row["array"], "onnxfuse.status": row["status"], "onnxfuse.sweep": sweep_path}
+    if row["checkpoint"]:
+        attrs.update({"onnxfuse.state": row.get("state") or "final",
+                      "onnxfuse.checkpoint": os.path.join(sweep_path, row["checkpoint"]),
+                      "onnxfuse.onnx": os.path.join(sweep_path, row["onnx"])})
+    return attrs
+
+
 def _known(study, path: str) -> dict:
     """The study's trials that this study folder asked for, by trial id."""
     return {t.user_attrs["onnxfuse.trial"]: t for t in study.get_trials(deepcopy=False)
@@ -168,7 +218,7 @@ def _known(study, path: str) -> dict:
 
 def _sync(study, t: dict, known: dict, asked=None) -> None:
     """Tell the study how trial ``t`` (a record of study.json with its ``told``) ended: through ``asked`` (the
-    trial object this call asked for), as the number of a trial it holds as running, or as a trial added."""
+    trial object this call asked for), through a trial it holds as running, or as a trial added."""
     import optuna
     from optuna.distributions import json_to_distribution
 
@@ -177,11 +227,12 @@ def _sync(study, t: dict, known: dict, asked=None) -> None:
     if asked is None and t["id"] in known:
         if known[t["id"]].state.is_finished():
             return
-        asked = known[t["id"]].number  # asked by the call that stopped, still running in the study's database
+        # asked by the call that stopped, still running in the study's database: told (and given its attributes)
+        # through a trial object of its own
+        asked = optuna.trial.Trial(study, known[t["id"]]._trial_id)
     if asked is not None:
-        if not isinstance(asked, int):
-            for k, v in told["attrs"].items():
-                asked.set_user_attr(k, v)
+        for k, v in told["attrs"].items():
+            asked.set_user_attr(k, v)
         if value is None:
             study.tell(asked, state=state.FAIL)
         else:
@@ -201,8 +252,7 @@ def _ask(study, out: _Study, k: int, n: int, suggest: Callable, width: int) -> t
     for _ in range(n):
         a = study.ask()
         tid = f"t{len(out.record['trials']) + len(new):0{width}d}"
-        attrs = {"onnxfuse.trial": tid, "onnxfuse.study": out.path, "onnxfuse.round": k,
-                 "onnxfuse.checkpoint": os.path.join("trials", tid, "model.safetensors")}
+        attrs = {"onnxfuse.trial": tid, "onnxfuse.study": out.path, "onnxfuse.round": k}
         for name, v in attrs.items():
             a.set_user_attr(name, v)
         params = suggest(a)
@@ -228,8 +278,7 @@ def _run_round(study, out: _Study, spec: SweepSpec, trials: list[dict], known: d
     for i, t in enumerate(trials):
         out.link(k, t["id"])
         row = rows[t["id"]]
-        t["told"] = {"value": _value(row, spec.metric),
-                     "attrs": {**{f"onnxfuse.{c}": row[c] for c in ("array", "status")}, "onnxfuse.sweep": res.path}}
+        t["told"] = {"value": _value(row, spec.metric), "attrs": _attrs(row, res.path)}
         _sync(study, t, known, asked[i] if asked else None)
     out.save()
     out.write_report(spec.metric, spec.direction)

@@ -3,8 +3,8 @@ final table, ``report`` and report.json, a sweep's results.csv and the value Opt
 
 A model is ranked by the value of the state you get for it: its kept best state's (``--keep-best METRIC``, the
 state ``split --which best`` writes) when the run kept one by the metric ranked by, else its final state's (the
-state ``split`` writes). Since the final evaluation is one the best state was chosen among, a kept best value is
-never worse than the final one.
+state ``split`` writes); every pointer to a model's checkpoint names that state (``ranked_state``). Since the
+final evaluation is one the best state was chosen among, a kept best value is never worse than the final one.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 from typing import Mapping
 
 __all__ = ["METRICS", "EVAL_METRICS", "OFF", "KEEP_BEST_CHOICES", "kept_metric", "default_metric", "better",
-           "score", "rank_key", "best_of"]
+           "ranked_state", "score", "rank_key", "best_of"]
 
 # metric -> the direction that is better
 METRICS = {"eval_loss": "minimize", "eval_accuracy": "maximize", "train_loss": "minimize"}
@@ -45,10 +45,17 @@ def better(value: float, than: float | None, metric: str) -> bool:
     return value < than if METRICS[metric] == "minimize" else value > than
 
 
+def ranked_state(best: float | None = None) -> str:
+    """The state a model is ranked by, and whose files every pointer to its checkpoint names (``split --which``,
+    a sweep's ``checkpoint`` column, Optuna's ``onnxfuse.checkpoint``): ``best`` when a best state is kept (its
+    value ``best``, by the metric ranked by), else ``final``."""
+    return "best" if best is not None and math.isfinite(best) else "final"
+
+
 def score(final: float, best: float | None = None) -> float:
     """The value a model is ranked by: its kept best state's ``best`` when one is kept (by the metric ranked by),
-    else its ``final`` state's."""
-    return best if best is not None and math.isfinite(best) else final
+    else its ``final`` state's (the state :func:`ranked_state` names)."""
+    return best if ranked_state(best) == "best" else final
 
 
 def rank_key(value: float, direction: str, tie) -> tuple:

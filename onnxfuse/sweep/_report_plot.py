@@ -1,10 +1,12 @@
 """A sweep's report.png: what a sweep's user looks at first.
 
-Top: one panel per searched hyper-parameter, every trial's metric against its value (a log axis where the spec
-samples log-uniformly, or a list of positive values spans a decade or more; a value that is not a number on an
-axis of its own), the best trial starred. Bottom: the training curves (train loss smoothed over its raw values,
-eval loss, and eval accuracy when that is the metric) of every trial up to :data:`CURVES_SHOWN`, best first; the
-caption says which are shown. The legend below names each trial by its searched values.
+Top: one panel per searched hyper-parameter, every trial's metric against its value (a log axis where the search
+samples log-uniformly: the spec's range, or the plan's ``space``, which an Optuna study derives from the
+distributions it sampled; without either, where more than 5 positive values span a decade or more; a value that
+is not a number on an axis of its own), each dot in its trial's colour of the curves and the legend (grey past
+:data:`CURVES_SHOWN`), the best trial starred. Bottom: the training curves (train loss smoothed over its raw
+values, eval loss, and eval accuracy when that is the metric) of every trial up to :data:`CURVES_SHOWN`, best
+first; the caption says which are shown. The legend below names each trial by its searched values.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ __all__ = ["report_png", "sweep_figure", "CURVES_SHOWN"]
 CURVES_SHOWN = 20  # trials whose curves are drawn (the best ones): more are not told apart by colour
 PARAMS_PER_ROW = 4
 _NO_RESULT = ("failed", "not run")
+_OTHERS = (0.72, 0.72, 0.72, 1.0)  # the dots of trials past CURVES_SHOWN: no colour of the legend
 
 
 def report_png(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str, float]) -> bytes | None:
@@ -37,9 +40,11 @@ def report_png(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str, 
     return png.getvalue()
 
 
-def _space(sweep: SweepDir) -> dict[str, Any]:
-    """The spec's search space as the sweep folder keeps it ({} when it cannot be read: axes then follow the
-    values alone)."""
+def _space(sweep: SweepDir, plan: dict) -> dict[str, Any]:
+    """The search space: the plan's ``space`` when it has one (an Optuna study's), else the spec's as the sweep
+    folder keeps it ({} when it cannot be read: axes then follow the values alone)."""
+    if plan.get("space") is not None:
+        return dict(plan["space"])
     try:
         saved = sweep.read_json(sweep.spec_path, "the sweep's spec")
         return dict((saved.get("spec", {}).get("search") or {}).get("space") or {})
@@ -89,7 +94,7 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str
     from matplotlib import colormaps
     from matplotlib.lines import Line2D
 
-    from onnxfuse.core._plot import figure, legend_below, log_ticks, smoothed
+    from onnxfuse.core._plot import accuracy_axis, figure, legend_below, log_ticks, smoothed
 
     metric, direction = plan["metric"], plan["direction"]
     kept = bool(rows) and f"best_{metric}" in rows[0]  # ranked by each trial's best state's value
@@ -98,12 +103,16 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str
     if not ranked:
         return None
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
-    space = _space(sweep)
+    space = _space(sweep, plan)
     percent = metric.endswith("accuracy")
     value = {r["trial"]: scores[r["trial"]] * (100 if percent else 1) for r in rows}
     scored = [t for t in ranked if math.isfinite(value[t])]
     best = scored[0] if scored else None
     shown = ranked[:CURVES_SHOWN]
+    # a trial's one colour, in every panel and the legend: tab20's dark shades for the best ten, its light ones
+    # after, so that no two neighbours in rank look alike
+    palette = [colormaps["tab20"](2 * k) for k in range(10)] + [colormaps["tab20"](2 * k + 1) for k in range(10)]
+    colour = {t: palette[k % 20] for k, t in enumerate(shown)}
 
     curve_panels = [("train", "loss", "train loss"), ("eval", "loss", "eval loss")]
     if percent:
@@ -129,30 +138,31 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str
         ys = [value[t] for t in scored]
         log_y = not percent and ys and min(ys) > 0 and max(ys) / min(ys) >= 10
         for k, (ax, key) in enumerate(zip(axes, keys)):
-            _param_panel(ax, key, keys, scored, params, value, best, _axis(key, [params[t].get(key) for t in
-                                                                                 scored], space))
+            _param_panel(ax, key, keys, scored, params, value, best, colour,
+                         _axis(key, [params[t].get(key) for t in scored], space))
             if log_y:
                 ax.set_yscale("log")
                 log_ticks(ax, ys)
+            logit = percent and accuracy_axis(ax, ys) == "logit"  # trials that all learn, told apart
             if k % per_row == 0:
-                ax.set_ylabel(metric_label)
+                ax.set_ylabel(metric_label + (" (logit scale)" if logit else ""))
+        grey = "; grey: past the legend" if len(scored) > len(shown) else ""
         top.suptitle(f"Each trial's {ranked_by} against each searched hyper-parameter "
-                     f"({'lower' if direction == 'minimize' else 'higher'} is better; the star: the best trial)",
+                     f"({'lower' if direction == 'minimize' else 'higher'} is better; the star: the best trial{grey})",
                      fontsize=10)
 
     handles, labels = [], []
+    if bottom is not None or top is not None:
+        differ = [k for k in keys if len({repr(params[t].get(k)) for t in shown}) > 1]
+        for t in shown:
+            handles.append(Line2D([], [], color=colour[t], linewidth=2.4 if t == best else 1.6, marker="o",
+                                  markersize=5))
+            labels.append(f"{t}: " + ", ".join(f"{_short(k, keys)} {_fmt(params[t].get(k))}" for k in differ)
+                          if differ else t)
     if bottom is not None:
-        # tab20's dark shades for the best ten, its light ones after: no two neighbours in rank look alike
-        palette = [colormaps["tab20"](2 * k) for k in range(10)] + [colormaps["tab20"](2 * k + 1) for k in range(10)]
-        colour = {t: palette[k % 20] for k, t in enumerate(shown)}
         axes = bottom.subplots(1, len(curve_panels), squeeze=False)[0]
         for ax, panel in zip(axes, curve_panels):
             _curve_panel(ax, panel, shown, curves, colour, best, smoothed, log_ticks)
-        differ = [k for k in keys if len({repr(params[t].get(k)) for t in shown}) > 1]
-        for t in shown:
-            handles.append(Line2D([], [], color=colour[t], linewidth=2.4 if t == best else 1.6))
-            labels.append(f"{t}: " + ", ".join(f"{_short(k, keys)} {_fmt(params[t].get(k))}" for k in differ)
-                          if differ else t)
         which = (f"all {len(ranked)} trials with results" if len(shown) == len(ranked) else
                  f"the best {len(shown)} of the {len(ranked)} trials with results, by {metric}")
         bottom.suptitle(f"Training curves of {which}", fontsize=10)
@@ -161,15 +171,16 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str
             if unscored else "")
     failed = len(rows) - len(ranked)
     note += f"{failed} trial{'s' if failed != 1 else ''} failed or did not run. " if failed else ""
-    legend_below(fig, handles, labels, title="trial: its searched values" if handles else None,
-                 note=note.strip() or None)
+    title = "trial: its searched values (its colour in every panel)" if handles else None
+    legend_below(fig, handles, labels, title=title, note=note.strip() or None)
     return fig
 
 
 def _param_panel(ax, key: str, keys: list[str], trials: list[str], params: dict, value: dict, best: str | None,
-                 axis: str) -> None:
-    """Every trial's metric against its value of ``key`` (``axis``: see :func:`_axis`); values met more than once
-    spread a little sideways, so that equal ones do not hide each other."""
+                 colour: dict, axis: str) -> None:
+    """Every trial's metric against its value of ``key`` (``axis``: see :func:`_axis`), a dot in the trial's
+    ``colour`` (grey for a trial without one), the best drawn last; values met more than once spread a little
+    sideways, so that equal ones do not hide each other."""
     xs = [params[t].get(key) for t in trials]
     ys = [value[t] for t in trials]
     numeric = axis != "values"
@@ -184,10 +195,13 @@ def _param_panel(ax, key: str, keys: list[str], trials: list[str], params: dict,
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names)
         ax.set_xlim(-0.6, len(names) - 0.4)
-    ax.scatter(positions, ys, s=22, color="#1f4e99", alpha=0.75, linewidths=0)
+    order = list(reversed(range(len(trials))))  # best first in ``trials``: drawn last, on top
+    ax.scatter([positions[k] for k in order], [ys[k] for k in order], s=26, linewidths=0.4, edgecolors="white",
+               c=[colour.get(trials[k], _OTHERS) for k in order], zorder=2)
     if best is not None:
         k = trials.index(best)
-        ax.scatter([positions[k]], [ys[k]], s=140, marker="*", color="#d62728", zorder=3)
+        ax.scatter([positions[k]], [ys[k]], s=190, marker="*", color=colour.get(best, _OTHERS), edgecolors="black",
+                   linewidths=0.8, zorder=3)
     if numeric and log_x:
         from onnxfuse.core._plot import log_ticks
 
@@ -234,10 +248,15 @@ def _curve_panel(ax, panel: tuple, shown: list[str], curves: dict, colour: dict,
             smooth_any = True
         else:
             ax.plot(xs, ys, color=colour[t], linewidth=width, marker=".")
+    logit = False
     if log:
         ax.set_yscale("log")
         log_ticks(ax, values)
+    elif column == "accuracy":
+        from onnxfuse.core._plot import accuracy_axis
+
+        logit = accuracy_axis(ax, values) == "logit"
     ax.set_title(title + (" (smoothed; raw values faint)" if smooth_any else ""), fontsize=9)
     ax.set_xlabel("step")
-    ax.set_ylabel("accuracy (%)" if column == "accuracy" else "loss")
+    ax.set_ylabel(("accuracy (%)" + (" (logit scale)" if logit else "")) if column == "accuracy" else "loss")
     ax.grid(True, alpha=0.3)

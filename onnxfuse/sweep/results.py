@@ -22,8 +22,8 @@ import socket
 import time
 
 from onnxfuse.core.errors import as_user_error
-from onnxfuse.recipe.ranking import rank_key, score
-from onnxfuse.sweep.folder import METRICS, TRIAL_BEST_WEIGHTS, TRIAL_ONNX, TRIAL_WEIGHTS, SweepDir
+from onnxfuse.recipe.ranking import rank_key, ranked_state, score
+from onnxfuse.sweep.folder import METRICS, TRIAL_FILES, TRIAL_WEIGHTS, SweepDir
 from onnxfuse.sweep.worker import RESULT_COLUMNS, TRIAL_METRICS, number
 
 __all__ = ["write_array_result", "close_rung", "failed_result", "collect", "best_first", "trial_score",
@@ -195,8 +195,11 @@ def trial_score(row: dict, metric: str) -> float:
 def collect(sweep: SweepDir, plan: dict) -> list[dict]:
     """One row per trial, from the last array it trained in: its parameters, status, the final value of the
     plan's metric and, when the sweep keeps best states, its best state's value and step
-    (``best_<metric>``, ``best_step``), its other final metrics and its files (``best_checkpoint``: the best
-    state's weights); best first by :func:`trial_score`, trials without a finite one last, in id order."""
+    (``best_<metric>``, ``best_step``), its other final metrics and its files: ``checkpoint`` and ``onnx`` are
+    the state it is ranked by (``ranking.ranked_state``: ``state``, its best one when kept, whose value
+    :func:`trial_score` is), and when the sweep keeps best states ``final_checkpoint`` the final state's weights
+    (whose value is the ``<metric>`` column); best first by :func:`trial_score`, trials without a finite one
+    last, in id order."""
     metric = plan["metric"]
     keys = list(dict.fromkeys(k for t in plan["trials"] for k in t["params"]))
     trials = {t["id"]: t for t in plan["trials"]}
@@ -211,15 +214,20 @@ def collect(sweep: SweepDir, plan: dict) -> list[dict]:
     rows = []
     for tid, (a, res, t) in last.items():
         done, best = res["state"] == "done", t.get("best") or {}
+        state = ranked_state(best.get("value"))
+        onnx, weights = TRIAL_FILES[state]
+
+        def file(name: str) -> str:
+            return sweep.relative(sweep.trial_file(tid, name)) if done else ""
+
         rows.append({"trial": tid, "array": a["id"], **{k: trials[tid]["params"].get(k, "") for k in keys},
                      "status": t["status"], metric: t.get(metric, math.nan),
                      **({f"best_{metric}": best.get("value", math.nan), "best_step": best.get("step", "")}
                         if kept else {}),
                      **{k: t.get(k, math.nan) for k in RESULT_COLUMNS[1:] if k != metric},
-                     "checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_WEIGHTS)) if done else "",
-                     "onnx": sweep.relative(sweep.trial_file(tid, TRIAL_ONNX)) if done else "",
-                     **({"best_checkpoint": sweep.relative(sweep.trial_file(tid, TRIAL_BEST_WEIGHTS))
-                         if done and best else ""} if kept else {}),
+                     **({"state": state if done else ""} if kept else {}),
+                     "checkpoint": file(weights), "onnx": file(onnx),
+                     **({"final_checkpoint": file(TRIAL_WEIGHTS)} if kept else {}),
                      "node": (res.get("node") or "")[:8], "host": res.get("host", ""),
                      "attempts": res.get("attempts", 0), "error": res.get("error", "")})
 
@@ -242,7 +250,7 @@ def table(rows: list[dict], limit: int | None = None) -> str:
     """A plain-text table of the rows (the first ``limit``)."""
     if not rows:
         return "(no trials)"
-    cols = [c for c in rows[0] if c not in ("checkpoint", "onnx", "best_checkpoint", "error", "host")]
+    cols = [c for c in rows[0] if c not in ("state", "checkpoint", "onnx", "final_checkpoint", "error", "host")]
     shown = rows[:limit] if limit else rows
     cells = [[_fmt(r[c]) for c in cols] for r in shown]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
@@ -255,8 +263,9 @@ def table(rows: list[dict], limit: int | None = None) -> str:
 
 def _ranked_by(rows: list[dict], metric: str) -> str:
     if rows and f"best_{metric}" in rows[0]:
-        return (f"best_{metric}, each trial's best state's (kept at best_step: best_checkpoint), or its final "
-                f"{metric} without one")
+        return (f"best_{metric}, each trial's best state's (kept at best_step), or its final {metric} without one; "
+                f"results.csv's checkpoint and onnx columns are that state's files (state: best or final), "
+                f"final_checkpoint the final state's")
     return metric
 
 

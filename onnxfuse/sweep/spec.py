@@ -5,7 +5,8 @@ trial shares, without its ``model`` and ``grid`` sections, plus the sections of 
 
     model       factory, input_shape, input_dtype, args (fixed factory keyword arguments), seed (the models'
                 init seed), per_model_inputs
-    search      method (grid | random), samples and seed (random), space: {key: [values] | {low, high, log, int}}
+    search      space: {key: [values] | {low, high, log, int}}; method (grid | random), samples and seed (random):
+                how ``onnxfuse sweep`` draws its trials (a range is for random; Optuna samples ranges itself)
     metric      eval_loss | eval_accuracy | train_loss (what the report sorts by and Optuna optimizes; each
                 trial's best state by an eval metric is kept, its run's keep_best, and ranked by)
     arrays      size (a number, or auto: the array-sizing planner, run on a worker), max_size
@@ -291,10 +292,24 @@ class SweepSpec:
     # ---------------------------------------------------------------------------------------------- trials
     def trials(self) -> list[dict]:
         """Every trial's parameters {space key: value}, in order: the grid's product (the first key varies
-        slowest), or ``search.samples`` draws from a generator seeded with ``search.seed``."""
+        slowest), or ``search.samples`` draws from a generator seeded with ``search.seed``. (``search.method`` is
+        how ``onnxfuse sweep`` draws the trials from the space; Optuna's sampler draws them without it, a range
+        being a distribution to sample from: ``integrations.optuna.suggest_from_space``.)"""
         search = self.sections.search
         if search is None:
             raise ConfigError(f"{self.source}: search is required (search.space: the values to try); see {EXAMPLE}")
+        where = f"{self.source}: "
+        if search.method == "grid":
+            ranged = [k for k, v in search.space.items() if isinstance(v, Range)]
+            if ranged:
+                raise ConfigError(f"{where}search.space.{ranged[0]} is a range, which a grid cannot enumerate; give a "
+                                  "list of values, or use search.method: random (with samples), or Optuna "
+                                  "(onnxfuse.integrations.optuna), which samples a range")
+            if search.samples is not None:
+                raise ConfigError(f"{where}search.samples applies to method random; a grid tries every combination "
+                                  "of search.space")
+        elif search.samples is None:
+            raise ConfigError(f"{where}search.method random needs search.samples (how many trials)")
         space = search.space
         if search.method == "grid":
             return [dict(zip(space, combo)) for combo in itertools.product(*space.values())]
@@ -372,17 +387,8 @@ def parse_spec(raw: Any, source: str = "spec", base_dir: str | None = None) -> S
 
 def _check_search(spec: SweepSpec, search: SearchSection, where: str) -> None:
     """The search as a whole, and every value it can give each key checked as that key's setting takes it,
-    before anything runs: a value that would fail a trial later fails the spec now, naming the key."""
-    if search.method == "grid":
-        ranged = [k for k, v in search.space.items() if isinstance(v, Range)]
-        if ranged:
-            raise ConfigError(f"{where}search.space.{ranged[0]} is a range, which a grid cannot enumerate; give a "
-                              "list of values, or use search.method: random")
-        if search.samples is not None:
-            raise ConfigError(f"{where}search.samples applies to method random; a grid tries every combination of "
-                              "search.space")
-    elif search.samples is None:
-        raise ConfigError(f"{where}search.method random needs search.samples (how many trials)")
+    before anything runs: a value that would fail a trial later fails the spec now, naming the key. (How the
+    trials are drawn, ``search.method``, is checked where they are drawn: ``SweepSpec.trials``.)"""
     spec.check_params({k: None for k in search.space if k != "seed"}, where + "search.space.")
     from onnxfuse.recipe.settings import check_model_value
 
