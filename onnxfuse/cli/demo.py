@@ -55,8 +55,10 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     from onnxfuse.recipe.runtimes import resolve_runtime
     from onnxfuse.runtime._machine import cpu_description
 
+    from onnxfuse.core._io import check_output_path
     from onnxfuse.core.errors import ConfigError
 
+    check_output_path(out_dir)  # '' would be the current folder
     other = sorted(set(os.listdir(out_dir)) - set(DEMO_FILES)) if os.path.isdir(out_dir) else []
     if other or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         raise ConfigError(f"'{out_dir}' holds {repr(other[0]) if other else 'a file'}, which `onnxfuse demo` did not "

@@ -219,7 +219,7 @@ def cmd_plan(args) -> int:
     from onnxfuse.measure.sizing import plan_array
 
     # -o is checked and held before the probes train (no other command writes there meanwhile)
-    with claim_output(args.output, "plan", is_file=True) if args.output else contextlib.nullcontext():
+    with claim_output(args.output, "plan", is_file=True) if args.output is not None else contextlib.nullcontext():
         plan = plan_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
                           memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int),
                           max_B=args.max_B, optimizer=args.optimizer, threads=args.threads)
@@ -227,7 +227,7 @@ def cmd_plan(args) -> int:
         for note in plan.notes:
             print(f"note: {note}")
         print(plan.summary())
-        if args.output:
+        if args.output is not None:
             plan.save(args.output)
             print(f"wrote {args.output}")
     return 0

@@ -1,6 +1,11 @@
 """Writing folders atomically: build in a temporary sibling, then rename, so a failure leaves nothing behind; and
 reading the files onnxfuse is given, each failure one error naming the file (``load_safetensors``, ``read_onnx``).
 
+Every output goes through ``claim_output`` (``atomic_dir`` for a folder replaced as a whole, ``atomic_file`` for
+one file, ``atomic_files`` for several into a folder): it refuses an empty path, holds the folders around the
+output, the output and every onnxfuse folder inside a folder it replaces (``_lock.py``), and gives each file it
+writes the mode a new file gets under the umask.
+
 The temporary names start with a dot and end in ``.tmp-<random>`` / ``.old-<random>``: a process killed in between
 leaves them, and the next command holding what they belong to removes them (``remove_temporaries``)."""
 from __future__ import annotations
@@ -10,18 +15,18 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
 
 from onnxfuse.core._graph import subgraphs
-from onnxfuse.core._lock import LOCK_FILE, folder_lock, holds, locked_folders_around
-from onnxfuse.core.errors import InputFileError, as_user_error
+from onnxfuse.core._lock import LOCK_FILE, folder_lock, holds, locked_folders_around, locked_folders_inside
+from onnxfuse.core.errors import ArrayBusyError, ConfigError, InputFileError, OutputError, as_user_error
 
-__all__ = ["atomic_dir", "claim_output", "check_output_dir", "check_output_file", "remove_temporaries",
-           "atomic_file", "atomic_write_bytes", "load_safetensors", "check_tensors", "read_onnx", "read_model",
-           "check_no_external_data"]
+__all__ = ["atomic_dir", "atomic_files", "claim_output", "check_output_path", "check_output_dir",
+           "check_output_file", "hold_inside", "remove_temporaries", "atomic_file", "atomic_write_bytes", "file_mode",
+           "give_modes", "load_safetensors", "check_tensors", "read_onnx", "read_model", "check_no_external_data"]
 
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_file create
 
@@ -32,9 +37,20 @@ def _only_marks(path: str) -> bool:
     return all(name == LOCK_FILE for name in os.listdir(path))
 
 
+def check_output_path(path: str | os.PathLike) -> str:
+    """``path`` as given, refused when it is empty or only spaces: it would name the current folder (``''``
+    resolves to it), which ``--overwrite`` replaces as a whole. Every output check starts here."""
+    shown = os.fspath(path)
+    if not shown.strip():
+        raise ConfigError(f"the output path {shown!r} is {'empty' if not shown else 'only spaces'}: it would "
+                          "name the current folder; give the output's path (-o PATH)")
+    return shown
+
+
 def check_output_dir(path: str, overwrite: bool) -> None:
     """Refuse to replace a non-empty folder unless asked to, and a path under a file (checked before any work
     starts)."""
+    check_output_path(path)
     _check_parent(path)
     if os.path.exists(path):
         if not os.path.isdir(path):
@@ -55,6 +71,7 @@ def _check_parent(path: str) -> None:
 
 def check_output_file(path: str) -> None:
     """Refuse a file output (``plan -o``, ``report -o``) that is a folder or lies under a file."""
+    check_output_path(path)
     if os.path.isdir(path):
         raise InputFileError(f"output '{path}' is a folder; give a file path")
     _check_parent(path)
@@ -74,8 +91,13 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
     holds the output or a folder around it. Stale temporaries of the output (``.NAME.tmp-*``, ``.NAME.old-*``
     beside it, left by a killed process) are removed under its lock. The lock file goes again when the command
     ends, unless the folder had one (an onnxfuse folder) or ``mark`` (a folder written in place that becomes one: a
-    sweep's). ``what`` names the folder in messages."""
-    shown = os.fspath(path)
+    sweep's). ``what`` names the folder in messages.
+
+    A folder to be replaced (``replace``) takes every folder inside it with it: each onnxfuse folder in it (one
+    carrying a lock file, at any depth) is held too, so that one another command holds (``train P/A`` while
+    ``split -o P --overwrite``) is refused naming that command, before any work (``hold_inside``).
+    ``atomic_dir`` holds them again just before the replacing rename, for those that appeared meanwhile."""
+    shown = check_output_path(path)
     real = os.path.realpath(shown)
     if is_file:
         check_output_file(shown)
@@ -107,6 +129,7 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
             stack.enter_context(folder_lock(real, command, what, remove=not (marked or mark)))
             if replace:
                 check_output_dir(real, overwrite)  # again, holding it: another command may have filled it
+                stack.enter_context(hold_inside(real, shown, command))
                 remove_temporaries(os.path.dirname(real), of=os.path.basename(real))
             yield real
         finally:
@@ -116,6 +139,25 @@ def claim_output(path: str | os.PathLike, command: str, *, overwrite: bool = Fal
                     for name in os.listdir(real):
                         os.remove(os.path.join(real, name))
                     os.rmdir(real)
+
+
+@contextlib.contextmanager
+def hold_inside(real: str, shown: str, command: str) -> Iterator[None]:
+    """Hold, for ``command``, every onnxfuse folder inside the folder ``real`` (the output ``shown``) that a
+    replacing rename would take with it (``locked_folders_inside``); one another process holds is an
+    ArrayBusyError naming the output, the folder and its holder, and nothing is held."""
+    with contextlib.ExitStack() as stack:
+        for inner in locked_folders_inside(real):
+            try:
+                stack.enter_context(folder_lock(inner, command, "folder"))
+            except ArrayBusyError as e:
+                if not e.holder:
+                    raise
+                where = os.path.join(shown, os.path.relpath(inner, real))
+                raise ArrayBusyError(f"output folder '{shown}' holds '{where}', which is in use by {e.holder}; "
+                                     f"replacing '{shown}' would delete it: wait for that command to end or stop "
+                                     "it, or choose another output folder", e.holder) from None
+        yield
 
 
 def remove_temporaries(folder: str, of: str | None = None) -> list[str]:
@@ -139,8 +181,10 @@ def remove_temporaries(folder: str, of: str | None = None) -> list[str]:
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str, mark: bool = False
                ) -> Iterator[str]:
     """Yield a temporary folder; on success it replaces ``path`` in one rename, on error it is removed. The output
-    is held for ``command`` throughout (``claim_output``). ``mark``: the new folder carries the lock file that
-    marks it as an onnxfuse folder (an array), so that every later command writing in it holds it first."""
+    is held for ``command`` throughout (``claim_output``), and so is every onnxfuse folder inside the folder it
+    replaces (``hold_inside``). ``mark``: the new folder carries the lock file that marks it as an onnxfuse folder
+    (an array), so that every later command writing in it holds it first. Every file and folder in it gets the
+    mode a new one gets under the umask (``give_modes``), whichever library wrote it."""
     shown = os.fspath(path)
     with claim_output(shown, command, overwrite=overwrite) as real:
         parent = os.path.dirname(real)
@@ -155,37 +199,128 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False, *, command: str
             yield tmp
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            user = as_user_error(e, shown)  # a full disk or a read-only folder while writing: name the output
+            user = _named(e, shown, tmp, shown)  # a full disk or a read-only folder while writing: name the output
             if user is None or user is e:
                 raise
             raise user from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        with contextlib.ExitStack() as inside:
+            try:
+                give_modes(tmp)  # mkdtemp's folder is private (0700), safetensors' files too (0600)
+                old = None
+                if os.path.exists(real):
+                    # what appeared inside since the claim is held too (the claim's holds are counted again)
+                    inside.enter_context(hold_inside(real, shown, command))
+                    old = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.old-", dir=parent)
+                    os.rmdir(old)
+                    os.rename(real, old)
+                os.rename(tmp, real)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, OSError):
+                    raise (as_user_error(e, shown) or e) from e
+                raise
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_files(folder: str | os.PathLike) -> Iterator[Callable[[str], contextlib.AbstractContextManager[str]]]:
+    """Write several files into ``folder`` (which the caller holds), all of them or none: a command that writes
+    more than one file into a folder it does not replace as a whole (``bench -o``) never leaves the first few.
+
+    Yields ``stage``: ``with stage("bench.json") as path:`` gives the path to write that file at, in a temporary
+    folder inside ``folder``; a failure while writing it is the one-line error ``as_user_error`` makes of it,
+    naming the file as it will be (``folder/bench.json``). When the block ends every staged file is renamed into
+    ``folder`` (replacing one of that name) with the mode a new file gets; when it fails none is, and the
+    temporary folder is removed."""
+    folder = os.fspath(folder)
+    remove_temporaries(folder, of=_FILES)  # a killed writer's
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{_FILES}.tmp-", dir=folder)
+    except OSError as e:
+        raise (as_user_error(e, folder) or e) from e
+
+    @contextlib.contextmanager
+    def stage(name: str) -> Iterator[str]:
+        final = os.path.join(folder, name)
         try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700); the output gets a folder's mode
-            old = None
-            if os.path.exists(real):
-                old = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.old-", dir=parent)
-                os.rmdir(old)
-                os.rename(real, old)
-            os.rename(tmp, real)
+            yield os.path.join(tmp, name)
+        except Exception as e:
+            user = _named(e, final, tmp, folder)
+            if user is None or user is e:
+                raise
+            raise user from e
+
+    try:
+        yield stage
+        try:
+            give_modes(tmp)
+            for name in sorted(os.listdir(tmp)):
+                os.replace(os.path.join(tmp, name), os.path.join(folder, name))
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise (as_user_error(e, shown) or e) from e
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+            raise (as_user_error(e, folder) or e) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _named(e: Exception, path: str, tmp: str, final: str) -> Exception | None:
+    """``as_user_error(e, path)``, where a file in the temporary folder ``tmp`` is named by the name it gets in
+    ``final`` (an ``atomic_file`` inside it named its own temporary path)."""
+    user = as_user_error(e, path)
+    if isinstance(user, OutputError) and tmp + os.sep in str(user):
+        user = OutputError(str(user).replace(tmp + os.sep, final + os.sep))
+    return user
+
+
+_FILES = "onnxfuse-files"  # atomic_files' temporary folder: .onnxfuse-files.tmp-*
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (os.umask sets it to read it, which
+    another thread creating a file at that moment would feel)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def file_mode() -> int:
+    """The mode every file onnxfuse writes gets: 0666 less the umask, as ``open`` gives a new file (and 0777 less
+    the umask for a folder), whichever library wrote it: safetensors makes its files private (0600)."""
+    return 0o666 & ~_umask()
+
+
+def give_modes(path: str) -> None:
+    """Give the file ``path``, or the folder ``path`` and every file and folder in it, the mode a new file or
+    folder gets under the umask (``file_mode``); symbolic links are left alone."""
+    umask = _umask()
+    if os.path.islink(path):
+        return
+    if not os.path.isdir(path):
+        os.chmod(path, 0o666 & ~umask)
+        return
+    os.chmod(path, 0o777 & ~umask)
+    for root, dirs, files in os.walk(path):
+        for names, mode in ((dirs, 0o777), (files, 0o666)):
+            for name in names:
+                p = os.path.join(root, name)
+                if not os.path.islink(p):
+                    os.chmod(p, mode & ~umask)
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path next to ``path`` (``.<name>.tmp-<pid>``) to write the file at, by any writer (bytes,
     ``onnx.save``, a copy); when the block ends the file is synced to disk and renamed over ``path`` in one step,
-    so that a reader finds the old file or the whole new one, never a part. If the block fails the temporary file
-    is removed and the error goes on (an OSError as the one-line error ``as_user_error`` makes of it, naming
-    ``path``); what a killed writer leaves, ``remove_temporaries`` removes."""
+    so that a reader finds the old file or the whole new one, never a part, with the mode a new file gets
+    (``give_modes``). If the block fails the temporary file is removed and the error goes on (a full disk or a
+    read-only folder, from Python or a library such as safetensors, as the one-line error ``as_user_error`` makes
+    of it, naming ``path``); what a killed writer leaves, ``remove_temporaries`` removes."""
     path = os.fspath(path)
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
@@ -193,13 +328,15 @@ def atomic_file(path: str | os.PathLike) -> Iterator[str]:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        give_modes(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        if isinstance(e, OSError):
-            raise (as_user_error(e, path) or e) from e
-        raise
+        user = as_user_error(e, path) if isinstance(e, Exception) else None  # safetensors' errors too
+        if user is None or user is e:
+            raise
+        raise user from e
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

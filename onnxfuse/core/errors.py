@@ -84,7 +84,12 @@ class VerificationError(OnnxFuseError):
 
 
 class ArrayBusyError(OnnxFuseError):
-    """Another process holds the array folder's lock (one command at a time per array folder)."""
+    """Another process holds the array folder's lock (one command at a time per array folder). ``holder``: who
+    holds it, as messages name it (`` `onnxfuse train` (pid 123, started ...)``)."""
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
 
 
 class OutputError(OnnxFuseError):

@@ -110,7 +110,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from onnxfuse.core._clock import Stopwatch
-from onnxfuse.core._io import claim_output
+from onnxfuse.core._io import atomic_files, claim_output
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, shell
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIMES, check_precision
@@ -1060,20 +1060,24 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         ran = sorted({r["threads"] for r in rows})
         if ran:  # building the torch runtime sets the process's threads (1 unless --threads): what the rounds ran
             env["threads"] = ran[0] if len(ran) == 1 else ran
-        with open(os.path.join(out, "bench.json"), "w") as f:
-            json.dump({"command": cmd, "env": env, "modes": measured, "precisions": precisions, "notes": notes,
-                       "rows": rows}, f, indent=1)
-        _write_csv(os.path.join(out, "bench.csv"), rows, measured)
         text = table(rows, measured)
-        with open(os.path.join(out, "bench.md"), "w") as f:
-            f.write(f"`{cmd}`\n\n{_where(env, dev.type)}, torch {env['torch']} ({env['threads']} threads); samples/s over "
-                    "all B models (median round); ratios are medians of per-round "
-                    "ratios, each within one precision.\n\n"
-                    + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
-                    + "\n\nWhich mode won, per model, B and precision:\n\n" + verdicts(rows)
-                    + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
-                    "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator):\n\n" + text + "\n")
-        _plot(os.path.join(out, "bench.png"), rows, measured, env)
+        with atomic_files(out) as stage:  # the four files or none (a full disk leaves no bench.json alone)
+            with stage("bench.json") as path, open(path, "w") as f:
+                json.dump({"command": cmd, "env": env, "modes": measured, "precisions": precisions, "notes": notes,
+                           "rows": rows}, f, indent=1)
+            with stage("bench.csv") as path:
+                _write_csv(path, rows, measured)
+            with stage("bench.md") as path, open(path, "w") as f:
+                f.write(f"`{cmd}`\n\n{_where(env, dev.type)}, torch {env['torch']} ({env['threads']} threads); "
+                        "samples/s over all B models (median round); ratios are medians of per-round "
+                        "ratios, each within one precision.\n\n"
+                        + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
+                        + "\n\nWhich mode won, per model, B and precision:\n\n" + verdicts(rows)
+                        + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
+                        "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator):\n\n" + text
+                        + "\n")
+            with stage("bench.png") as path:
+                _plot(path, rows, measured, env)
         say(text)
         say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
         return rows
