@@ -11,6 +11,7 @@ leaves them, and the next command holding what they belong to removes them (``re
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -22,11 +23,13 @@ import onnx
 
 from onnxfuse.core._graph import subgraphs
 from onnxfuse.core._lock import LOCK_FILE, folder_lock, holds, locked_folders_around, locked_folders_inside
+from onnxfuse.core._opset import check_opset_supported
 from onnxfuse.core.errors import ArrayBusyError, ConfigError, InputFileError, OutputError, as_user_error
 
 __all__ = ["atomic_dir", "atomic_files", "claim_output", "check_output_path", "check_output_dir",
            "check_output_file", "hold_inside", "remove_temporaries", "atomic_file", "atomic_write_bytes", "file_mode",
-           "give_modes", "load_safetensors", "check_tensors", "read_onnx", "read_model", "check_no_external_data"]
+           "give_modes", "load_safetensors", "check_tensors", "read_onnx", "read_model", "check_model_contents",
+           "check_no_external_data"]
 
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)-\w+$")  # what atomic_dir and atomic_file create
 
@@ -415,6 +418,7 @@ def read_onnx(path: str | os.PathLike, fix: str = "re-export it") -> onnx.ModelP
     for tensor in _all_tensors(model):
         if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL:
             _read_external(tensor, path, folder, fix)
+    check_model_contents(model, f"'{path}'", fix)
     return model
 
 
@@ -426,6 +430,7 @@ def read_model(model: str | os.PathLike | onnx.ModelProto, label: str | None = N
     if isinstance(model, onnx.ModelProto):
         label = label or "model"
         check_no_external_data(model, label)
+        check_model_contents(model, label, fix)
         return model, label
     path = os.fspath(model)
     return read_onnx(path, fix), label or os.path.basename(path)
@@ -464,6 +469,61 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
             yield from _node_tensors(node)
             for g in subgraphs(node):
                 yield from _graph_tensors(g)
+
+
+def check_model_contents(model: onnx.ModelProto, label: str, fix: str) -> None:
+    """What onnxfuse reads of a model it is given, checked before any pass reads it, so that a model file cut short
+    or edited is one InputFileError naming ``label``, the tensor or input and what is wrong (ending with ``fix``),
+    never a reshape error deep in fusion: its default-domain opset is one onnxfuse reads
+    (``_opset.check_opset_supported``); every tensor it holds (initializers, constants, sparse parts, in
+    subgraphs too) has a known type, no negative dimension and exactly the data its type and shape need; every
+    graph input's dimensions are not negative."""
+    check_opset_supported(model, label)
+    initializers = {t.name for t in model.graph.initializer}
+    for tensor in _all_tensors(model):
+        what = f"{label}: {'initializer' if tensor.name in initializers else 'tensor'} '{tensor.name}'"
+        problem = _tensor_problem(tensor)
+        if problem:
+            raise InputFileError(f"{what} {problem}; {fix}")
+    for vi in model.graph.input:
+        t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in t.shape.dim] \
+            if t is not None and t.HasField("shape") else []
+        if any(isinstance(d, int) and d < 0 for d in dims):
+            raise InputFileError(f"{label}: input '{vi.name}' has shape {dims}: a dimension is negative; give it "
+                                 f"a size or a name (dim_param); {fix}")
+
+
+def _tensor_problem(tensor: onnx.TensorProto) -> str | None:
+    """What is wrong with ``tensor``'s data as read (its data in the file itself: external data is read in
+    first), or None: a data type onnx does not define, a negative dimension, or fewer or more bytes or values than
+    its type and shape need."""
+    if tensor.data_type not in onnx.TensorProto.DataType.values():
+        return f"has data type {tensor.data_type}, which ONNX does not define"
+    type_name = onnx.TensorProto.DataType.Name(tensor.data_type)
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims):
+        return f"has shape {dims}: a dimension is negative"
+    if type_name == "UNDEFINED" or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None  # no data to count (a sparse tensor's placeholder); external data: checked when read
+    count = math.prod(dims)
+    if tensor.HasField("raw_data"):
+        need = _tensor_bytes(tensor)
+        if need is not None and len(tensor.raw_data) != need:
+            return (f"has {len(tensor.raw_data)} bytes of data, but a {type_name} tensor of shape {dims} needs "
+                    f"{need} (the file is cut short or was edited)")
+        return None
+    field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+    per_value = 2 if type_name.startswith("COMPLEX") else 1
+    values = len(getattr(tensor, field))
+    need = (count + 1) // 2 if type_name in _FOUR_BIT else count * per_value
+    if values != need:
+        return (f"holds {values} values in {field}, but a {type_name} tensor of shape {dims} needs {need} (the "
+                "file is cut short or was edited)")
+    return None
+
+
+_FOUR_BIT = ("INT4", "UINT4", "FLOAT4E2M1")  # two values per byte (raw) or per int32_data entry
 
 
 def check_no_external_data(model: onnx.ModelProto, label: str) -> None:
@@ -535,8 +595,8 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int | None:
     """The bytes of ``tensor``'s raw data, or None where they do not follow from its type (strings, unknown)."""
     name = onnx.TensorProto.DataType.Name(tensor.data_type) if tensor.data_type in \
         onnx.TensorProto.DataType.values() else ""
-    count = int(np.prod(tensor.dims, dtype=np.int64))
-    if name in ("INT4", "UINT4", "FLOAT4E2M1"):  # two values per byte
+    count = math.prod(tensor.dims)  # Python's int: no overflow for absurd dims
+    if name in _FOUR_BIT:  # two values per byte
         return (count + 1) // 2
     if name in ("", "UNDEFINED", "STRING"):
         return None

@@ -7,9 +7,14 @@ import onnx
 
 from onnxfuse.core.errors import InputFileError
 
-__all__ = ["onnx_opset", "is_training_batchnorm"]
+__all__ = ["onnx_opset", "is_training_batchnorm", "check_opset_supported", "MIN_OPSET", "MAX_OPSET"]
 
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the default (ONNX) domain's two spellings
+# The default-domain opsets onnxfuse reads, declared once (``export --opset`` offers those of them torch writes):
+# from 13, the oldest its rules are written for, to the newest the installed onnx package defines (its checker and
+# shape inference know every op up to it; a later or made-up version would be fused by guesswork).
+MIN_OPSET = 13
+MAX_OPSET = onnx.defs.onnx_opset_version()
 
 
 def onnx_opset(model: onnx.ModelProto, label: str = "the model") -> int:
@@ -36,3 +41,14 @@ def is_training_batchnorm(node: onnx.NodeProto, opset: int) -> bool:
     if opset >= 14:
         return any(a.name == "training_mode" and a.i for a in node.attribute)
     return any(node.output[1:])
+
+
+def check_opset_supported(model: onnx.ModelProto, label: str) -> None:
+    """``model``'s default-domain opset is one onnxfuse reads (``MIN_OPSET`` .. ``MAX_OPSET``); else one
+    InputFileError naming ``label``. A model without a default-domain opset passes here (``onnx_opset`` refuses
+    it where the version is needed)."""
+    for o in model.opset_import:
+        if o.domain in DEFAULT_DOMAINS and not MIN_OPSET <= o.version <= MAX_OPSET:
+            raise InputFileError(f"{label} imports ONNX opset {o.version}, which onnxfuse does not read: it reads "
+                                 f"opsets {MIN_OPSET} to {MAX_OPSET}; re-export the model with an opset in that "
+                                 "range (onnxfuse export --opset, torch.onnx.export(..., opset_version=...))")

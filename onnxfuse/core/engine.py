@@ -251,6 +251,11 @@ class NodeGroup:
     def name(self) -> str:
         return node_label(self.node)
 
+    @property
+    def model_label(self) -> str:
+        """The name of model 0 (its file), for a message about the model itself."""
+        return self._st.src.label
+
     def attr(self, name: str, default=None):
         for a in self.node.attribute:
             if a.name == name:

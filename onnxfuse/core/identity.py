@@ -219,8 +219,11 @@ def _node_difference(s0: _Structure, n0, pos0, s1: _Structure, n1, pos1) -> str 
     for k, (t0, t1) in enumerate(zip(n0.input, n1.input)):
         c0, c1 = _canon_input(s0, t0, pos0), _canon_input(s1, t1, pos1)
         if c0 != c1:
-            if c0[0] == c1[0] == "weight":
-                return f"input {k} weight '{t1}' has shape {list(c1[2])} vs '{t0}' {list(c0[2])}"
+            if c0[0] == c1[0] and c0[0] in ("weight", "const") and c0[1:3] != c1[1:3]:  # (dtype, shape)
+                what = "dtype and shape" if c0[1] != c1[1] and c0[2] != c1[2] else \
+                    "dtype" if c0[1] != c1[1] else "shape"
+                return (f"input {k} {c0[0].replace('const', 'constant')} '{t1}' differs in {what}: "
+                        f"{_dtype(c1[1])} {list(c1[2])} vs '{t0}' {_dtype(c0[1])} {list(c0[2])}")
             if c0[0] == c1[0] == "const":
                 return f"input {k} constant '{t1}' has a different value than '{t0}'"
             return f"input {k} '{t1}' is fed differently than '{t0}'"

@@ -22,7 +22,8 @@ from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.core.identity import check_identical
 from onnxfuse.core.rules import RULES
 from onnxfuse.core.semantics import apply_options, plain_export_warnings, record_semantics
-from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY, SourceModel, load_source, resolve_static_pass
+from onnxfuse.core.source import (FLOAT_TYPES, METADATA_KEY, SourceModel, check_shapes_agree, load_source,
+                                  resolve_static_pass)
 from onnxfuse.core.weights import ArraySpec
 
 __all__ = ["FusedGraph", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
@@ -50,11 +51,15 @@ class FusedGraph:
         return self.spec.B
 
 
-def check_pass(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx.checker with shape inference: the fused graph must be valid ONNX."""
+def check_pass(model: onnx.ModelProto, sources: Sequence[SourceModel] = ()) -> onnx.ModelProto:
+    """onnx.checker with shape inference: the fused graph must be valid ONNX. When it is not because a source
+    model's own shapes do not agree (an input shape its weights cannot take: its dimension 10**12 where a Gemm
+    expects 48), that model is named (``check_shapes_agree``); else it is onnxfuse's fault (an internal error)."""
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:
+        for src in sources:
+            check_shapes_agree(src)
         raise NotFusibleError(f"internal error: the fused graph is not valid ONNX: {str(e).splitlines()[0]}") from e
     return model
 
@@ -106,7 +111,7 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         warnings.warn(f"{len(result.summary['unfused'])} node(s) run once per model instead of fused: {listed}"
                       + (f" and {more} more" if more > 0 else "") + "; see array.json summary.unfused for why",
                       stacklevel=2)
-    model = check_pass(toposort_pass(cleanup_pass(result.model)))
+    model = check_pass(toposort_pass(cleanup_pass(result.model)), sources)
     src = sources[0]
 
     def io(vis, per_model=()):

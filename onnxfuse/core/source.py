@@ -18,8 +18,8 @@ from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.windows import explicit_windows_pass
 
-__all__ = ["SourceModel", "load_source", "check_every_input_defined", "resolve_static_pass", "weight_names", "METADATA_KEY", "FLOAT_TYPES",
-           "tensor_shape", "np_dtype"]
+__all__ = ["SourceModel", "load_source", "check_every_input_defined", "check_shapes_agree", "resolve_static_pass",
+           "weight_names", "METADATA_KEY", "FLOAT_TYPES", "tensor_shape", "np_dtype"]
 
 # The exporter writes a JSON document under this metadata key: which initializers are trainable parameters,
 # which are buffers, and the state_dict entries that are not in the graph (e.g. num_batches_tracked).
@@ -194,6 +194,20 @@ def _static_outputs(node: onnx.NodeProto, facts: GraphFacts) -> dict[str, np.nda
     return values
 
 
+def check_shapes_agree(source: SourceModel) -> None:
+    """``source``'s shapes agree with each other under ONNX's strict shape inference; else one InputFileError
+    naming the model and the node inference stopped at. ``load_source`` infers leniently (an op it cannot infer
+    is no error), so this is asked only once the fused graph fails onnx's checker: a model whose input shape its
+    weights cannot take (a dimension of 10**12 where the weights expect 48) is the user's to fix, not an internal
+    error."""
+    try:
+        onnx.shape_inference.infer_shapes(source.model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:
+        first = " ".join(str(e).split())[:300]
+        raise InputFileError(f"{source.label}: the model's shapes do not agree ({first}); check its input shapes "
+                             "against what its weights take, and re-export it") from e
+
+
 def check_every_input_defined(proto: onnx.ModelProto, label: str) -> None:
     """Every tensor a node of the main graph reads (its inputs and its subgraphs' outer-scope reads) is a graph
     input, an initializer or some node's output; else one InputFileError naming ``label``, the node and the
@@ -224,9 +238,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputFileError(f"{label}: not a valid ONNX model: {first}") from e
-    opset = onnx_opset(proto, label)
-    if opset < 13:
-        raise InputFileError(f"{label}: ONNX opset {opset} is too old; export with opset_version between 13 and 20")
+    opset = onnx_opset(proto, label)  # one onnxfuse reads: read_model checked it (_opset.MIN_OPSET, MAX_OPSET)
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)
     proto = resolve_static_pass(proto, weights)  # window padding made explicit too, before any fold reads it

@@ -14,6 +14,7 @@ import torch
 from onnx import numpy_helper
 
 from onnxfuse.core._io import atomic_dir
+from onnxfuse.core._opset import MAX_OPSET, MIN_OPSET  # the opsets onnxfuse reads
 from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.semantics import PADDING_ROWS
@@ -21,8 +22,6 @@ from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.exporters.factory import DEFAULT_OPSET, call_factory, factory_name, load_factory, model_inputs
 
 __all__ = ["export_module", "export_array", "load_factory", "build_module", "trace_inputs", "DEFAULT_OPSET"]
-
-MIN_OPSET = 13  # onnxfuse reads opsets from 13 on (onnxfuse/core/source.py)
 
 
 def _max_opset() -> int:
@@ -37,10 +36,11 @@ def _max_opset() -> int:
 
 def check_opset(opset) -> int:
     """``opset`` if onnxfuse reads it and the TorchScript exporter writes it; else one ConfigError line."""
-    top = _max_opset()
+    top = min(_max_opset(), MAX_OPSET)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= top:
         raise ConfigError(f"--opset {opset} is not supported: torch's TorchScript exporter writes opsets up to "
-                          f"{top} and onnxfuse reads opsets from {MIN_OPSET} on; give one in {MIN_OPSET}..{top} "
+                          f"{_max_opset()} and onnxfuse reads opsets {MIN_OPSET} to {MAX_OPSET}; give one in "
+                          f"{MIN_OPSET}..{top} "
                           f"(default {DEFAULT_OPSET})")
     return opset
 

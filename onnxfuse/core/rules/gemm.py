@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.layout import stacked
 from onnxfuse.core.weights import WeightSlot
 from onnxfuse.core.rules._common import unsqueeze
@@ -27,6 +28,20 @@ def _matrix(g: "NodeGroup", i: int, transpose: bool) -> str:
     return _transpose_last2(g, x, 2 if shared else 3) if transpose else x
 
 
+def _check_inner_dims(g: "NodeGroup", trans_a: int, trans_b: int, w_shape: list | None) -> None:
+    """A's K is B's K where both are known: ONNX's Gemm shape inference does not check it (the fused MatMul's
+    does), so a model whose input shape its weights cannot take (a dimension of 10**12 flattened into a Gemm whose
+    weight expects 48) is refused here, naming the model and the node, not as an invalid fused graph."""
+    a_shape = g.input_shape(0)
+    k_a = a_shape[0 if trans_a else 1] if a_shape is not None and len(a_shape) == 2 else None
+    k_w = w_shape[1 if trans_b else 0] if w_shape is not None and len(w_shape) == 2 else None
+    if isinstance(k_a, int) and isinstance(k_w, int) and k_a != k_w:
+        raise InputFileError(f"{g.model_label}: node '{g.name}' (Gemm) multiplies A of shape {a_shape} "
+                             f"(transA={trans_a}) by B of shape {w_shape} (transB={trans_b}): their inner dimensions "
+                             f"{k_a} and {k_w} differ, so the model's shapes do not agree; check its input shapes "
+                             "against what its weights take, and re-export it")
+
+
 @rule("Gemm")
 def fuse_gemm(g: "NodeGroup") -> None:
     """B Gemms -> one batched MatMul (+ Add).
@@ -37,8 +52,9 @@ def fuse_gemm(g: "NodeGroup") -> None:
     """
     trans_a, trans_b = int(g.attr("transA", 0)), int(g.attr("transB", 0))
     alpha, beta = float(g.attr("alpha", 1.0)), float(g.attr("beta", 1.0))
-    a = _matrix(g, 0, trans_a)
     w_shape = g.input_shape(1)
+    _check_inner_dims(g, trans_a, trans_b, w_shape)
+    a = _matrix(g, 0, trans_a)
     if g.is_weight(1):
         perm = (1, 0) if trans_b else None
         kn = (w_shape[1], w_shape[0]) if trans_b else tuple(w_shape)
