@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxfuse.core._graph import cleanup_pass
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.array import ArrayDir, check_output_location, model_file, model_weights_file
@@ -262,7 +263,7 @@ def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, li
             graph_names = {i for n in src.graph.node for i in n.input}
             src.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in state.items() if k in graph_names)
             onnx.helper.set_model_props(src, {**{p.key: p.value for p in src.metadata_props}, **what})
-            onnx.save(to_inference(src), os.path.join(tmp, model_file(b)))
+            onnx.save(cleanup_pass(to_inference(src)), os.path.join(tmp, model_file(b)))  # nothing unused kept
             with open(os.path.join(tmp, model_weights_file(b)), "wb") as f:
                 f.write(_safetensors_bytes(state, what))
             paths.append(os.path.join(out_dir, model_file(b)))
