@@ -177,7 +177,22 @@ def summarize_array(array_dir: str | os.PathLike) -> dict:
     """:func:`summarize` of an array's current run: its metrics.csv, the best states trained/ kept and the
     per-model settings it recorded (what ``train``'s final table and ``report`` print)."""
     array = ArrayDir(os.fspath(array_dir))
-    return summarize(read_metrics(_open_metrics(array.path)), *_recorded(array))
+    return {**summarize(read_metrics(_open_metrics(array.path)), *_recorded(array)), "precision": _precision(array)}
+
+
+def _precision(array: ArrayDir) -> str:
+    """The precision the current run's losses and accuracies were measured in (``--precision``: bf16 / fp16 under
+    autocast, as it trained), from its settings in run.json or, where run.json holds none, trained/'s record; fp32
+    for a run from before either recorded it."""
+    config = (array.read_run() or {}).get("config")
+    if config is None and os.path.exists(array.train_state_path):
+        try:
+            with open(array.train_state_path) as f:
+                config = json.load(f).get("config")
+        except (OSError, ValueError, AttributeError) as e:
+            raise InputFileError(f"'{array.train_state_path}' is not readable ({type(e).__name__}); train again") \
+                from e
+    return (config or {}).get("precision") or "fp32"
 
 
 def _recorded(array: ArrayDir) -> tuple[dict | None, dict[str, list] | None]:
@@ -332,7 +347,7 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
     with array.locked("report"), claim_output(png, "report", is_file=True):  # a plot elsewhere: its folders too
         run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
         logs = read_metrics(path)
-        summary = summarize(logs, *_recorded(array))
+        summary = {**summarize(logs, *_recorded(array)), "precision": _precision(array)}
         if note:
             summary["note"] = note
         json_path = array.report_json_path
@@ -377,19 +392,21 @@ def format_table(summary: dict) -> str:
     model by the one ranking (``ranking.score``) and which state of it that ranking read."""
     models, ranked = summary["models"], summary["ranked_by"]
     metric = ranked["metric"]
+    # a metric measured in reduced precision says so: "eval acc (bf16)" (split's fp32 model may score otherwise)
+    measured = "" if summary.get("precision", "fp32") == "fp32" else f" ({summary['precision']})"
     columns: list[tuple[str, Any]] = [("model", lambda m: str(m["model"]))]
     if summary.get("hparams"):
         columns += [(k, lambda m, k=k: _setting(m["hparams"].get(k))) for k in summary["hparams"]]
     elif any(m["lr"] is not None for m in models):
         columns.append(("lr", lambda m: _fmt(m["lr"])))
-    columns.append(("train loss", lambda m: _fmt(m["last_train_loss"], ".4f")))
+    columns.append((f"train loss{measured}", lambda m: _fmt(m["last_train_loss"], ".4f")))
     if any(m["last_eval_loss"] is not None for m in models):
-        columns.append(("eval loss", lambda m: _fmt(m["last_eval_loss"], ".4f")))
+        columns.append((f"eval loss{measured}", lambda m: _fmt(m["last_eval_loss"], ".4f")))
     if any(m["last_eval_accuracy"] is not None for m in models):
-        columns.append(("eval acc", lambda m: "-" if m["last_eval_accuracy"] is None else
+        columns.append((f"eval acc{measured}", lambda m: "-" if m["last_eval_accuracy"] is None else
                         f"{100 * m['last_eval_accuracy']:.1f}%"))
     if ranked["state"] == "best":
-        columns.append((f"best {metric.replace('_', ' ')} @step", lambda m: "-" if m["kept_best"] is None else
+        columns.append((f"best {metric.replace('_', ' ')}{measured} @step", lambda m: "-" if m["kept_best"] is None else
                         f"{_metric_cell(metric, m['kept_best']['value'])} @{m['kept_best']['step']}"))
     columns.append(("status", lambda m: m["status"] if m["status_step"] is None else
                     f"{m['status']} at step {m['status_step']}"))
@@ -399,8 +416,10 @@ def format_table(summary: dict) -> str:
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     best = next((m for m in models if m["model"] == summary.get("best_model")), None)
     if best is not None and ranked["state"] == "best" and best["kept_best"] is not None:
-        lines.append(f"best: model {best['model']} by its best {metric} {_metric_cell(metric, best['score'])} at "
-                     f"step {best['kept_best']['step']} (`onnxfuse split --which best` writes that state)")
+        lines.append(f"best: model {best['model']} by its best {metric}{measured} "
+                     f"{_metric_cell(metric, best['score'])} at step {best['kept_best']['step']} (`onnxfuse split "
+                     "--which best` writes that state)")
     elif best is not None:
-        lines.append(f"best: model {best['model']} by its final {metric} {_metric_cell(metric, best['score'])}")
+        lines.append(f"best: model {best['model']} by its final {metric}{measured} "
+                     f"{_metric_cell(metric, best['score'])}")
     return "\n".join(lines)
