@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnxfuse.core._io import claim_output
+from onnxfuse.core._io import atomic_file, claim_output
 from onnxfuse.core.array import ArrayDir, complete_lines
 from onnxfuse.core.errors import ConfigError, InputFileError, shell
 from onnxfuse.recipe.ranking import best_of, default_metric, score
@@ -353,7 +353,7 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
         json_path = array.report_json_path
         summary.update({"array_dir": array_dir, "run": run_id, "metrics": path, "png": png, "json": json_path})
         summary["panels"] = _plot(logs, summary, png)
-        with open(json_path, "w") as f:
+        with atomic_file(json_path) as tmp, open(tmp, "w") as f:  # whole or not at all; a full disk names it
             json.dump(summary, f, indent=1, allow_nan=False)
     return summary
 
