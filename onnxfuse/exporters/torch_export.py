@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import warnings
 from typing import Any, Callable, Mapping, Sequence
@@ -13,6 +14,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core._opset import MAX_OPSET, MIN_OPSET  # the opsets onnxfuse reads
 from onnxfuse.core.array import model_file
@@ -21,7 +23,10 @@ from onnxfuse.core.semantics import PADDING_ROWS
 from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.exporters.factory import DEFAULT_OPSET, call_factory, factory_name, load_factory, model_inputs
 
-__all__ = ["export_module", "export_array", "load_factory", "build_module", "trace_inputs", "DEFAULT_OPSET"]
+__all__ = ["export_module", "export_array", "load_factory", "build_module", "trace_inputs", "example_error",
+           "DEFAULT_OPSET"]
+
+log = logging.getLogger("onnxfuse.export")
 
 
 def _max_opset() -> int:
@@ -140,6 +145,18 @@ def module_extra_state(module: torch.nn.Module, graph_keys: set[str]) -> dict:
     return _state_metadata(module, set(graph_keys))["extra_state"]
 
 
+def example_error(module: torch.nn.Module, example_inputs: tuple, e: Exception, what: str = "run") -> ConfigError:
+    """The one line for a model that fails on its example inputs (torch's "mat1 and mat2 shapes cannot be
+    multiplied", a dtype it does not take): the model, the inputs' shapes and dtypes, torch's words, the fix."""
+    shapes = [list(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in example_inputs if isinstance(t, torch.Tensor)]
+    first = " ".join(str(e).split())[:300]
+    return ConfigError(f"torch could not {what} {type(module).__name__} with input shape(s) {shapes} "
+                       f"({', '.join(dtypes)}): {first}; give inputs of the shapes and dtypes the model takes, batch "
+                       "axis first (--input-shape and --input-dtype, or onnxfuse.fuse's example_inputs; token ids: "
+                       "int64)")
+
+
 def trace_inputs(input_shape: Sequence[int] | Mapping[str, Sequence[int]],
                    input_dtype: str | Mapping[str, str] | None = None) -> tuple[list[str], tuple[torch.Tensor, ...]]:
     """The graph inputs' names and the tensors the export traces with (``factory.model_inputs`` checks and names
@@ -199,12 +216,7 @@ def export_module(
                 output_names=list(output_names), dynamic_axes=dynamic_axes,
             )
     except Exception as e:
-        shapes = [list(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
-        dtypes = [str(t.dtype).removeprefix("torch.") for t in example_inputs if isinstance(t, torch.Tensor)]
-        first = " ".join(str(e).split())[:300]
-        raise ConfigError(f"torch could not export {type(module).__name__} with input shape(s) {shapes} "
-                          f"({', '.join(dtypes)}): {first}; check --input-shape and --input-dtype against what the "
-                          "model expects (token ids: --input-dtype int64)") from e
+        raise example_error(module, example_inputs, e, "export") from e
     finally:
         module.load_state_dict(snapshot)
         module.train(was_training)
@@ -261,9 +273,14 @@ def export_array(
     out_dir = os.fspath(out_dir)
     with atomic_dir(out_dir, overwrite, command="export") as tmp:
         for b, seed in enumerate(seeds):
+            watch = Stopwatch()
             module = build_module(factory, seed, factory_args, name=name)
-            export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape, input_dtype=input_dtype,
-                          **export_kwargs)
+            built = watch.seconds
+            proto = export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape,
+                                  input_dtype=input_dtype, **export_kwargs)
+            log.debug("model %d: %s (seed %d) built in %.2f s, exported in %.2f s (%d nodes, opset %d)", b, name,
+                      seed, built, watch.seconds - built, len(proto.graph.node), export_kwargs.get("opset",
+                                                                                                 DEFAULT_OPSET))
         with open(os.path.join(tmp, "jobs.json"), "w") as f:
             json.dump({"count": count, "seeds": seeds,
                        "input_shape": list(input_shape) if not isinstance(input_shape, Mapping) else shapes,

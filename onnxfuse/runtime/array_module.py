@@ -43,7 +43,7 @@ from onnxfuse.runtime.ort_artifacts import weights_as_inputs_pass
 from onnxfuse.runtime.precision import DOMAIN, autocast_graph
 from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
 
-__all__ = ["FusedArray", "fuse", "ArrayProgram", "keep_padding_rows"]
+__all__ = ["FusedArray", "fuse", "ArrayProgram", "keep_padding_rows", "check_array"]
 
 
 class ArrayProgram(torch.nn.Module):
@@ -109,23 +109,63 @@ class FusedArray(torch.nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     # ---- running
-    def forward(self, *inputs, **named):
+    def feeds(self, inputs: Sequence, named: dict, caller: str = "the array") -> dict[str, torch.Tensor]:
+        """The graph inputs by name from ``arr(*inputs, **named)``, each checked against the graph's declaration
+        (:meth:`check_input`): nothing is guessed from a shape."""
         if len(inputs) > len(self.input_names):
-            raise TypeError(f"the array takes {len(self.input_names)} input(s) ({', '.join(self.input_names)}), "
+            raise DataError(f"{caller} takes {len(self.input_names)} input(s) ({', '.join(self.input_names)}), "
                             f"got {len(inputs)}")
         feeds = dict(zip(self.input_names, inputs))
         for name, value in named.items():
             if name not in self.input_names:
-                raise TypeError(f"the array has no input '{name}'; its inputs: {', '.join(self.input_names)}")
+                raise DataError(f"{caller} has no input '{name}'; its inputs: {', '.join(self.input_names)}")
             feeds[name] = value
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
-            raise TypeError(f"missing input '{missing[0]}'; the array takes {', '.join(self.input_names)}")
-        for name in self.per_model_inputs:
-            x = feeds[name]
-            if x.dim() == 0 or x.shape[0] != self.B:
-                raise DataError(f"input '{name}' is per model: it needs a leading model axis of B={self.B}, "
-                                f"got shape {list(x.shape)}")
+            raise DataError(f"missing input '{missing[0]}'; {caller} takes {', '.join(self.input_names)}")
+        sizes: dict[str, tuple[int, str]] = {}  # a named dimension's size, the same in every input (N: the batch)
+        for info in self.spec.inputs:
+            self.check_input(info, feeds[info["name"]], sizes)
+        return feeds
+
+    def check_input(self, info: dict, x, sizes: dict[str, tuple[int, str]]) -> None:
+        """``x`` is graph input ``info`` as declared: a tensor of its dtype and shape, ``[N, ...]`` for an input
+        the models share and ``[B, N, ...]`` for a per-model one (``per_model_inputs``: model b's is ``x[b]``).
+        A named dimension (``N``) may have any size, the same in every input of one call."""
+        name, per_model = info["name"], bool(info.get("per_model"))
+        if not isinstance(x, torch.Tensor):
+            raise DataError(f"input '{name}' is a {type(x).__name__}; give a torch.Tensor")
+        dtype = getattr(torch, info.get("dtype") or "", None)
+        if isinstance(dtype, torch.dtype) and x.dtype != dtype:
+            raise DataError(f"input '{name}' is {str(x.dtype).removeprefix('torch.')}, but the array's graph takes "
+                            f"{info['dtype']}; convert it (x.to(torch.{info['dtype']}))")
+        declared = info.get("shape")
+        if declared is None:  # a graph input of unknown rank: torch's kernels say what they find
+            return
+        expected = ([self.B] if per_model else []) + list(declared)
+        dims = [f"B={self.B}"] * per_model + [str(d) if isinstance(d, int) else (d or "?") for d in declared]
+        shown = f"[{', '.join(dims)}]"
+        fits = x.dim() == len(expected) and all(
+            not isinstance(d, int) or d == n for d, n in zip(expected, x.shape))
+        if not fits:
+            if not per_model and x.dim() == len(expected) + 1 and x.shape[0] == self.B:
+                hint = (f"; the models share it (model b's input is not x[b]): to give each model its own, fuse "
+                        f"with per_model_inputs=['{name}']")
+            elif per_model and x.dim() == len(expected) - 1:
+                hint = "; it is per model (per_model_inputs): give each model's own, stacked on a first axis of B"
+            else:
+                hint = ""
+            raise DataError(f"input '{name}' has shape {list(x.shape)}, but the array takes {shown}"
+                            f"{' (per model)' if per_model else ''}{hint}")
+        for d, n in zip(expected, x.shape):
+            if isinstance(d, str) and d:
+                seen = sizes.setdefault(d, (int(n), name))
+                if seen[0] != n:
+                    raise DataError(f"input '{name}' has shape {list(x.shape)}: its dimension {d} is {int(n)}, but "
+                                    f"{seen[0]} in input '{seen[1]}'; the inputs of one call share {d}")
+
+    def forward(self, *inputs, **named):
+        feeds = self.feeds(inputs, named)
         if self.training:
             self.forwards.add_(1)
         out = self.module(**feeds)
@@ -195,6 +235,17 @@ class FusedArray(torch.nn.Module):
         return f"B={self.B}, inputs={self.input_names}, outputs={self.output_names}"
 
 
+def check_array(array, caller: str) -> "FusedArray":
+    """``array`` if it is a FusedArray; else one ConfigError naming ``caller`` (``onnxfuse.optim.SGD``...): a plain
+    torch module has no models to keep apart."""
+    if not isinstance(array, FusedArray):
+        plain = isinstance(array, torch.nn.Module)
+        raise ConfigError(f"{caller}: the array given is a {type(array).__name__}, not a FusedArray; give the array "
+                          "onnxfuse.fuse returns" + ("; for a plain torch module use torch.optim and "
+                                                     "torch.nn.utils.clip_grad_norm_" if plain else ""))
+    return array
+
+
 def keep_padding_rows(model: onnx.ModelProto, spec) -> onnx.ModelProto:
     """``model`` with each lookup of a table that has padding rows (``onnxfuse.core.semantics``) run as the torch
     runtime's ``GatherKeepRows``: the same values, no gradient to those rows through it (``nn.Embedding``'s
@@ -234,12 +285,17 @@ def _names(given: Sequence[str] | None, n: int, stem: str) -> list[str]:
 
 
 def _count_outputs(module: torch.nn.Module, example: tuple) -> int:
-    """How many tensors ``module`` returns (one eval-mode forward: no running statistic moves)."""
+    """How many tensors ``module`` returns (one eval-mode forward: no running statistic moves); a module that
+    cannot run on ``example`` is one ConfigError, as its export would be."""
+    from onnxfuse.exporters.torch_export import example_error
+
     was = module.training
     try:
         module.eval()
         with torch.no_grad():
             out = module(*example)
+    except Exception as e:
+        raise example_error(module, example, e) from e
     finally:
         module.train(was)
     return len(out) if isinstance(out, (tuple, list)) else 1

@@ -100,6 +100,12 @@ def _module(model: onnx.ModelProto, device: torch.device):
     return OnnxModule(model, trainable=[], buffers=[]).to(device)
 
 
+def _check_array(array, caller: str) -> None:
+    from onnxfuse.runtime.array_module import check_array
+
+    check_array(array, caller)
+
+
 def _per_model_values(name: str, value, B: int) -> list:
     """``value`` for each of B models: one value for all, or B values (a pair such as betas: one pair or B)."""
     from onnxfuse.recipe.settings import is_per_model_list
@@ -149,6 +155,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     kind: ClassVar[str] = ""
 
     def __init__(self, array, max_norm=None, **hyper):
+        _check_array(array, f"onnxfuse.optim.{type(self).__name__}")
         self._setup(array, make_optimizer(self.kind, array.B, max_norm=max_norm, caller=type(self).__name__, **hyper))
 
     @classmethod
@@ -413,6 +420,7 @@ def clip_grad_norm_(array, max_norm) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` for each model of ``array`` on its own: model b's whole gradient (over every
     parameter) is scaled to at most ``max_norm`` (one value, or B; inf: unchanged), in place. Returns each model's
     norm before clipping, [B] on the array's device. The maths is ``append_clip``'s, the update graph's."""
+    _check_array(array, "onnxfuse.optim.clip_grad_norm_")
     B, device = array.B, array.device
     limits = [math.inf if m is None else float(m) for m in _per_model_values("max_norm", max_norm, B)]
     if any(m < 0 or math.isnan(m) for m in limits):

@@ -48,7 +48,7 @@ import torch
 
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.recipe.optim import StepValues
-from onnxfuse.core.errors import ConfigError
+from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.recipe.runtimes import LossScale, Observed, check_compile, check_precision
 from onnxfuse.runtime.precision import LossScales, autocast, warn_if_emulated
 
@@ -424,11 +424,14 @@ class TrainStep:
         if len(self._eager_times) < EAGER_PROBE_STEPS:
             return
         eager = float(np.median(self._eager_times[1:]))  # the first eager step builds the update graph
+        log.debug("--compile auto timed %d eager steps: %s ms (the first builds the update graph)",
+                  len(self._eager_times), ", ".join(f"{t * 1000:.1f}" for t in self._eager_times))
         remaining = max(self.total_steps - (self.opt.state["step"] + 1), 0)
         known = read_times().get(self._record) if self._record else None
         self.decision = auto_decision(remaining, eager, known)
-        log.info("--compile auto: %s the step: %s", "compiling" if self.decision.compile else "not compiling",
-                 self.decision.why)
+        # a decision with no step left to make it for (verification's steps, `onnxfuse check`) is no news
+        log.log(logging.INFO if remaining else logging.DEBUG, "--compile auto: %s the step: %s",
+                "compiling" if self.decision.compile else "not compiling", self.decision.why)
         if self._record:
             _record_time(self._record, eager_step_s=eager, machine=machine_description(self.array.device))
 
@@ -630,8 +633,12 @@ class ArrayStep:
 
         from onnxfuse.runtime.torch_graph import TorchOptions
 
-        if optimizer.array is not array:
-            raise TypeError("train_step: the optimizer was made for another array; give the array it steps")
+        from onnxfuse.runtime.array_module import check_array
+
+        check_array(array, "train_step")
+        if getattr(optimizer, "array", None) is not array:
+            raise ConfigError("train_step: the optimizer was not made for this array (give an onnxfuse.optim "
+                              "optimizer made for it: onnxfuse.optim.SGD(arr, ...))")
         self.array, self.loss = array, loss
         train = copy.deepcopy(array._graph)
         if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
@@ -658,14 +665,15 @@ class ArrayStep:
         out = outputs[0] if n == 1 else tuple(outputs[:n])
         per_model = self.loss(out, *targets)
         if tuple(getattr(per_model, "shape", ())) != (arr.B,):
-            raise TypeError(f"train_step: the loss returned {list(getattr(per_model, 'shape', []))}; it must return "
+            raise ConfigError(f"train_step: the loss returned {list(getattr(per_model, 'shape', []))}; it must return "
                             f"one loss per model, shape [{arr.B}]")
         return per_model.sum(), per_model, outputs[n:]
 
     def __call__(self, *tensors) -> None:
         if len(tensors) < self.n_inputs:
-            raise TypeError(f"train_step: the array takes {self.n_inputs} input(s) "
+            raise DataError(f"train_step: the array takes {self.n_inputs} input(s) "
                             f"({', '.join(self.array.input_names)}), then the loss's targets; got {len(tensors)}")
+        self.array.feeds(tensors[:self.n_inputs], {}, "train_step")  # each input as the graph declares it
         device = self.array.device
         batch = {(f"input_{k}" if k < self.n_inputs else f"target_{k - self.n_inputs}"): t.to(device, non_blocking=True)
                  for k, t in enumerate(tensors)}
