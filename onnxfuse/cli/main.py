@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-import glob
 import os
 import re
 import sys
@@ -12,6 +11,7 @@ import traceback
 import warnings
 
 from onnxfuse.cli._args import at_least
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
                                   shell)
 from onnxfuse.core.split import WHICH
@@ -21,11 +21,19 @@ from onnxfuse.recipe.settings import add_flags
 __all__ = ["main", "build_parser"]
 
 
-# A factory (MODULE:FUNCTION) is imported and called: whoever wrote it runs code as you (README, "What onnxfuse
-# guarantees"). Said once, in every --help that takes one.
-TRUST_NOTE = ("A model factory (MODULE:FUNCTION, in a run config's or sweep spec's model.factory, and the one a sweep "
-              "folder records for --resume) is imported and called: a config file, a sweep spec and a sweep folder "
-              "run Python code, so use them only from someone you trust, as you would a .py file.")
+# A MODULE:FUNCTION is imported and called: whoever wrote it runs code as you (docs/guarantees.md, "What runs
+# code"). Said once here; every option that takes one says it in its --help with these words (runs_code).
+RUNS_CODE = ("imported and called, i.e. run as Python code: use only code from someone you trust, as you would a .py "
+             "file")
+TRUST_NOTE = ("What runs code: export's factory, train's and check's --data and --eval-data, split's --like, a run "
+              "config's or sweep spec's model.factory and data, and the factory a sweep folder records for --resume "
+              "are each a MODULE:FUNCTION, " + RUNS_CODE + ". So a config file, a sweep spec and a sweep folder are "
+              "code.")
+
+
+def runs_code(what: str) -> str:
+    """The trust note of one option: ``what`` (the code it runs) is imported and called ..."""
+    return f"{what} is {RUNS_CODE}"
 
 
 def _numbers(text: str | None, flag: str, cast=float) -> list | None:
@@ -36,24 +44,6 @@ def _numbers(text: str | None, flag: str, cast=float) -> list | None:
         return [cast(v) for v in str(text).split(",") if v.strip() != ""]
     except ValueError:
         raise ConfigError(f"{flag}: '{text}' is not a number or a comma-separated list of numbers") from None
-
-
-def _natural(path: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
-
-
-def _model_files(items: list[str]) -> list[str]:
-    """Files as given; a folder stands for its *.onnx files in natural order (model_2 before model_10)."""
-    out = []
-    for item in items:
-        if os.path.isdir(item):
-            found = sorted(glob.glob(os.path.join(item, "*.onnx")), key=_natural)
-            if not found:
-                raise ConfigError(f"folder '{item}' holds no .onnx files")
-            out += found
-        else:
-            out.append(item)
-    return out
 
 
 def cmd_export(args) -> int:
@@ -85,11 +75,11 @@ def cmd_fuse(args) -> int:
 
 def _fuse(args) -> int:
     from onnxfuse.core.array import ArrayDir
-    from onnxfuse.core.passes import fuse_models, save_array
+    from onnxfuse.core.passes import fuse_models, model_files, save_array, summary_line
     from onnxfuse.core.semantics import parse_padding_rows
     from onnxfuse.measure.forms import make_strategy
 
-    files = _model_files(args.models)
+    files = model_files(args.models)
     per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
     say = None if args.quiet else (lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr))
     strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads, progress=say,
@@ -103,11 +93,7 @@ def _fuse(args) -> int:
         print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
     s, fused = fa.spec.summary, ArrayDir(args.output).fused_path
-    print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {fused}: {s['nodes']} nodes per "
-          f"model -> {s['fused_nodes']} fused nodes ({s['fused']} fused by rules, {s['per_model']} run per model, "
-          f"{s['shared']} shared, {s['layout_changes']} layout changes); fused fraction "
-          f"{100 * s['fused_fraction']:.1f}%; "
-          f"{len(fa.spec.weights)} fused weights")
+    print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {fused}: {summary_line(fa.spec)}")
     chosen = Counter(s.get("forms", {}).values())
     if chosen:
         print("forms: " + ", ".join(f"{n} {form}" for form, n in sorted(chosen.items())))
@@ -260,10 +246,13 @@ def cmd_sweep(args) -> int:
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """The settings of a run, shared by `train` and `check` (which checks the run these flags describe)."""
     p.add_argument("--config", metavar="RUN.yaml", help="settings file (see docs/run.example.yaml); flags override it. "
-                   f"{TRUST_NOTE}")
+                   f"{runs_code('Its model.factory and a MODULE:FUNCTION in its data section')}")
     p.add_argument("--data", help=".npz with one array per graph input (by name) and 'labels' (arrays of per-model "
-                   "inputs are [B, n, ...]), or sklearn:<name> (digits, iris, wine, breast_cancer)")
-    p.add_argument("--eval-data", help="held-out data, the same forms as --data")
+                   "inputs are [B, n, ...]), sklearn:<name> (digits, iris, wine, breast_cancer), or MODULE:FUNCTION "
+                   "(path.py:make) returning a torch DataLoader, a Dataset or a dict of arrays: "
+                   f"{runs_code('the function')}")
+    p.add_argument("--eval-data", help="held-out data, the same forms as --data; "
+                   f"{runs_code('a MODULE:FUNCTION')}")
     add_flags(p)  # every training setting, from onnxfuse/recipe/settings.py (the registries included)
 
 
@@ -323,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="`onnxfuse COMMAND --help` says more")
 
     e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
-    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make: "
-                   "imported and called, i.e. run as Python code")
+    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make; "
+                   f"{runs_code('it')}")
     e.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
                    help="the factory's keyword arguments, each value read as YAML (16, 0.1, 1e-3, true, [16, 32], "
                    "text), e.g. --args vocab_size=128 dropout=0 (a run config's and a sweep spec's model.args)")
@@ -377,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--overwrite", action="store_true", help="replace ARRAY_DIR")
     f.set_defaults(func=cmd_fuse)
 
-    t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters")
+    t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters",
+                       epilog=TRUST_NOTE)
     _array_arg(t, " (--config's model section builds one where there is none)")
     _add_run_flags(t)
     t.add_argument("--resume", action="store_true",
@@ -386,12 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("check", help="check the first training step(s) of every model of an array against the "
-                       "model trained alone, without training (the check `train` makes; writes nothing)")
+                       "model trained alone, without training (the check `train` makes; writes nothing)",
+                       epilog=TRUST_NOTE)
     _array_arg(c)
     _add_run_flags(c)
     c.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model")
+    s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model",
+                       epilog=TRUST_NOTE)
     _array_arg(s, ", trained by `onnxfuse train`")
     s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR",
                    help="the folder for model_b.onnx and model_b.safetensors (a new folder)")
@@ -404,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "each file's metadata says which, from which step (and by which metric value)")
     s.add_argument("--like", metavar="MODULE:FACTORY",
                    help="the models' torch module (path.py:make, as export takes it): write the keys a plain "
-                        "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked)")
+                        "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked); "
+                        f"{runs_code('the factory')}")
     s.set_defaults(func=cmd_split)
 
     r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
@@ -512,8 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("onnxfuse: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+    watch = Stopwatch()
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        logger.debug("%s done in %.1f s", args.command, watch.seconds)
+        return code
     except TrainingStoppedError as e:  # a run stopped on purpose (--on-diverge stop): its state is saved
         print(f"onnxfuse: {' '.join(str(e).split())}", file=sys.stderr)
         return 3

@@ -7,6 +7,8 @@ access to their fused inputs) and either emits fused nodes and sets the layout o
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
@@ -40,6 +42,13 @@ class FusionResult:
     model: onnx.ModelProto
     weights: dict[str, FusedWeight]
     summary: dict = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)  # fused node name -> what emitted it (NODE_ORIGINS)
+
+
+# What emits each fused node, in the order the summary lists them: a rule fusing a node group, a node run once per
+# model (B copies and the slicing), a node every model shares (emitted once), a layout conversion between two
+# rules (or a weight viewed in another slot), and an Identity that gives a graph output its original name.
+NODE_ORIGINS = ("rules", "per_model", "shared", "layout", "output")
 
 
 class FusionState:
@@ -67,6 +76,8 @@ class FusionState:
                 self.consumers[t] = self.consumers.get(t, 0) + 1
         self.names = Names()
         self.layout_changes = 0
+        self.origin = "rules"  # what the nodes emitted now are for (NODE_ORIGINS)
+        self.origins: dict[str, str] = {}
         for vi in self.src.inputs:  # a per-model input carries one slice per model: [B, ...] = stacked(0)
             self.tensors[vi.name] = (vi.name, stacked(0) if vi.name in self.per_model_inputs else SHARED)
             self.names.taken.add(vi.name)
@@ -100,7 +111,17 @@ class FusionState:
              name: str | None = None, **attrs) -> list[str]:
         outs = [self.fresh(f"{name or op}_out{k}") for k in range(outputs)] if isinstance(outputs, int) else outputs
         self.nodes.append(helper.make_node(op, inputs, outs, name=self.fresh(name or op), domain=domain, **attrs))
+        self.origins[self.nodes[-1].name] = self.origin
         return outs
+
+    @contextlib.contextmanager
+    def emitting(self, origin: str):
+        """Nodes emitted inside are counted as ``origin``'s (the summary's breakdown of the fused nodes)."""
+        outer, self.origin = self.origin, origin
+        try:
+            yield
+        finally:
+            self.origin = outer
 
     def const(self, value, hint: str = "const", dtype=np.int64) -> str:
         arr = np.asarray(value, dtype=dtype)
@@ -116,6 +137,10 @@ class FusionState:
 
     def convert_tensor(self, name: str, src: Layout, dst: Layout, shape: list | None, orig: str) -> str:
         """Convert fused tensor ``name`` (original shape ``shape``) from layout ``src`` to ``dst``."""
+        with self.emitting("layout"):
+            return self._convert_tensor(name, src, dst, shape, orig)
+
+    def _convert_tensor(self, name: str, src: Layout, dst: Layout, shape: list | None, orig: str) -> str:
         if src == dst:
             return name
         if (name, dst) in self.conversions:
@@ -220,10 +245,11 @@ class FusionState:
         if (fw.name, slot) not in self.weight_views:
             cur = fw.name
             for op, arg in relayout(fw.slot, slot, fw.orig_shape, self.B):
-                if op == "Transpose":
-                    cur = self.emit("Transpose", [cur], name=f"{fw.name}__view", perm=arg)[0]
-                else:
-                    cur = self.emit("Reshape", [cur, self.const(arg, "shape")], name=f"{fw.name}__view")[0]
+                with self.emitting("layout"):
+                    if op == "Transpose":
+                        cur = self.emit("Transpose", [cur], name=f"{fw.name}__view", perm=arg)[0]
+                    else:
+                        cur = self.emit("Reshape", [cur, self.const(arg, "shape")], name=f"{fw.name}__view")[0]
             self.weight_views[(fw.name, slot)] = cur
             self.layout_changes += 1
         return self.weight_views[(fw.name, slot)]
@@ -464,7 +490,8 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
         rule = rules.get(op_key(node))
         all_shared = all(g.is_shared(i) for i in range(len(node.input)))
         if all_shared and (rule is None or rule.shared_passthrough):
-            g.passthrough()
+            with st.emitting("shared"):
+                g.passthrough()
             counts["shared"] += 1
             continue
         reason = f"op type '{node.op_type}' has no fusion rule"
@@ -491,7 +518,8 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
                     raise UnsupportedOpError(g.name, node.op_type, label, op_names(rules))
                 raise NotFusibleError(f"{label}: node '{g.name}' ({node.op_type}) cannot be fused: {reason}")
             try:
-                g.per_model()
+                with st.emitting("per_model"):
+                    g.per_model()
             except RuleFailed as e:
                 raise NotFusibleError(f"{label}: node '{g.name}' ({node.op_type}) cannot be fused ({reason}) "
                                       f"nor run per model: {e}") from e
@@ -509,7 +537,8 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
                         summary={"B": st.B, "nodes": len(aligned.aligned), **counts, "unfused": unfused,
                                  "fused_fraction": counts["fused"] / per_model_work if per_model_work else 1.0,
                                  "layout_changes": st.layout_changes, "fused_nodes": len(st.nodes),
-                                 "forms": forms})
+                                 "forms": forms},
+                        origins=dict(st.origins))
 
 
 def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:
@@ -556,7 +585,8 @@ def _assemble(st: FusionState) -> onnx.ModelProto:
         if name in producers and name not in renames and name not in {v.name for v in st.src.inputs}:
             renames[name] = vi.name
         else:
-            st.emit("Identity", [name], [vi.name])
+            with st.emitting("output"):
+                st.emit("Identity", [name], [vi.name])
         shape = st.src.shapes.get(vi.name)
         outputs.append(helper.make_tensor_value_info(
             vi.name, st.src.dtypes.get(vi.name, onnx.TensorProto.FLOAT),

@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import re
 import warnings
@@ -15,9 +17,10 @@ from typing import Mapping, Sequence
 import onnx
 from onnx import numpy_helper
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._graph import cleanup_pass, toposort_pass
 from onnxfuse.core.array import ArrayDir
-from onnxfuse.core.engine import Strategy, fuse_aligned
+from onnxfuse.core.engine import NODE_ORIGINS, Strategy, fuse_aligned
 from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.core.identity import check_identical
 from onnxfuse.core.rules import RULES
@@ -26,8 +29,10 @@ from onnxfuse.core.source import (FLOAT_TYPES, METADATA_KEY, SourceModel, check_
                                   resolve_static_pass)
 from onnxfuse.core.weights import ArraySpec
 
-__all__ = ["FusedGraph", "fuse_models", "save_array", "resolve_static_pass", "cleanup_pass", "toposort_pass",
-           "check_pass", "FORMS", "fixed_strategy"]
+log = logging.getLogger("onnxfuse.fuse")
+
+__all__ = ["FusedGraph", "fuse_models", "model_files", "save_array", "summary_line", "resolve_static_pass",
+           "cleanup_pass", "toposort_pass", "check_pass", "FORMS", "fixed_strategy"]
 
 # Every fused form some rule offers (``Rule.forms``), e.g. "grouped", "per-model": the names a fixed strategy takes.
 FORMS: tuple[str, ...] = tuple(dict.fromkeys(f for r in RULES.values() for f in r.forms))
@@ -64,7 +69,30 @@ def check_pass(model: onnx.ModelProto, sources: Sequence[SourceModel] = ()) -> o
     return model
 
 
-def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: Sequence[str] | None = None,
+def _natural(path: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def model_files(models: str | os.PathLike | onnx.ModelProto | Sequence[str | os.PathLike | onnx.ModelProto]) -> list:
+    """The models to fuse, as given: a folder stands for its *.onnx files in natural order (model_2 before
+    model_10), as ``onnxfuse fuse DIR`` reads it; one path (or ModelProto) alone is a folder or one model."""
+    if isinstance(models, (str, os.PathLike, onnx.ModelProto)):
+        models = [models]
+    out = []
+    for item in models:
+        if isinstance(item, (str, os.PathLike)) and os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(glob.escape(os.fspath(item)), "*.onnx")), key=_natural)
+            if not found:
+                raise ConfigError(f"folder '{os.fspath(item)}' holds no .onnx files; give the folder `onnxfuse "
+                                  "export` wrote, or the model files")
+            out += found
+        else:
+            out.append(item)
+    return out
+
+
+def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.ModelProto],
+                labels: Sequence[str] | None = None,
                 strict: bool = False, per_model_inputs: Sequence[str] = (),
                 strategy: str | Strategy | None = None, padding_rows: Mapping[str, Sequence[int]] | None = None,
                 frozen: Sequence[str] = ()) -> FusedGraph:
@@ -78,11 +106,12 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
     ``onnxfuse.measure.forms.measured_strategy`` measures each node's forms on a runtime and device).
     ``padding_rows`` ({embedding table: rows}) and ``frozen`` (weight names or glob patterns) say what a plain
     export's graph cannot (:mod:`onnxfuse.core.semantics`; onnxfuse's exporter records both): without them, each
-    embedding lookup of a plain export is warned about.
+    embedding lookup of a plain export is warned about. ``models``: files, ModelProtos, or folders of .onnx files
+    (:func:`model_files`).
     """
     if isinstance(strategy, str):
         strategy = None if strategy == "default" else fixed_strategy(strategy)
-    models = list(models)
+    models = model_files(models)
     for k, m in enumerate(models):
         if not isinstance(m, (str, os.PathLike, onnx.ModelProto)):
             module = hasattr(m, "state_dict") and hasattr(m, "forward")  # a torch module, without importing torch
@@ -90,14 +119,27 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
                               + ("; fuse torch modules with onnxfuse.fuse(modules, example_inputs)" if module else ""))
     if labels is None:
         labels = _labels(models)
+    watch = Stopwatch()
     sources = [load_source(m, labels[k]) for k, m in enumerate(models)]
+    log.debug("read %d model%s in %.2f s: %d nodes each, inputs %s", len(sources), "s" * (len(sources) != 1),
+              watch.seconds, len(sources[0].nodes), ", ".join(vi.name for vi in sources[0].inputs))
     names = {vi.name for vi in sources[0].inputs}
     unknown = [n for n in per_model_inputs if n not in names]
     if unknown:
         raise ConfigError(f"--per-model-inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
                           f"(its inputs: {', '.join(sorted(names))})")
-    aligned = check_identical(sources)
-    result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs), strategy=strategy)
+    with Stopwatch() as watch:
+        aligned = check_identical(sources)
+    if len(sources) > 1:
+        log.debug("identity check: the %d models are one graph up to weights (%.2f s)", len(sources), watch.seconds)
+    with Stopwatch() as watch:
+        result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs),
+                              strategy=strategy)
+    log.debug("fused by the rules in %.2f s (%d fused, %d run per model, %d shared)", watch.seconds,
+              result.summary["fused"], result.summary["per_model"], result.summary["shared"])
+    for node, form in result.summary.get("forms", {}).items():
+        log.debug("form of node '%s': %s (%s)", node, form, "the strategy's choice" if strategy else "the rule's "
+                  "first, --strategy default")
     metas = [s.meta for s in sources]
     if padding_rows or frozen:
         apply_options(result.weights, metas, padding_rows, frozen)
@@ -111,7 +153,10 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
         warnings.warn(f"{len(result.summary['unfused'])} node(s) run once per model instead of fused: {listed}"
                       + (f" and {more} more" if more > 0 else "") + "; see array.json summary.unfused for why",
                       stacklevel=2)
-    model = check_pass(toposort_pass(cleanup_pass(result.model)), sources)
+    with Stopwatch() as watch:
+        model = check_pass(toposort_pass(cleanup_pass(result.model)), sources)
+    log.debug("clean-up, topological sort and onnx.checker: %d -> %d nodes in %.2f s", len(result.model.graph.node),
+              len(model.graph.node), watch.seconds)
     src = sources[0]
 
     def io(vis, per_model=()):
@@ -121,6 +166,9 @@ def fuse_models(models: Sequence[str | os.PathLike | onnx.ModelProto], labels: S
 
     summary = dict(result.summary)
     summary["fused_nodes"] = len(model.graph.node)
+    # the fused nodes the clean-up kept, by what emitted them: they add up to fused_nodes (docs/cli.md, "fuse")
+    kept = [result.origins.get(n.name, "rules") for n in model.graph.node]
+    summary["fused_nodes_from"] = {origin: kept.count(origin) for origin in NODE_ORIGINS}
     spec = ArraySpec(
         B=len(sources),
         sources=[s.label for s in sources],
@@ -151,6 +199,23 @@ def _extra_state(src: SourceModel) -> dict:
         extra[name] = {"dtype": str(arr.dtype), "shape": list(arr.shape), "value": arr.reshape(-1).tolist(),
                        "kind": "constant"}
     return extra
+
+
+_FROM_LABELS = {"rules": "by rules", "per_model": "per-model copies", "shared": "shared",
+                "layout": "layout conversions", "output": "output renames"}
+
+
+def summary_line(spec: ArraySpec) -> str:
+    """The fusion in one line, each part adding up (docs/cli.md, "fuse"): the nodes of one model by what became
+    of them (fused by a rule, run once per model, shared), then the fused graph's nodes by what emitted them."""
+    s = spec.summary
+    line = (f"{s['nodes']} nodes per model ({s['fused']} fused by rules, {s['per_model']} run per model, "
+            f"{s['shared']} shared) -> {s['fused_nodes']} fused nodes")
+    parts = s.get("fused_nodes_from")
+    if parts:  # arrays fused before the breakdown was recorded have none
+        line += " (" + ", ".join(f"{n} {_FROM_LABELS[k]}" for k, n in parts.items() if n or k == "rules") + ")"
+    return (f"{line}; fused fraction {100 * s['fused_fraction']:.1f}% of the nodes that compute per model; "
+            f"{len(spec.weights)} fused weights")
 
 
 def _labels(models) -> list[str]:

@@ -23,12 +23,14 @@ whole; ``auto`` decides from the run's length (``total_steps``).
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import onnx
 
+from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec
 
@@ -42,6 +44,8 @@ if TYPE_CHECKING:  # optim reads the settings, which read this module's table
 __all__ = ["Runtime", "RuntimeInfo", "RUNTIMES", "RUNTIME_CHOICES", "COMPILE_CHOICES", "resolve_runtime",
            "make_trainer", "evaluate", "parameter_names", "check_feeds", "Observed", "check_compile", "PRECISIONS",
            "LossScale", "check_precision"]
+
+log = logging.getLogger("onnxfuse.train")
 
 COMPILE_CHOICES = ("auto", "on", "off")
 # the arithmetic of the forward and backward (``--precision``): fp32 throughout, or torch.autocast's bf16 / fp16
@@ -201,14 +205,21 @@ def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: st
     device = Device.of(device)
     info = RUNTIMES[resolve_runtime(runtime, device, check_precision(precision))]
     reduced = {"precision": precision, "loss_scale": loss_scale} if precision != "fp32" else {}
+    watch = Stopwatch()
     if not info.compiles:
         if check_compile(compile) == "on":
             capable = ", ".join(r.name for r in RUNTIMES.values() if r.compiles)
             raise ConfigError(f"--compile on: the {info.name} runtime does not compile its step; use --runtime "
                               f"{capable}, or --compile auto / off")
-        return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads, **reduced)
-    return info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads,
-                       compile=compile, total_steps=total_steps, **reduced)
+        trainer = info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads,
+                              **reduced)
+    else:
+        trainer = info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads,
+                              compile=compile, total_steps=total_steps, **reduced)
+    log.debug("runtime %s on %s in %s (%s), compile %s: its trainer built in %.2f s", info.name, device, precision,
+              "auto: the first registered one that runs there" if runtime == "auto" else "as asked",
+              compile if info.compiles else "off (it does not compile)", watch.seconds)
+    return trainer
 
 
 def _with_sizes(trainer: Runtime, data: Dataset | Iterable[dict], batch_size: int) -> Iterator[tuple[dict, int]]:

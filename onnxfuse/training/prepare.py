@@ -276,6 +276,11 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
         per_epoch = sampler.batches_per_epoch
     total = config.steps if config.steps is not None else config.epochs * per_epoch
     check_halving(config.halving, total)
+    log.debug("data: %s (%s), %s; %d steps of %d samples per model (%s), data order %s", source,
+              "a DataLoader" if _is_loader(train) else f"{len(train_ds)} samples",
+              f"eval {eval_source}" if eval_source else "no eval data" if eval_ds is None else "eval held out",
+              total, config.batch_size, f"{config.epochs} epochs" if config.steps is None else "--steps",
+              config.data_order)
     if _is_loader(train) and not resuming:  # the verified first steps' batches, drawn and checked now
         batches.peek(max(1, min(config.verify_steps, total)))
     return Prepared(config, loss, batches, eval_ds, total)

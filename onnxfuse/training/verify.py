@@ -86,6 +86,7 @@ of a tie that no nudge flips; ``--verify-steps 0`` skips the check.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -100,6 +101,8 @@ from onnxfuse.core.weights import ArraySpec, pack_weights, unpack_weight
 from onnxfuse.recipe.losses import LABELS
 from onnxfuse.recipe.optim import STATE_PREFIX, Optimizer, OptimizerConfig, StepValues
 from onnxfuse.recipe.runtimes import Runtime
+
+log = logging.getLogger("onnxfuse.train")
 
 __all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "has_random_dropout",
            "without_dropout", "RTOL", "ATOL_FRACTION", "LOSS_RTOL", "LOSS_ATOL", "NUDGES", "SENSITIVITY_FACTOR"]
@@ -663,13 +666,18 @@ def verify_steps(trainer: Runtime, one_model: tuple[onnx.ModelProto, ArraySpec],
     try:
         state = saved
         for feeds, step_values in zip(batches, values):
-            step = _fused_step(trainer, feeds, step_values, state)
+            with Stopwatch() as fused_time:
+                step = _fused_step(trainer, feeds, step_values, state)
             compiled = bool(trainer.compiled)
             if compiled not in references:
                 references[compiled] = _reference(trainer, one_model)
             reference = references[compiled]
-            checks += [_check_model(step, b, trainer, reference, per_model) for b in range(spec.B)]
+            with Stopwatch() as alone_time:
+                checks += [_check_model(step, b, trainer, reference, per_model) for b in range(spec.B)]
             state = step.after
+            log.debug("verification, step %d: the array's step %.3f s (%s); the %d models alone and compared "
+                      "%.3f s", step.number, fused_time.seconds, "compiled" if compiled else "eager", spec.B,
+                      alone_time.seconds)
     finally:
         trainer.load({**saved[0], **saved[1]})
         trainer.steps = saved_steps
