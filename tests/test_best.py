@@ -99,7 +99,7 @@ def test_split_which_best_writes_each_models_state_at_its_best_step(tmp_path, ca
     # best/ holds the files a record names, trained/'s or a checkpoint's (from which a resumed run goes on)
     named = {e["file"] for e in kept["models"].values()}
     for ckpt in ArrayDir(arr).checkpoints():
-        named |= {e["file"] for e in ArrayDir.read_checkpoint_record(ckpt)["best"]["models"].values()}
+        named |= {e["file"] for e in ArrayDir(arr).checkpoint_record(ckpt, "")["best"]["models"].values()}
     assert sorted(os.listdir(arr / "best")) == sorted(named)
 
 

@@ -243,7 +243,7 @@ def test_resume_flags_follow_the_rules_and_old_records_resume(work, tmp_path, ca
     from onnxfuse.training.checkpoints import _trajectory
 
     ckpt = ArrayDir(arr).checkpoints()[-1]
-    record = ArrayDir.read_checkpoint_record(ckpt)
+    record = ArrayDir(arr).checkpoint_record(ckpt, "")
     record["config"].update(clip_grad_norm=["inf", 1.0], momentum=0.9, weight_decay=None)
     old = {k: v for k, v in record["config"].items() if not k.startswith("_")}
     old = {k: (float(v) if v == "inf" else [float(x) if x == "inf" else x for x in v] if isinstance(v, list) else v)

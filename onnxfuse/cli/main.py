@@ -121,8 +121,7 @@ def cmd_train(args) -> int:
     cfg, overrides, data, eval_data = _run_config(args, resume=args.resume)
     res = train_array(args.array, data, cfg, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
                       overrides=overrides)
-    print(f"trained {len(res.final_loss)} models for {res.steps} steps in {res.elapsed_s:.1f}s "
-          f"({res.samples_per_s:,.0f} samples/s); metrics in {res.metrics_path}")
+    print(res.summary())
     print(format_table(summarize_array(args.array)))  # the table `onnxfuse report` prints
     return 0
 

@@ -3,7 +3,10 @@ belong to. Every other module asks :class:`ArrayDir`; none spells a file name of
 
     fused.onnx, array.json              the array (``onnxfuse fuse``): the fused graph and its weight mapping
     sources/model_<b>.onnx              model b's graph without its weights (split and re-fusion put weights back)
-    run.json                            the current run: its id, settings hash, data hash, start time
+    run.json                            the current run (whose outputs these are): its id, settings and data
+                                        hashes, start time, settings
+    started.json                        the last run started, until it trains its first step (then it is
+                                        run.json): what ``train --resume`` continues, from its start
     metrics.csv                         the current run's metrics, every row with the run's id
     checkpoints/step_<t>/               a state folder (below) + state.json, the current run's only
     trained/                            a state folder + train_state.json: the current run's final state
@@ -23,6 +26,10 @@ Every command that reads or writes an array folder holds it with :meth:`ArrayDir
 lock and first removes the temporary folders a killed process left (``.trained.tmp-*``,
 ``checkpoints/.step_*.tmp-*``): under the lock nobody else can be writing them.
 
+Every record is checked when read (``records.py``: its schema, the model indices against B), and every file a
+record names (a best state) is read only from inside the folder: a file edited by hand, cut short or pointing
+elsewhere is one InputFileError line naming it.
+
 This module is the core's: it imports neither torch nor onnxruntime. Re-fusing a subset of the models is done with
 the fusion the caller hands in (``onnxfuse.fuse_models``): ``passes.py`` saves arrays through this module, so
 importing it back would be a cycle (the engine is handed the rule table for the same reason).
@@ -30,9 +37,7 @@ importing it back would be a cycle (the engine is handed the rule table for the 
 from __future__ import annotations
 
 import contextlib
-import csv
 import glob
-import json
 import os
 import re
 import shutil
@@ -49,14 +54,17 @@ from onnxfuse.core._io import (atomic_dir, atomic_file, atomic_write_bytes, chec
                                read_onnx, remove_temporaries)
 from onnxfuse.core._lock import folder_lock
 from onnxfuse.core.errors import InputFileError, shell
+from onnxfuse.core.records import (CheckpointRecord, RunRecord, TrainStateRecord, invalid, read_metrics_rows,
+                                   read_record, record_json)
 from onnxfuse.core.weights import ArraySpec
 
-__all__ = ["ArrayDir", "TrainedState", "check_output_location", "complete_lines", "model_file", "model_weights_file"]
+__all__ = ["ArrayDir", "TrainedState", "check_output_location", "model_file", "model_weights_file"]
 
 # the array
 FUSED, SPEC, SOURCES = "fused.onnx", "array.json", "sources"
 # a run's outputs
 METRICS, CHECKPOINTS, TRAINED, RUNS, RUN = "metrics.csv", "checkpoints", "trained", "runs", "run.json"
+STARTED = "started.json"  # the last run started, until its first step (then it is run.json)
 BEST = "best"
 REPORT_PNG, REPORT_JSON = "report.png", "report.json"
 # a state folder (trained/, checkpoints/step_<t>/)
@@ -69,6 +77,9 @@ RUN_OUTPUTS = (TRAINED, CHECKPOINTS, BEST, METRICS, REPORT_PNG, REPORT_JSON, RUN
 _STEP = "step_"
 _DROPPED_FILE = re.compile(r"^model_(\d+)\.safetensors$")
 _BEST_FILE = re.compile(r"^model_\d+_step_\d+\.safetensors$")
+# what to do about a record that does not read
+_RETRAIN = "train the array again"
+_RUN_FIX = "it names the folder's current run: move it away and train again"
 
 
 def model_file(b: int) -> str:
@@ -133,6 +144,11 @@ class ArrayDir:
     @property
     def run_path(self) -> str:
         return self._join(RUN)
+
+    @property
+    def started_path(self) -> str:
+        """The record of the last run started, while it has not trained its first step."""
+        return self._join(STARTED)
 
     @property
     def trained_path(self) -> str:
@@ -297,19 +313,26 @@ class ArrayDir:
         state_file = os.path.join(trained, TRAIN_STATE)
         spec = ArraySpec.load(os.path.join(trained, SPEC)) if os.path.exists(os.path.join(trained, SPEC)) else None
         holds = spec or self.load_spec()  # the array trained/ holds: the surviving one, or the folder's
-        B = holds.B
-        try:
-            with open(state_file) as f:
-                state = json.load(f)
-            models, steps, status = state.get("models"), int(state.get("steps", 0)), dict(state.get("status", {}))
-            if models is not None and (len(models) != B or any(not isinstance(m, int) or m < 0 for m in models)):
-                raise ValueError(f"'models' is {models!r}, not the original index of each of the {B} models")
-        except (OSError, ValueError, TypeError, AttributeError) as e:
-            raise InputFileError(f"'{state_file}' is missing or not readable ({type(e).__name__}: "
-                                 f"{' '.join(str(e).split())[:120]}); {fix}") from e
+        state = self.train_state(fix)
+        if state is None:
+            raise InputFileError(f"'{state_file}' is missing; {fix}")
+        models = state["models"]
+        if models is not None and len(models) != holds.B:
+            raise invalid(state_file, f"models {models} are not the original index of each of the {holds.B} models "
+                                      f"of the array {TRAINED}/ holds", fix)
         weights = load_safetensors(os.path.join(trained, WEIGHTS), fix, holds.fused_tensors())
-        return TrainedState(weights, spec, models, steps, status, (state.get("run") or {}).get("id"),
-                            state.get("best"))
+        return TrainedState(weights, spec, models, state["steps"], state["status"], (state["run"] or {}).get("id"),
+                            state["best"])
+
+    def train_state(self, fix: str = _RETRAIN) -> dict | None:
+        """trained/'s record (``records.TrainStateRecord``), checked against the array (``fix``: what to do when
+        it is not valid); None when there is none."""
+        try:
+            state = read_record(self.train_state_path, TrainStateRecord, fix, self.known_B())
+        except FileNotFoundError:
+            return None
+        self._check_best(state["best"], self.train_state_path, fix)
+        return state
 
     def dropped_state(self, b: int, fix: str) -> dict[str, np.ndarray]:
         """The state_dict model b had when the current run dropped it (``fix``: what to do when it is lost)."""
@@ -319,14 +342,7 @@ class ArrayDir:
     def kept_best(self) -> dict | None:
         """The best states the current run's ``trained/`` kept (``{"metric", "since", "models": {b: {"step",
         "value", "steps", "file"}}}``, b a string), None when it kept none (or is not there)."""
-        path = self.train_state_path
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path) as f:
-                return json.load(f).get("best")
-        except (OSError, ValueError, AttributeError) as e:
-            raise InputFileError(f"'{path}' is not readable ({type(e).__name__}); train again") from e
+        return (self.train_state() or {}).get("best")
 
     # ------------------------------------------------------------------------------------------------ best states
     @staticmethod
@@ -339,20 +355,43 @@ class ArrayDir:
         from safetensors.numpy import save_file
 
         os.makedirs(self.best_path, exist_ok=True)
-        with atomic_file(os.path.join(self.best_path, name)) as tmp:
+        with atomic_file(self.best_state_path(name)) as tmp:
             save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in state.items()}, tmp)
 
     def best_state(self, b: int, name: str, fix: str) -> dict[str, np.ndarray]:
-        """Model b's best state ``best/<name>``, checked against the array's model b (``fix``: what to do when it
-        is missing or damaged)."""
-        return load_safetensors(os.path.join(self.best_path, name), fix, self.load_spec().model_tensors(b))
+        """Model b's best state ``best/<name>`` (a name a checked record gave: :meth:`_check_best`), checked
+        against the array's model b (``fix``: what to do when it is missing or damaged); read only from inside the
+        folder."""
+        return load_safetensors(self.best_state_path(name, fix), fix, self.load_spec().model_tensors(b))
+
+    def best_state_path(self, name: str, fix: str = f"make {BEST}/ a folder of the array's own") -> str:
+        """``best/<name>``, refused when it leads out of the array folder (``best/`` a link elsewhere): a best
+        state is read, written and removed only inside the folder."""
+        return self._inside(os.path.join(self.best_path, name), fix)
+
+    def _check_best(self, kept: Mapping | None, record: str, fix: str) -> None:
+        """Every best state the record at ``record`` names is model b's file of its step in ``best/``
+        (:meth:`best_file`): a name, never a path."""
+        for b, entry in ((kept or {}).get("models") or {}).items():
+            want = self.best_file(int(b), entry["step"])
+            if entry["file"] != want:
+                raise invalid(record, f"best.models.{b}.file is {entry['file']!r}, not model {b}'s best state of step "
+                                      f"{entry['step']} ({want!r}, a file in {BEST}/)", fix)
+
+    def _inside(self, path: str, fix: str) -> str:
+        """``path``, when it is inside the array folder with symbolic links followed; else an InputFileError."""
+        root, real = os.path.realpath(self.path), os.path.realpath(path)
+        if not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise InputFileError(f"'{path}' leads out of the array folder '{self.path}' (to '{real}'); onnxfuse reads "
+                                 f"and writes an array's state only inside it: {fix}")
+        return path
 
     def prune_best(self, keep: set[str]) -> None:
         """Remove the best-state files no record in ``keep`` names (a model that improved again, an evaluation of a
         killed run after its last checkpoint)."""
         for name in os.listdir(self.best_path) if os.path.isdir(self.best_path) else []:
             if _BEST_FILE.match(name) and name not in keep:
-                os.remove(os.path.join(self.best_path, name))
+                os.remove(self.best_state_path(name))
 
     # a state folder: trained/ or a checkpoint, written into the temporary folder the caller renames into place
     @staticmethod
@@ -415,12 +454,12 @@ class ArrayDir:
     @staticmethod
     def write_train_state(folder: str, *, steps: int, models: Sequence[int], status: Mapping, run: Mapping,
                           **details) -> None:
-        """``train_state.json`` of ``trained/``: what split needs (the optimizer steps the array took, the original
-        index of each model of the surviving array, each stopped model's status, the run's identity) and the run's
-        JSON-ready ``details``."""
+        """``train_state.json`` of ``trained/`` (``records.TrainStateRecord``): what split needs (the optimizer
+        steps the array took, the original index of each model of the surviving array, each stopped model's
+        status, the run's identity) and the run's JSON-ready ``details``."""
         record = {"steps": steps, "models": list(models), "status": dict(status), **details, "run": dict(run)}
-        with open(os.path.join(folder, TRAIN_STATE), "w") as f:
-            json.dump(record, f, indent=1)
+        with open(os.path.join(folder, TRAIN_STATE), "wb") as f:
+            f.write(record_json(record, TrainStateRecord, indent=1))
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def checkpoints(self) -> list[str]:
@@ -438,14 +477,19 @@ class ArrayDir:
 
     @classmethod
     def write_checkpoint_record(cls, folder: str, record: Mapping) -> None:
-        with open(cls.checkpoint_record_path(folder), "w") as f:
-            json.dump(dict(record), f)
+        """A checkpoint's record (``records.CheckpointRecord``), beside its state in ``folder``."""
+        with open(cls.checkpoint_record_path(folder), "wb") as f:
+            f.write(record_json(record, CheckpointRecord))
 
-    @classmethod
-    def read_checkpoint_record(cls, folder: str) -> dict:
-        """The record ``write_checkpoint_record`` wrote; OSError or ValueError as ``open`` and ``json`` raise them."""
-        with open(cls.checkpoint_record_path(folder)) as f:
-            return json.load(f)
+    def checkpoint_record(self, folder: str, fix: str) -> dict:
+        """The record of the checkpoint ``folder``, checked against the array and the folder's step (``fix``:
+        what to do when it is not valid); FileNotFoundError when it has none."""
+        path = self.checkpoint_record_path(folder)
+        record = read_record(path, CheckpointRecord, fix, self.known_B())
+        if record["step"] != self.checkpoint_step(folder):
+            raise invalid(path, f"step {record['step']} is not its folder's ({self.checkpoint_step(folder)})", fix)
+        self._check_best(record["best"], path, fix)
+        return record
 
     def prune_checkpoints(self, keep: int) -> None:
         """Keep the newest ``keep`` checkpoints. Each older one is renamed first: a kill during the removal leaves a
@@ -457,21 +501,50 @@ class ArrayDir:
 
     # ------------------------------------------------------------------------------------------------ run identity
     def read_run(self) -> dict | None:
-        """The current run's record (run.json), or None when the folder has not trained since runs were recorded."""
-        path = self.run_path
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path) as f:
-                record = json.load(f)
-            record["id"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise InputFileError(f"'{path}' is not readable ({type(e).__name__}); it names the folder's current "
-                                 "run: move it away and train again") from e
-        return record
+        """The current run's record (run.json: ``records.RunRecord``), or None when the folder has not trained
+        since runs were recorded."""
+        return self._read_run_record(self.run_path, _RUN_FIX)
 
-    def write_run(self, record: dict) -> None:
-        atomic_write_bytes(self.run_path, json.dumps(record, indent=1).encode())
+    def write_run(self, record: Mapping) -> None:
+        """Make ``record`` the folder's current run (its outputs are that run's from here on): the run started
+        last is the current one now."""
+        atomic_write_bytes(self.run_path, record_json(record, RunRecord, indent=1))
+        self.restore_started(None)
+
+    def read_started(self) -> dict | None:
+        """The record of the last run started while it has not trained its first step (None: no such run; the
+        last run started is the current one, run.json)."""
+        return self._read_run_record(self.started_path, "it names the run started last: remove it to let "
+                                                         "--resume continue the folder's current run")
+
+    def write_started(self, record: Mapping) -> bytes | None:
+        """Record a run that starts, written whole before it changes anything in the folder; returns the record
+        it replaces (its bytes, None if there was none), for :meth:`restore_started`."""
+        before = None
+        if os.path.isfile(self.started_path) and not os.path.islink(self.started_path):
+            with open(self.started_path, "rb") as f:
+                before = f.read()
+        atomic_write_bytes(self.started_path, record_json(record, RunRecord, indent=1))
+        return before
+
+    def restore_started(self, before: bytes | None) -> None:
+        """Put back the record of the run started last as it was (``before``: what :meth:`write_started`
+        returned; None: no such record), for a run that failed before changing anything."""
+        if before is not None:
+            atomic_write_bytes(self.started_path, before)
+        elif os.path.lexists(self.started_path):
+            os.remove(self.started_path)
+
+    def _read_run_record(self, path: str, fix: str) -> dict | None:
+        try:
+            return read_record(path, RunRecord, fix, self.known_B())
+        except FileNotFoundError:
+            return None
+
+    def known_B(self) -> int | None:
+        """The array's B, to check model indices against (None in a folder without array.json: a folder of
+        metrics alone, as ``report`` reads)."""
+        return self.load_spec().B if os.path.exists(self.spec_path) else None
 
     def _outputs_present(self) -> list[str]:
         return [name for name in RUN_OUTPUTS if os.path.lexists(self._join(name))]
@@ -497,23 +570,21 @@ class ArrayDir:
 
     def trained_run(self) -> str | None:
         """The id of the run whose weights ``trained/`` holds (None: not trained, or trained before ids)."""
-        path = os.path.join(self.trained_path, TRAIN_STATE)
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path) as f:
-                return (json.load(f).get("run") or {}).get("id")
-        except (OSError, ValueError, AttributeError) as e:
-            raise InputFileError(f"'{path}' is not readable ({type(e).__name__}); train again") from e
+        return ((self.train_state() or {}).get("run") or {}).get("id")
+
+    def metrics_rows(self, fix: str = _RETRAIN):
+        """metrics.csv's header and rows, each checked (``records.read_metrics_rows``; the model indices against
+        the array's B)."""
+        return read_metrics_rows(self.metrics_path, self.known_B(), fix)
 
     def metrics_runs(self) -> list[str]:
         """The run ids in metrics.csv's ``run`` column, in order of appearance (empty for files from before ids)."""
         if not os.path.exists(self.metrics_path):
             return []
         seen: dict[str, None] = {}
-        for row in csv.DictReader(complete_lines(self.metrics_path)):
-            if row.get("run"):
-                seen.setdefault(row["run"], None)
+        for _, _, row in self.metrics_rows()[1]:
+            if row.run:
+                seen.setdefault(row.run, None)
         return list(seen)
 
     def check_one_run(self) -> str | None:
@@ -543,7 +614,7 @@ class ArrayDir:
         steps = self.checkpoints()
         where = f"; its newest checkpoint is at step {self.checkpoint_step(steps[-1])}" if steps else \
             " and left no checkpoint"
-        return f"its run {record['id']} (started {record.get('started', '?')}) did not finish{where}"
+        return f"its run {record['id']} (started {record['started'] or '?'}) did not finish{where}"
 
 
 def check_output_location(output: str | os.PathLike, inputs: Sequence[str | os.PathLike], flag: str = "-o") -> None:
@@ -563,12 +634,3 @@ def check_output_location(output: str | os.PathLike, inputs: Sequence[str | os.P
         raise InputFileError(f"output folder '{output}' {how} the input '{item}': writing it could replace or "
                              f"delete the input; give {flag} a folder outside the inputs")
 
-
-def complete_lines(path: str) -> list[str]:
-    """The lines of a file that is appended to, each with its line end: a last line without one was cut short
-    (a full disk, a kill) and was never written as far as readers are concerned."""
-    with open(path, newline="") as f:
-        lines = f.readlines()
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()
-    return lines

@@ -17,13 +17,17 @@ again only data movement.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import numpy as np
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 
 from onnxfuse.core.errors import InputFileError
+from onnxfuse.core.records import read_record
 
 __all__ = ["WeightSlot", "FusedWeight", "ArraySpec", "pack_weights", "unpack_weight", "relayout", "ARRAY_FORMAT"]
 
@@ -187,8 +191,10 @@ class ArraySpec:
         }
 
     def save(self, path: str | os.PathLike) -> None:
+        record = self.to_json()
+        ArrayRecord.model_validate(record)  # what load reads back: a record that does not validate is a bug here
         with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+            json.dump(record, f, indent=1)
 
     # what the array's state files must hold: {name: (shape, dtype)}, checked when they are read
     def fused_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -221,23 +227,125 @@ class ArraySpec:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ArraySpec":
+        """The array ``array.json`` at ``path`` describes, checked (:class:`ArrayRecord`): a file that is not one
+        is an InputFileError naming it and what is wrong."""
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise InputFileError(f"'{path}' does not exist; create the array with `onnxfuse fuse`")
         try:
-            with open(path) as f:
-                d = json.load(f)
-            if d.get("format") != ARRAY_FORMAT:
-                raise ValueError(f"format {d.get('format')!r}")
-            return cls(
-                B=int(d["B"]),
-                sources=[m["source"] for m in d["models"]],
-                inputs=d["inputs"],
-                outputs=d["outputs"],
-                weights={n: FusedWeight.from_json(n, w) for n, w in d["fused_weights"].items()},
-                extra_state=[m.get("extra_state", {}) for m in d["models"]],
-                summary=d.get("summary", {}),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise InputFileError(f"'{path}' is not an onnxfuse array description ({e}); re-run `onnxfuse fuse`") from e
+            d = read_record(path, ArrayRecord, "re-run `onnxfuse fuse`")
+        except FileNotFoundError:
+            raise InputFileError(f"'{path}' does not exist; create the array with `onnxfuse fuse`") from None
+        return cls(
+            B=d["B"],
+            sources=[m["source"] for m in d["models"]],
+            inputs=d["inputs"],
+            outputs=d["outputs"],
+            weights={n: FusedWeight.from_json(n, w) for n, w in d["fused_weights"].items()},
+            extra_state=[m["extra_state"] for m in d["models"]],
+            summary=d["summary"],
+        )
+
+
+# ---------------------------------------------------------------------------------------------- array.json
+# What ``ArraySpec.to_json`` writes and ``ArraySpec.load`` reads, checked both ways (pydantic v2): every count and
+# shape, the layout of each fused weight against its original shape, one entry per model everywhere.
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow")  # keys a newer onnxfuse adds are kept
+
+
+def _dtype(name: str) -> str:
+    try:
+        np.dtype(name)
+    except TypeError:
+        raise ValueError(f"{name!r} is not a numpy dtype") from None
+    return name
+
+
+Dim = Annotated[StrictInt, Field(ge=0)]
+DType = Annotated[StrictStr, AfterValidator(_dtype)]
+
+
+class _Slot(_Part):
+    perm: list[Dim] | None
+    block_shape: Annotated[list[Annotated[StrictInt, Field(ge=1)]], Field(min_length=1)]
+
+
+class _FusedWeightRecord(_Part):
+    slot: _Slot
+    orig_shape: list[Dim]
+    dtype: StrictStr  # checked against each state file's tensors (a dtype numpy may not name: bfloat16)
+    role: Literal["param", "buffer", "frozen"]
+    sources: list[StrictStr]
+    extra: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _layout(self) -> "_FusedWeightRecord":
+        n = len(self.orig_shape)
+        if self.slot.perm is not None and sorted(self.slot.perm) != list(range(n)):
+            raise ValueError(f"slot.perm {self.slot.perm} is not a permutation of the {n} axes of orig_shape")
+        if math.prod(self.slot.block_shape) != math.prod(self.orig_shape):
+            raise ValueError(f"slot.block_shape {self.slot.block_shape} does not hold orig_shape {self.orig_shape}")
+        return self
+
+
+class _Alias(_Part):
+    kind: Literal["alias"]
+    of: StrictStr
+
+
+class _Value(_Part):
+    kind: Literal["bn_counter", "constant"] = "constant"
+    dtype: DType
+    shape: list[Dim]
+    value: list[Any]
+
+    @model_validator(mode="after")
+    def _size(self) -> "_Value":
+        if len(self.value) != math.prod(self.shape):
+            raise ValueError(f"value has {len(self.value)} numbers, not the {math.prod(self.shape)} of shape "
+                             f"{self.shape}")
+        return self
+
+
+def _extra_entry(v: Any) -> Any:
+    if isinstance(v, dict) and v.get("kind") == "alias":
+        return _Alias.model_validate(v).model_dump()
+    return _Value.model_validate(v).model_dump()
+
+
+class _TensorInfo(_Part):
+    name: StrictStr
+    shape: list[StrictInt | StrictStr | None] | None  # a dim: static, symbolic (its name) or unknown
+    dtype: StrictStr
+    per_model: StrictBool = False
+
+
+class _ModelRecord(_Part):
+    index: Dim
+    source: StrictStr
+    extra_state: dict[str, Annotated[Any, AfterValidator(_extra_entry)]] = {}
+
+
+class ArrayRecord(_Part):
+    """``array.json``: the format, B, the original inputs and outputs, each fused weight and its layout, and per
+    model its label and extra state."""
+
+    format: Literal[ARRAY_FORMAT]
+    B: Annotated[StrictInt, Field(ge=1)]
+    inputs: list[_TensorInfo]
+    outputs: list[_TensorInfo]
+    fused_weights: dict[str, _FusedWeightRecord]
+    models: list[_ModelRecord]
+    summary: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _one_per_model(self) -> "ArrayRecord":
+        if len(self.models) != self.B:
+            raise ValueError(f"B is {self.B} but models lists {len(self.models)}")
+        for b, m in enumerate(self.models):
+            if m.index != b:
+                raise ValueError(f"models[{b}] has index {m.index}")
+        for name, fw in self.fused_weights.items():
+            if len(fw.sources) != self.B:
+                raise ValueError(f"fused weight {name!r} has {len(fw.sources)} sources, not one per model ({self.B})")
+        return self
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+# the metrics of an evaluation: those a best state is kept by (a train loss is one batch's, too noisy to pick by),
+# declared with the records that hold a kept best state's metric
+from onnxfuse.core.records import EVAL_METRICS
+
 __all__ = ["METRICS", "EVAL_METRICS", "OFF", "KEEP_BEST_CHOICES", "kept_metric", "default_metric", "better",
            "ranked_state", "score", "rank_key", "best_of"]
 
 # metric -> the direction that is better
 METRICS = {"eval_loss": "minimize", "eval_accuracy": "maximize", "train_loss": "minimize"}
-# the metrics of an evaluation: those a best state is kept by (a train loss is one batch's, too noisy to pick by)
-EVAL_METRICS = ("eval_loss", "eval_accuracy")
 OFF = "off"
 KEEP_BEST_CHOICES = EVAL_METRICS + (OFF,)
 

@@ -67,12 +67,12 @@ class KeptBest:
                             "kept by %s", metric, record.get("metric"), step, metric)
             return cls(metric, since=step)
         models = {int(b): e for b, e in record["models"].items()}
+        fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
         for b, e in models.items():
-            if not os.path.isfile(os.path.join(array.best_path, e["file"])):
-                raise InputFileError(f"checkpoint '{checkpoint}' names model {b}'s best state "
-                                     f"'{os.path.join(array.best_path, e['file'])}', which is missing; remove that "
-                                     "checkpoint folder to resume from the one before it, or start a new run "
-                                     "without --resume")
+            path = array.best_state_path(e["file"], fix)
+            if not os.path.isfile(path):
+                raise InputFileError(f"checkpoint '{checkpoint}' names model {b}'s best state '{path}', which is "
+                                     f"missing; {fix}")
         return cls(metric, int(record.get("since", 0)), models)
 
 
@@ -102,9 +102,9 @@ def prune_best(array: ArrayDir, kept: KeptBest) -> None:
     trained/'s) names."""
     keep = kept.files()
     try:
-        records = [ArrayDir.read_checkpoint_record(path).get("best") for path in array.checkpoints()]
+        records = [array.checkpoint_record(path, "").get("best") for path in array.checkpoints()]
         records.append(array.kept_best())
-    except (OSError, ValueError, InputFileError):  # an unreadable record may name any file: keep them all
+    except (OSError, InputFileError):  # an unreadable record may name any file: keep them all
         return
     for record in records:
         keep |= {e["file"] for e in ((record or {}).get("models") or {}).values()}

@@ -1,6 +1,9 @@
 """Checkpoints and exact resume: a run's identity (settings and data hashes, ``run.json``), the state folders a run
-writes (``checkpoints/step_<t>/``, ``trained/``), finding and checking the point a resumed run continues from,
-and moving models between arrays at a checkpoint (``checkpoint_models``, ``seed_run``: a sweep's halving)."""
+writes (``checkpoints/step_<t>/``, ``trained/``), finding and checking the point a resumed run continues from
+(:class:`ResumePoint`: the last run started, at its newest checkpoint or from its start), and moving models
+between arrays at a checkpoint (``checkpoint_models``, ``seed_run``: a sweep's halving).
+
+The records are declared in ``onnxfuse/core/records.py`` and checked there when read and written."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +13,7 @@ import math
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -58,46 +61,83 @@ def checkpoint_folders(array_dir: str) -> list[str]:
     return ArrayDir(array_dir).checkpoints()
 
 
-def _damaged(path: str, what: str) -> InputFileError:
-    return InputFileError(f"checkpoint '{path}' is incomplete or corrupt ({what}); remove that folder to resume "
-                          "from the checkpoint before it, or start a new run without --resume")
+CHECKPOINT_FIX = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
 
 
-def _read_state(path: str) -> dict:
-    record = os.path.basename(ArrayDir.checkpoint_record_path(path))
+def _read_state(array: ArrayDir, path: str) -> dict:
+    """The record of the checkpoint ``path``, checked (``records.CheckpointRecord``)."""
     try:
-        st = ArrayDir.read_checkpoint_record(path)
-        for key in ("step", "models", "active", "trainer_steps", "status", "sampler", "elapsed_s", "config"):
-            st[key]
+        return array.checkpoint_record(path, CHECKPOINT_FIX)
     except FileNotFoundError:
-        raise _damaged(path, f"it has no {record}") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _damaged(path, f"{record}: {type(e).__name__} {e}") from e
-    return st
+        record = os.path.basename(ArrayDir.checkpoint_record_path(path))
+        raise InputFileError(f"checkpoint '{path}' is incomplete or corrupt (it has no {record}); "
+                             f"{CHECKPOINT_FIX}") from None
 
 
-def resume_point(array_dir: str) -> tuple[str, dict]:
-    """The newest checkpoint of the folder's current run, and its state: a resumed run continues that run only."""
+@dataclass
+class ResumePoint:
+    """Where ``--resume`` continues: the last run started (``run``: its record), at its newest checkpoint
+    (``checkpoint``, whose record is ``state``), or from its start (None: it reached none)."""
+
+    run: dict
+    checkpoint: str | None = None
+    state: dict | None = field(default=None, repr=False)
+    source: str = ""  # the file the run's record was read from, for messages
+
+    @property
+    def config(self) -> dict:
+        """The run's settings, data and loss, as recorded (``records.RunConfig``)."""
+        return self.state["config"] if self.state is not None else self.run["config"]
+
+    @property
+    def step(self) -> int:
+        return self.state["step"] if self.state is not None else 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether the record holds the run's inputs as validated (its data's hash, its loss): not a run killed
+        while its data was read, recorded with its settings as given."""
+        return self.state is not None or self.run["data_hash"] is not None
+
+    @property
+    def where(self) -> str:
+        """The record this point was read from, as messages name it."""
+        return f"checkpoint '{self.checkpoint}'" if self.checkpoint else f"'{self.source}'"
+
+
+def resume_point(array_dir: str) -> ResumePoint:
+    """Where a resumed run continues: the last run started, never an earlier one. That is the run a started
+    record names when that run trained no step (from its start), else the folder's current run (run.json), from
+    its newest checkpoint, or from its start when it reached none (a run recorded with its settings)."""
     array = ArrayDir(array_dir)
-    current = array.read_run()
+    started, current = array.read_started(), array.read_run()
+    if started is not None and (current is None or started["id"] != current["id"]):
+        if started["config"] is None:
+            raise InputFileError(f"--resume: '{array.started_path}' names run {started['id']} without its settings; "
+                                 "start a new run without --resume")
+        return ResumePoint(started, source=array.started_path)
     found = array.checkpoints()
     if current is None:
         if found:
             raise InputFileError(f"--resume: the checkpoints in '{array.checkpoints_path}' do not say "
                                  "which run wrote them (an onnxfuse from before runs were recorded); start a new "
                                  "run without --resume")
-        raise InputFileError(f"--resume: '{array_dir}' has no checkpoint; train with --checkpoint-every first")
+        raise InputFileError(f"--resume: '{array_dir}' has no run to resume; train it first (with --checkpoint-every "
+                             "to resume from a checkpoint)")
     for path in reversed(found):
-        st = _read_state(path)
-        if (st.get("run") or {}).get("id") == current["id"]:
-            return path, st
+        st = _read_state(array, path)
+        if (st["run"] or {}).get("id") == current["id"]:
+            return ResumePoint(current, path, st, array.run_path)
+    if current["config"] is not None:
+        return ResumePoint(current, source=array.run_path)
     raise InputFileError(f"--resume: the current run of '{array_dir}', {current['id']} (started "
-                         f"{current.get('started', '?')}), has no checkpoint (it ran without --checkpoint-every, or "
+                         f"{current['started'] or '?'}), has no checkpoint (it ran without --checkpoint-every, or "
                          "stopped before its first); start a new run without --resume")
 
 
-def saved_settings(st: dict) -> dict:
-    return {k: _unjson(v) for k, v in st["config"].items() if not k.startswith("_")}
+def saved_settings(config: dict) -> dict:
+    """The settings of a run's recorded ``config`` (``ResumePoint.config``), without its data and loss."""
+    return {k: _unjson(v) for k, v in config.items() if not k.startswith("_")}
 
 
 def _canon(v):
@@ -144,36 +184,40 @@ def data_hash(*sources) -> str:
     return h.hexdigest()
 
 
-def new_run(identity: dict, plan: RunPlan | None = None) -> dict:
-    """A new run's record (run.json): a fresh id, ``identity`` (its settings and data hashes), when and by whom,
-    and the per-model settings that tell its models apart (``plan.differing()``: the columns of its tables)."""
+def new_run(identity: dict, plan: RunPlan | None = None, config: dict | None = None) -> dict:
+    """A new run's record (``records.RunRecord``): a fresh id, ``identity`` (its settings and data hashes), when
+    and by whom, the per-model settings that tell its models apart (``plan.differing()``: the columns of its
+    tables) and its recorded ``config`` (settings, data and loss: what a resume from its start trains with)."""
     return {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(),
-            **({"differing": jsonable(plan.differing())} if plan is not None else {})}
+            **({"differing": jsonable(plan.differing())} if plan is not None else {}),
+            **({"config": jsonable(config)} if config is not None else {})}
 
 
-def check_resumable(ckpt: str, st: dict, config: TrainConfig | RunPlan, identity: dict, data) -> dict:
-    """The checkpoint's run record, when ``config`` and the data are those of its run; else one clear error."""
-    record = st.get("run") or {}
-    if record.get("settings_hash") != identity["settings_hash"]:
-        saved, given = saved_settings(st), config.as_dict()
+def check_resumable(point: ResumePoint, config: TrainConfig | RunPlan, identity: dict, data) -> None:
+    """One clear error unless ``config`` and the data are those of the run ``point`` continues (a run killed
+    while its data was read recorded no data hash: it trained on nothing yet)."""
+    record = (point.state or {}).get("run") or point.run
+    if record["settings_hash"] != identity["settings_hash"]:
+        saved, given = saved_settings(point.config), config.as_dict()
         before, now = _trajectory(saved), _trajectory(given)
         key = next((k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)), None)
         # shown as given (16, not the canonical 16.0 the comparison uses)
-        what = f"setting '{key}' is {given.get(key)!r} but run {record.get('id')} trained with {saved.get(key)!r}" \
-            if key else f"the settings differ from run {record.get('id')}'s"
-        raise ConfigError(f"--resume: {what} (checkpoint '{ckpt}'); a resumed run may change only "
+        what = f"setting '{key}' is {given.get(key)!r} but run {record['id']} trained with {saved.get(key)!r}" \
+            if key else f"the settings differ from run {record['id']}'s"
+        raise ConfigError(f"--resume: {what} ({point.where}); a resumed run may change only "
                           f"{', '.join(RESUMABLE)}: resume with the run's settings, or start a new run without "
                           "--resume")
-    if record.get("data_hash") != identity["data_hash"]:
+    if record["data_hash"] is not None and record["data_hash"] != identity["data_hash"]:
         shown = os.fspath(data) if isinstance(data, (str, os.PathLike)) else "the data given"
-        raise DataError(f"--resume: {shown} is not the data run {record.get('id')} trained on (checkpoint "
-                        f"'{ckpt}'); resume with that run's data, or start a new run without --resume")
-    return record
+        raise DataError(f"--resume: {shown} is not the data run {record['id']} trained on ({point.where}); "
+                        "resume with that run's data, or start a new run without --resume")
 
 
 def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
-    fix = "remove that checkpoint folder to resume from the one before it, or start a new run without --resume"
+    """Put ``run`` where the checkpoint ``path`` (record ``st``) left it: weights, optimizer state, schedules,
+    data position, best states, and what it last read and evaluated; returns the run's seconds until then."""
+    fix = CHECKPOINT_FIX
     weights, opt_state, dropped = ArrayDir.read_state(path, fix, run.array.load_spec(),
                                                       [STATE_PREFIX + s for s in run.opt.state_names()])
     models = st["models"]
@@ -198,23 +242,40 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
     run.dropped = dropped
     run.schedules.advance(st["step"])
     run.best = KeptBest.resumed(st.get("best"), run.config.keep_best, st["step"], run.array, path)
-    source.load_state_dict(st["sampler"])
+    if st.get("last_loss") is not None:
+        run.last_loss = np.array(st["last_loss"], dtype=np.float64)
+    if st.get("last_eval_step") is not None:
+        run.last_eval_step = st["last_eval_step"]
+        run.last_eval = {metric: {int(b): v for b, v in values.items()}
+                         for metric, values in (st.get("last_eval") or {}).items() if values is not None}
+    try:
+        source.load_state_dict(st["sampler"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        what = f"sampler: {type(e).__name__} {' '.join(str(e).split())[:120]}"
+        raise InputFileError(f"checkpoint '{path}' is incomplete or corrupt ({what}); {fix}") from None
     streams = getattr(source, "streams", None)  # the per-model data order's index streams
     if streams is not None and streams != len(models):
         raise InputFileError(f"checkpoint '{path}' does not match the data order; resume with the same settings")
-    log.info("resumed from %s (step %d)", path, run.step)
     return float(st["elapsed_s"])
 
 
-def write_checkpoint(run: RunState, source: BatchSource, elapsed: float) -> None:
+def _last_eval(run: RunState) -> dict | None:
+    """The run's last evaluation as a record holds it (model indices as strings), None before the first."""
+    return {metric: {str(b): v for b, v in values.items()} for metric, values in run.last_eval.items()} or None
+
+
+def write_checkpoint(run: RunState, source: BatchSource, elapsed: float, metrics_rows: int | None) -> None:
     """Write checkpoints/step_<t>/ atomically (temporary folder + rename) and keep the newest keep_checkpoints
-    (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first)."""
+    (checkpoints/ holds the current run's only: a new run moves the previous run's aside before its first).
+    ``metrics_rows``: the rows of metrics.csv the run has written by now (a resume keeps exactly these)."""
     path = run.array.checkpoint_path(run.step)
     with atomic_dir(path, overwrite=True, command="train") as tmp:
         _save_state(run, tmp)
-        ArrayDir.write_checkpoint_record(tmp, {**run.state(), "sampler": source.state_dict(), "elapsed_s": elapsed,
-                                               "config": jsonable(run.config_record), "run": run.run_record,
-                                               "best": run.best.record()})
+        ArrayDir.write_checkpoint_record(tmp, jsonable({
+            **run.state(), "sampler": source.state_dict(), "elapsed_s": elapsed, "config": run.config_record,
+            "run": run.run_record, "best": run.best.record(), "last_loss": [float(v) for v in run.last_loss],
+            "last_eval": _last_eval(run), "last_eval_step": run.last_eval_step if run.last_eval_step >= 0 else None,
+            "metrics_rows": metrics_rows}))
     run.array.prune_checkpoints(run.config.keep_checkpoints)
     prune_best(run.array, run.best)
     log.info("checkpoint at step %d: %s", run.step, path)
@@ -235,7 +296,10 @@ def checkpoint_models(array_dir: str | os.PathLike) -> CheckpointModels:
     :func:`seed_run` puts together again in another array (a sweep's successive halving re-fuses the survivors
     of several arrays into one)."""
     array_dir = os.fspath(array_dir)
-    path, st = resume_point(array_dir)
+    point = resume_point(array_dir)
+    path, st = point.checkpoint, point.state
+    if path is None:
+        raise InputFileError(f"'{array_dir}': its run {point.run['id']} has no checkpoint; train the array again")
     weights, opt_state, _ = ArrayDir.read_state(path, "train the array again", ArrayDir(array_dir).load_spec())
     models = st["models"]
     states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
@@ -259,7 +323,7 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
     weights = fused_initial_weights(fused)
     opt_state = {k: np.stack([o[k] for o in optimizer]) for k in optimizer[0]} if optimizer and optimizer[0] else {}
     record = new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]},
-                     config.plan(spec.B))
+                     config.plan(spec.B), config.as_dict())
     kept = template.get("best")
     if kept:  # each model's best state, under its place in this array
         models = {}
@@ -288,4 +352,5 @@ def write_trained(run: RunState, folder: str, elapsed: float, stopped: str | Non
     ArrayDir.write_train_state(folder, **jsonable({
         "steps": run.trainer.steps, "models": run.models, "status": {str(k): v for k, v in run.status.items()},
         "run": run.run_record, "step": run.step, "final_loss": {str(k): v for k, v in final.items()},
-        "elapsed_s": elapsed, "stopped": stopped, "config": run.config_record, "best": run.best.record()}))
+        "eval": _last_eval(run), "elapsed_s": elapsed, "stopped": stopped, "config": run.config_record,
+        "best": run.best.record()}))

@@ -1,48 +1,53 @@
-"""metrics.csv of a run (``Metrics``; the columns are ``METRICS_HEADER``) and the evaluation rows written to it."""
+"""metrics.csv of a run (``Metrics``; the columns are ``METRICS_HEADER``, declared with the row in
+``onnxfuse/core/records.py``) and the evaluation rows written to it."""
 from __future__ import annotations
 
 import csv
 import os
 
 from onnxfuse.core._io import atomic_file
-from onnxfuse.core.array import complete_lines
+from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import as_user_error
+from onnxfuse.core.records import METRICS_HEADER
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.runtimes import evaluate as evaluate_batches
 from onnxfuse.training.run_state import RunState, model_view
 
-
-# loss_scale: fp16's, the model's after that step (empty in another precision); status: diverged, skipped (fp16:
-# the model's gradient overflowed at that step, which it skipped), dropped, ...
-METRICS_HEADER = ["step", "model", "split", "loss", "accuracy", "lr", "loss_scale", "elapsed_s", "status", "run"]
+__all__ = ["METRICS_HEADER", "Metrics", "evaluate", "fmt"]
 
 
 class Metrics:
-    """metrics.csv of one run: every row carries the run's id. A resumed run keeps its rows up to the checkpoint's
-    step and writes the rest again."""
+    """metrics.csv of one run: every row carries the run's id; ``rows`` counts the run's rows in the file (a
+    checkpoint records it). A resumed run keeps the rows its checkpoint counted (``keep``; a checkpoint from before
+    they were counted: the rows up to its step, ``resumed_at``) and writes the rest again, so that no row is
+    written twice; a fresh run (``resumed_at`` None) starts the file."""
 
-    def __init__(self, path: str, run_id: str, resume_step: int | None):
-        self.path, self.run_id = path, run_id
+    def __init__(self, array: ArrayDir, run_id: str, resumed_at: int | None, keep: int | None = None):
+        self.path, self.run_id = array.metrics_path, run_id
         rows = []
-        if resume_step is not None and os.path.exists(path):
-            rows = [r for r in csv.DictReader(complete_lines(path))
-                    if r.get("run") == run_id and int(r["step"]) <= resume_step]
+        if resumed_at is not None and os.path.exists(self.path):
+            _, read = array.metrics_rows("start a new run without --resume")
+            own = [(raw, row) for _, raw, row in read if row.run == run_id]
+            rows = [raw for raw, _ in own[:keep]] if keep is not None else \
+                [raw for raw, row in own if row.step <= resumed_at]
+        self.rows = len(rows)
         # the kept rows go to a temporary file renamed into place: a kill while they are written leaves the old
         # file whole (and the temporary file, which the next command removes)
-        with atomic_file(path) as tmp, open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, METRICS_HEADER)
+        with atomic_file(self.path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, METRICS_HEADER, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
         try:
-            self.f = open(path, "a", newline="")
+            self.f = open(self.path, "a", newline="", encoding="utf-8")
         except OSError as e:
-            raise (as_user_error(e, path) or e) from e
+            raise (as_user_error(e, self.path) or e) from e
         self.w = csv.DictWriter(self.f, METRICS_HEADER)
 
     def write(self, rows: list[dict]) -> None:
         try:
             self.w.writerows([{**r, "run": self.run_id} for r in rows])
             self.f.flush()
+            self.rows += len(rows)
         except OSError as e:
             raise (as_user_error(e, self.path) or e) from e
 

@@ -17,7 +17,6 @@ the same summary.
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -25,16 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onnxfuse.core._io import atomic_file, claim_output
-from onnxfuse.core.array import ArrayDir, complete_lines
+from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError, InputFileError, shell
+from onnxfuse.core.records import METRICS_HEADER, MetricsRow, read_metrics_rows
 from onnxfuse.recipe.ranking import best_of, default_metric, score
 
 __all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "summarize_array", "make_report", "report_figure",
            "format_table"]
 
-METRICS_COLUMNS = ("step", "model", "split", "loss", "accuracy", "lr", "elapsed_s", "status", "run")
-REQUIRED_COLUMNS = ("step", "model", "loss")
-SPLITS = ("train", "eval")
+METRICS_COLUMNS = tuple(METRICS_HEADER)  # the columns, declared with the row (onnxfuse/core/records.py)
 MARKERS = {"diverged": "x", "dropped": "v"}  # other statuses get "o"
 
 
@@ -51,17 +49,6 @@ class ModelLog:
 
 
 # ---------------------------------------------------------------- reading
-def _number(path: str, line: int, column: str, text: str | None, cast=float) -> Any:
-    """A cell as a number (None when empty); a bad cell is one InputFileError naming the line."""
-    if text is None or text.strip() == "":
-        return None
-    try:
-        return cast(float(text)) if cast is int else cast(text)
-    except ValueError:
-        raise InputFileError(f"'{path}' line {line}: {column} '{text}' is not a number; the file is corrupt, "
-                             "re-run `onnxfuse train`") from None
-
-
 def _open_metrics(array_dir: str) -> str:
     ArrayDir(array_dir).check_exists()
     path = ArrayDir(array_dir).metrics_path
@@ -70,43 +57,32 @@ def _open_metrics(array_dir: str) -> str:
     return path
 
 
-def read_metrics(path: str) -> dict[int, ModelLog]:
-    """Parse a metrics.csv (either header) into one :class:`ModelLog` per model id, sorted by id."""
-    reader = csv.DictReader(complete_lines(path))  # a last line cut short by a full disk or a kill: unwritten
-    header = reader.fieldnames or []
-    missing = [c for c in REQUIRED_COLUMNS if c not in header]
-    if missing:
-        raise InputFileError(f"'{path}' has no column '{missing[0]}' (header: {','.join(header) or 'none'}); "
-                             f"expected {','.join(METRICS_COLUMNS)}")
+def read_metrics(path: str, B: int | None = None) -> dict[int, ModelLog]:
+    """Parse a metrics.csv (either header) into one :class:`ModelLog` per model id, sorted by id; every row is
+    checked (``records.read_metrics_rows``; ``B``: the array's, for the model indices), a bad one is one
+    InputFileError naming the file and the line."""
+    _, rows = read_metrics_rows(path, B, "re-run `onnxfuse train`")
     logs: dict[int, ModelLog] = {}
-    for row in reader:
-        _add_row(path, reader.line_num, row, logs)
+    for _, _, row in rows:
+        _add_row(row, logs)
     if not logs:
         raise InputFileError(f"'{path}' has no rows; train for at least one logged step")
     return dict(sorted(logs.items()))
 
 
-def _add_row(path: str, line: int, row: dict, logs: dict[int, ModelLog]) -> None:
-    step = _number(path, line, "step", row.get("step"), int)
-    model = _number(path, line, "model", row.get("model"), int)
-    if step is None or model is None:
-        raise InputFileError(f"'{path}' line {line}: step and model must be given; the file is corrupt")
-    split = (row.get("split") or "train").strip()
-    if split not in SPLITS:
-        raise InputFileError(f"'{path}' line {line}: split '{split}' is neither train nor eval")
-    log = logs.setdefault(model, ModelLog(model))
-    loss = _number(path, line, "loss", row.get("loss"))
-    if split == "train":
-        log.train_loss.append((step, math.nan if loss is None else loss))
-        lr = _number(path, line, "lr", row.get("lr"))
-        if lr is not None:
-            log.lr.append((step, lr))
+def _add_row(row: MetricsRow, logs: dict[int, ModelLog]) -> None:
+    step = row.step
+    log = logs.setdefault(row.model, ModelLog(row.model))
+    loss = math.nan if row.loss is None else row.loss
+    if row.split == "train":
+        log.train_loss.append((step, loss))
+        if row.lr is not None:
+            log.lr.append((step, row.lr))
     else:
-        log.eval_loss.append((step, math.nan if loss is None else loss))
-        acc = _number(path, line, "accuracy", row.get("accuracy"))
-        if acc is not None:
-            log.eval_accuracy.append((step, acc))
-    status = (row.get("status") or "").strip()
+        log.eval_loss.append((step, loss))
+        if row.accuracy is not None:
+            log.eval_accuracy.append((step, row.accuracy))
+    status = row.status
     if status and status not in {s for s, _ in log.events}:
         log.events.append((status, step))
 
@@ -177,7 +153,7 @@ def summarize_array(array_dir: str | os.PathLike) -> dict:
     """:func:`summarize` of an array's current run: its metrics.csv, the best states trained/ kept and the
     per-model settings it recorded (what ``train``'s final table and ``report`` print)."""
     array = ArrayDir(os.fspath(array_dir))
-    return {**summarize(read_metrics(_open_metrics(array.path)), *_recorded(array)), "precision": _precision(array)}
+    return {**summarize(read_metrics(_open_metrics(array.path), array.known_B()), *_recorded(array)), "precision": _precision(array)}
 
 
 def _precision(array: ArrayDir) -> str:
@@ -346,7 +322,7 @@ def make_report(array_dir: str | os.PathLike, out_png: str | os.PathLike | None 
     path = _open_metrics(array_dir)
     with array.locked("report"), claim_output(png, "report", is_file=True):  # a plot elsewhere: its folders too
         run_id = array.check_one_run()  # the metrics are the run whose weights trained/ holds
-        logs = read_metrics(path)
+        logs = read_metrics(path, array.known_B())
         summary = {**summarize(logs, *_recorded(array)), "precision": _precision(array)}
         if note:
             summary["note"] = note

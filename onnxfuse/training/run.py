@@ -3,7 +3,9 @@ isolation, successive halving, periodic checkpoints and exact resume.
 
 Files in the array folder (``onnxfuse.core.array.ArrayDir`` owns them; a run holds the folder's lock throughout):
 
-    run.json                         the current run: id, settings hash, data hash, start time
+    run.json                         the current run: id, settings and data hashes, start time, settings
+    started.json                     the last run started, written before it changes anything; it becomes
+                                     run.json when the run has trained its first step
     metrics.csv                      step,model,split,loss,accuracy,lr,loss_scale,elapsed_s,status,run
                                      (model: the original index)
     best/                            each model's best state by --keep-best, one file per improvement (best.py)
@@ -17,9 +19,12 @@ Before a fresh run trains, it checks its data (no NaN or inf unless ``allow_nonf
 first ``verify_steps`` steps against every model trained alone (``verify.py``); a failure stops it before anything
 is written. ``verify_array`` runs the same check on demand.
 
-A resumed run continues the folder's current run, from its newest checkpoint, and only with the same settings
-(those in ``RESUMABLE`` may change) and the same data; it restores weights, optimizer state, schedule position,
-data position and RNG state, so its final weights are those of an uninterrupted run.
+A resumed run continues the last run started (``checkpoints.resume_point``): from its newest checkpoint, or from
+its start when it reached none (a run killed in its first seconds), never an earlier run; and only with the same
+settings (those in ``RESUMABLE`` may change) and the same data. It restores weights, optimizer state, schedule
+position, data position and RNG state, so its final weights are those of an uninterrupted run, and keeps exactly
+the rows of metrics.csv its checkpoint counted, so that no row is written twice. A run that had trained all its
+steps has nothing left to train: its resume changes nothing.
 
 This module is the loop (``_Loop``) and the run's entry points; each other part of a run has its own module:
 ``prepare.py`` (validation and data), ``run_state.py`` (the mutable state, shrinking the array), ``metrics.py``
@@ -30,6 +35,7 @@ best state), ``halving.py`` (the rungs),
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
@@ -42,22 +48,23 @@ import onnx
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core.array import ArrayDir
-from onnxfuse.core.errors import (ConfigError, OnnxFuseError, OutOfMemoryError, OutputError, TrainingStoppedError,
-                                  as_user_error, shell)
+from onnxfuse.core.errors import (ConfigError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError,
+                                  TrainingStoppedError, as_user_error, shell)
 from onnxfuse.core.passes import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.batches import BatchSource
+from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import LossSpec, PythonLoss
 from onnxfuse.recipe.optim import StepValues
 from onnxfuse.recipe.runtimes import Runtime, make_trainer
 from onnxfuse.recipe.settings import RESUMABLE
-from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+from onnxfuse.recipe.train_config import RunPlan, TrainConfig, as_train_config
 from onnxfuse.runtime.ort_runtime import load_array
 from onnxfuse.training.best import keep_best, prune_best
-from onnxfuse.training.checkpoints import (CheckpointModels, check_resumable, checkpoint_folders, checkpoint_models,
-                                           data_hash, new_run, restore, resume_point, saved_settings, seed_run,
-                                           settings_hash, write_checkpoint, write_trained)
+from onnxfuse.training.checkpoints import (CheckpointModels, ResumePoint, check_resumable, checkpoint_folders,
+                                           checkpoint_models, data_hash, jsonable, new_run, restore, resume_point,
+                                           saved_settings, seed_run, settings_hash, write_checkpoint, write_trained)
 from onnxfuse.training.halving import halving_rung
 from onnxfuse.training.metrics import METRICS_HEADER, Metrics, evaluate, fmt
 from onnxfuse.training.prepare import Prepared, prepare
@@ -87,6 +94,16 @@ class TrainResult:
     survivors: list[int] = field(default_factory=list)
     run_id: str = ""
     best: dict | None = None  # the best states kept (--keep-best): {"metric", "since", "models": {b: {"step", ...}}}
+    steps_trained: int = 0  # the steps this call trained (a resumed run's since its checkpoint)
+
+    def summary(self) -> str:
+        """One line saying what was trained (what ``onnxfuse train`` prints)."""
+        if self.steps_trained == 0:
+            return (f"nothing left to train: run {self.run_id} had trained its {self.steps} steps (resume with more "
+                    f"--steps or --epochs to go on); metrics in {self.metrics_path}")
+        B = len(self.final_loss)
+        return (f"trained {B} model{'s' if B != 1 else ''} for {self.steps} steps in {self.elapsed_s:.1f}s "
+                f"({self.samples_per_s:,.0f} samples/s); metrics in {self.metrics_path}")
 
 
 def _first_steps(source: BatchSource, config: RunPlan, B: int, total: int, K: int
@@ -149,13 +166,16 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
     there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
-    Everything is validated before anything is written, the data included (no NaN or inf unless
-    ``config.allow_nonfinite_data``); a fresh run then checks its first ``config.verify_steps`` steps against every
-    model trained alone (``verify.py``) and raises ``VerificationError``, having written nothing, on a mismatch.
-    When its first step has trained, a fresh run becomes the folder's current run (``run.json``): the previous
-    run's outputs move to ``runs/<its id>/``. ``resume``: continue the current run from its newest checkpoint,
-    with its saved settings unless ``config`` is given (``overrides`` changes single settings, e.g. more steps);
-    settings other than ``RESUMABLE`` and the data must be the run's own. ``on_step(step, total)`` is called
+    A fresh run first records itself (its id and settings, written whole: what ``resume`` continues after a kill);
+    then everything is validated before anything else is written, the data included (no NaN or inf unless
+    ``config.allow_nonfinite_data``), and the run checks its first ``config.verify_steps`` steps against every
+    model trained alone (``verify.py``), raising ``VerificationError`` on a mismatch. A run that fails before its
+    first step leaves the folder as it was. When its first step has trained, a fresh run becomes the folder's
+    current run (``run.json``): the previous run's outputs move to ``runs/<its id>/``. ``resume``: continue the last
+    run started, from its newest checkpoint (or from its start when it reached none), with its recorded settings
+    unless ``config`` is given (``overrides`` changes single settings, e.g. more steps); settings other than
+    ``RESUMABLE`` and the data must be the run's own. A run that had trained all its steps has nothing left to
+    train: the result says so (``steps_trained`` 0) and nothing is written. ``on_step(step, total)`` is called
     after every step (a sweep reports progress with it).
 
     ``stop_at`` ends the run at that step with a checkpoint there (its schedules still span every step, so
@@ -174,34 +194,74 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
            progress: bool, eval_data, resume: bool, overrides: dict | None,
            on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
            loss=None) -> TrainResult:
-    ckpt, saved = resume_point(array_dir) if resume else (None, None)
-    if ckpt is not None:
-        data, eval_data, config = _resumed_inputs(saved, data, eval_data, config, overrides)
-    p = prepare(spec, config, data, eval_data, resuming=ckpt is not None, loss=loss)
-    if ckpt is not None:
-        _check_resumed_loss(saved, p.loss)
-    identity = {"settings_hash": settings_hash(p.config), "data_hash": data_hash(p.train, p.eval)}
-    record = check_resumable(ckpt, saved, p.config, identity, data) if ckpt is not None else \
-        new_run(identity, p.config)
-    trained = ArrayDir(array_dir).trained_path
+    array = ArrayDir(array_dir)
+    current = array.read_run()  # the run whose outputs the folder holds (its record checked before anything)
+    point = resume_point(array_dir) if resume else None
+    if point is None:
+        # a new run records itself before anything else (its settings as given; its data's hash once read): a
+        # --resume after a kill, even while the data loads, continues this run, never an earlier one
+        config = as_train_config(config)
+        record = new_run({"settings_hash": settings_hash(config), "data_hash": None},
+                         config=_config_record(config, data, eval_data, None))
+        before = array.write_started(record)
+    else:
+        data, eval_data, config = _resumed_inputs(point, data, eval_data, config, overrides)
+        record = point.run
+    # own: the folder's outputs are this run's already (a resume of its current run)
+    own = point is not None and (current or {}).get("id") == record["id"]
+    try:
+        p = prepare(spec, config, data, eval_data, resuming=point is not None and point.checkpoint is not None,
+                    loss=loss)
+        if point is not None and point.complete:
+            _check_resumed_loss(point.config, p.loss)
+        identity = {"settings_hash": settings_hash(p.config), "data_hash": data_hash(p.train, p.eval)}
+        config_record = _config_record(p.config, data, eval_data, p.loss)
+        if point is not None:
+            check_resumable(point, p.config, identity, data)
+            done = _finished(array, point, record, p.total, spec.B)
+            if done is not None:  # done.summary() says so
+                return done
+            _say_resumed(point)
+        record = {**record, **identity}  # what the run is (equal to what it recorded: checked above)
+        if not own:  # the record as run.json will hold it, once the run has trained its first step
+            record = {**record, "differing": jsonable(p.config.differing()), "config": config_record}
+            if point is None:
+                array.write_started(record)
+        return _run(array, fused, spec, p, point if point is not None and point.checkpoint else None, record,
+                    config_record, own, progress, on_step, stop_at)
+    except Exception:  # an interruption (a kill, Ctrl-C) keeps the record: --resume continues this run
+        if point is None and (array.read_run() or {}).get("id") != record["id"]:  # it failed before its first step
+            array.restore_started(before)
+        raise
+
+
+def _config_record(config: TrainConfig | RunPlan, data, eval_data, loss: LossSpec | None) -> dict:
+    """The run's settings, data (a path or a data set's name; None when given in memory) and Python loss, as its
+    records hold them: what a resume needs to continue it by itself."""
+    return jsonable({**config.as_dict(),
+                     **{k: os.fspath(v) if isinstance(v, (str, os.PathLike)) else None
+                        for k, v in (("_data", data), ("_eval_data", eval_data))},
+                     "_loss": loss.label if isinstance(loss, PythonLoss) else None})
+
+
+def _run(array: ArrayDir, fused: onnx.ModelProto, spec: ArraySpec, p: Prepared, point: ResumePoint | None,
+         record: dict, config_record: dict, own: bool, progress: bool,
+         on_step: Callable[[int, int], None] | None, stop_at: int | None) -> TrainResult:
+    """The run itself, from ``point``'s checkpoint (None: from its start); ``own``: the folder's outputs are this
+    run's already (a resume)."""
+    trained = array.trained_path
     with atomic_dir(trained, overwrite=True, command="train") as tmp:  # removed again if anything below fails
-        run = RunState(array_dir, p.config, fused, spec, p.loss, p.total, ArrayDir.scratch_path(tmp))
+        run = RunState(array.path, p.config, fused, spec, p.loss, p.total, ArrayDir.scratch_path(tmp))
         run.run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
-        elapsed0 = restore(run, ckpt, saved, p.train) if ckpt is not None else 0.0
-        if run.step > p.total:
-            raise ConfigError(f"--resume: run {record['id']}'s newest checkpoint is at step {run.step}, past the "
-                              f"{p.total} steps asked for; resume with more --steps (or --epochs)")
-        if ckpt is None and p.config.verify_steps:  # before anything is written
-            report = _verify(array_dir, fused, spec, run.trainer, p.train, p.config, p.total,
+        run.config_record = config_record
+        elapsed0 = restore(run, point.checkpoint, point.state, p.train) if point is not None else 0.0
+        if point is None and p.config.verify_steps:  # before anything is written
+            report = _verify(array.path, fused, spec, run.trainer, p.train, p.config, p.total,
                              min(p.config.verify_steps, p.total), p.loss)
             log.info("%s", report.summary())
             if not report.ok:
                 raise report.error()
-        # what a checkpoint needs to resume by itself
-        run.config_record = {**p.config.as_dict(), **{k: os.fspath(v) if isinstance(v, (str, os.PathLike)) else None
-                                                      for k, v in (("_data", data), ("_eval_data", eval_data))},
-                             "_loss": p.loss.label if isinstance(p.loss, PythonLoss) else None}
-        loop = _Loop(run, p, record, resumed=ckpt is not None, elapsed0=elapsed0)
+        loop = _Loop(run, p, record, own, point, elapsed0)
         loop.train(stop_at, progress, on_step)
         write_trained(run, tmp, loop.elapsed, loop.stopped)
         shutil.rmtree(ArrayDir.scratch_path(tmp), ignore_errors=True)  # ONNX Runtime's, rebuilt by each run
@@ -215,13 +275,44 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                        samples_per_s=loop.samples / max(loop.elapsed - elapsed0, 1e-9),
                        metrics_path=run.array.metrics_path, trained_dir=trained,
                        status=dict(run.status), eval=run.last_eval, survivors=list(run.models), run_id=record["id"],
-                       best=run.best.record())
+                       best=run.best.record(), steps_trained=loop.trained)
+
+
+def _say_resumed(point: ResumePoint) -> None:
+    if point.checkpoint is not None:
+        log.info("resumed from %s (step %d)", point.checkpoint, point.step)
+    else:
+        log.warning("--resume: run %s (started %s) reached no checkpoint: it trains from its start (step 0)",
+                    point.run["id"], point.run["started"] or "?")
+
+
+def _finished(array: ArrayDir, point: ResumePoint, record: dict, total: int, B: int) -> TrainResult | None:
+    """What the resumed run had ended with, when it had trained all its ``total`` steps (``trained/`` holds its
+    state of that step), else None. A run that had gone past ``total`` is refused (before anything is said)."""
+    state = array.train_state()
+    mine = state is not None and (state["run"] or {}).get("id") == record["id"] and state["step"] is not None
+    reached = max(point.step, state["step"] if mine else 0)
+    if reached > total:
+        raise ConfigError(f"--resume: run {record['id']} has trained {reached} steps, past the {total} steps asked "
+                          "for; resume with more --steps (or --epochs)")
+    if not mine or state["step"] != total or state["stopped"]:
+        return None
+    final = [math.nan] * B
+    for b, v in (state["final_loss"] or {}).items():
+        final[int(b)] = v
+    ev = {metric: {int(b): v for b, v in values.items()} for metric, values in (state["eval"] or {}).items()
+          if values is not None}
+    return TrainResult(steps=state["step"], final_loss=final, elapsed_s=state["elapsed_s"] or 0.0, samples_per_s=0.0,
+                       metrics_path=array.metrics_path, trained_dir=array.trained_path,
+                       status={int(b): v for b, v in state["status"].items()}, eval=ev,
+                       survivors=list(state["models"] if state["models"] is not None else range(B)),
+                       run_id=record["id"], best=state["best"], steps_trained=0)
 
 
 def _check_resumed_loss(saved: dict, loss: LossSpec) -> None:
     """A run trained with a Python loss resumes with that function given again (its name is what the run
-    recorded), and only such a run takes one."""
-    was = saved["config"].get("_loss")
+    recorded), and only such a run takes one. ``saved``: the run's recorded config."""
+    was = saved.get("_loss")
     now = loss.label if isinstance(loss, PythonLoss) else None
     if was != now:
         what = f"the Python loss {was}" if was else "its settings' loss"
@@ -231,26 +322,43 @@ def _check_resumed_loss(saved: dict, loss: LossSpec) -> None:
                           f"{'the Python loss ' + now if now else 'the settings loss'}; {fix}")
 
 
-def _resumed_inputs(saved: dict, data, eval_data, config: TrainConfig | None, overrides: dict | None):
-    """A resumed run's data (the checkpoint's unless given) and settings: the run's own unless ``config`` is
-    given, with ``overrides`` (e.g. more steps) applied."""
-    data = data if data is not None else saved["config"].get("_data")
-    eval_data = eval_data if eval_data is not None else saved["config"].get("_eval_data")
+def _resumed_inputs(point: ResumePoint, data, eval_data, config: TrainConfig | None, overrides: dict | None):
+    """A resumed run's data (the recorded one unless given) and settings: the run's own unless ``config`` is
+    given, with ``overrides`` (e.g. more steps) applied. The recorded settings are checked alone first: an error
+    there is the record's, not the flags'. Recorded data that a function makes is not called: an array folder
+    runs no code of its own (it is given again)."""
+    recorded = point.config
+    for flag, key, given in (("--data", "_data", data), ("--eval-data", "_eval_data", eval_data)):
+        if given is None and is_data_factory(recorded.get(key)):
+            raise ConfigError(f"--resume: run {point.run['id']}'s {flag} was {recorded[key]}, a function that runs "
+                              f"code, which an array folder never runs by itself: give {flag} {recorded[key]} "
+                              "again to resume it")
+    data = data if data is not None else recorded.get("_data")
+    eval_data = eval_data if eval_data is not None else recorded.get("_eval_data")
     if config is None:  # the run's own settings, the overrides validated over them as any settings are
-        config = TrainConfig.resumed(saved_settings(saved), overrides)
+        try:
+            TrainConfig.resumed(saved_settings(recorded), None)
+        except ConfigError as e:
+            raise InputFileError(f"{point.where}: the run's recorded settings are not valid ({e}); start a new run "
+                                 "without --resume") from None
+        config = TrainConfig.resumed(saved_settings(recorded), overrides)
     return data, eval_data, config
 
 
 class _Loop:
     """The steps of one run from ``run.step`` on: train, log, evaluate, halve, checkpoint, report progress.
 
-    A fresh run's outputs begin once its first step has trained: until then a failure leaves the folder as it
-    was (the previous run's outputs move aside and ``run.json`` is written after that step)."""
+    A new run's outputs begin once its first step has trained: until then a failure leaves the folder as it
+    was (the previous run's outputs move aside and ``run.json`` is written after that step). ``own``: the
+    folder's outputs are this run's already (a resume, from ``point``'s checkpoint or from its start: its rows of
+    metrics.csv are kept as far as the checkpoint counted them, none from its start)."""
 
-    def __init__(self, run: RunState, p: Prepared, record: dict, resumed: bool, elapsed0: float):
+    def __init__(self, run: RunState, p: Prepared, record: dict, own: bool, point: ResumePoint | None,
+                 elapsed0: float):
         self.run, self.p, self.record, self.elapsed0 = run, p, record, elapsed0
-        self.metrics = Metrics(run.array.metrics_path, record["id"], run.step) if resumed else None
-        self.samples, self.stopped, self.elapsed = 0, None, 0.0
+        self.metrics = Metrics(run.array, record["id"], run.step, point.state["metrics_rows"] if point else 0) \
+            if own else None
+        self.samples, self.stopped, self.elapsed, self.trained = 0, None, 0.0, 0
         self.watch = Stopwatch()  # this process's part of the run; elapsed0 before it
         self.unread: dict[int, tuple[list, float]] = {}  # steps since the last read: their lr and elapsed time
         self.seen = None  # the last read (Observed)
@@ -274,7 +382,7 @@ class _Loop:
                 self._evaluate(self._elapsed())
             if stop_at is not None and not self.stopped and run.step < total and \
                     not os.path.isdir(run.array.checkpoint_path(run.step)):  # where a resumed run continues
-                write_checkpoint(run, self.p.train, self._elapsed())
+                write_checkpoint(run, self.p.train, self._elapsed(), self.metrics.rows if self.metrics else None)
         except Exception as e:
             user = _as_run_error(e, run.array_dir, self.record["id"], self.metrics is not None)
             if user is None:
@@ -295,6 +403,7 @@ class _Loop:
         recorded at the step it happened (its metrics row too: the steps between reads are remembered)."""
         run, config, source = self.run, self.p.config, self.p.train
         run.step += 1
+        self.trained += 1
         values = run.schedules.values(run.active)
         feeds = source.draw(run.models)
         # the schedules' next values, for a runtime that computes a window of steps' coefficients at once
@@ -305,7 +414,7 @@ class _Loop:
             if moved:
                 log.info("the previous run's outputs are now in %s", moved)
             run.array.write_run(self.record)
-            self.metrics = Metrics(run.array.metrics_path, self.record["id"], None)
+            self.metrics = Metrics(run.array, self.record["id"], None)
         run.schedules.advance()
         self.samples += len(run.models) * source.samples(feeds)  # a loader's last batch of an epoch may be partial
         el = self._elapsed()
@@ -328,7 +437,7 @@ class _Loop:
         if halving:
             halving_rung(run, ev if ev is not None else self._evaluate(el), source, self.metrics, el)
         if checkpoint:
-            write_checkpoint(run, source, el)
+            write_checkpoint(run, source, el, self.metrics.rows)
         return True
 
     def _evaluate(self, elapsed: float) -> dict:
