@@ -314,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make; "
                    f"{runs_code('it')}")
     e.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
-                   help="the factory's keyword arguments, each value read as YAML (16, 0.1, 1e-3, true, [16, 32], "
-                   "text), e.g. --args vocab_size=128 dropout=0 (a run config's and a sweep spec's model.args)")
+                   help="the factory's keyword arguments, KEY=VALUE pairs separated by spaces or commas, each value "
+                   "read as YAML (16, 0.1, 1e-3, true, [16, 32], text), e.g. --args vocab_size=128 dropout=0 or "
+                   "--args width=8,p=0.1 (a run config's and a sweep spec's model.args)")
     e.add_argument("--count", type=at_least(1), required=True, help="number of models B")
     e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1): torch.manual_seed(seed) "
                    "before each model is built")
