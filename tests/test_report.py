@@ -171,3 +171,48 @@ def test_report_figure_legend_beside_the_data_smoothed_curves_accuracy_in_percen
     assert raw.get_alpha() < 0.5 and wiggle[0] < wiggle[1]
     fig.savefig(tmp_path / "report.png")
     _check_png(tmp_path / "report.png")
+
+
+def test_report_marks_each_kept_best_state_and_the_best_model_and_spreads_high_accuracies(tmp_path):
+    """The demo's shape: 8 models, 6 learn to 96.7-99.2 % and 2 stay at chance (11 %); best states kept by eval
+    accuracy. Each model's kept best state is marked on both eval panels at its step and value (report.json's
+    panel records), the best model's as a star, and the legend says which model is best; the accuracy axis is a
+    logit one on which 97 -> 99 % is a tenth of the panel's height or more (a linear axis from 11 to 99 % gives it
+    2 %), with round percentages as ticks."""
+    final = [0.969, 0.981, 0.989, 0.986, 0.992, 0.967, 0.111, 0.111]
+    rows = []
+    for step in range(20, 301, 20):
+        for b, acc in enumerate(final):
+            learnt = acc > 0.5
+            loss = 2.3 * math.exp(-step / (40 + 20 * b)) + 0.03 if learnt else 2.3
+            rows.append([step, b, "train", loss, "", [0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.5, 1][b], step * 0.01, ""])
+            a = acc - (acc - 0.1) * math.exp(-step / 40) if learnt else 0.09 + 0.001 * (step % 40)
+            rows.append([step, b, "eval", loss * 1.1, a - 0.002 * (step == 300), "", step * 0.01, ""])
+    _write(tmp_path / "metrics.csv", HEADER, rows)
+    logs = read_metrics(str(tmp_path / "metrics.csv"))
+    kept = {"metric": "eval_accuracy", "models": {}}
+    for b, log in logs.items():
+        step, value = max(log.eval_accuracy, key=lambda p: (p[1], -p[0]))
+        kept["models"][str(b)] = {"step": step, "value": value}
+    summary = summarize(logs, kept)
+    assert summary["best_model"] == 4
+    fig, records = report_figure(logs, summary)
+    panels = {r["name"]: r for r in records}
+    for name in ("eval_loss", "eval_accuracy"):
+        marks = {m["model"]: (m["step"], m["at"]) for m in panels[name]["kept_best"]}
+        assert {b: s for b, (s, _) in marks.items()} == {b: e["step"] for b, e in ((int(k), v) for k, v in
+                                                                                     kept["models"].items())}
+    at = {m["model"]: m["at"] for m in panels["eval_accuracy"]["kept_best"]}
+    assert all(at[int(b)] == pytest.approx(e["value"]) for b, e in kept["models"].items())
+    accuracy = fig.axes[2]
+    stars = [line for line in accuracy.get_lines() if line.get_marker() == "*"]
+    assert len(stars) == 1 and stars[0].get_xdata()[0] == kept["models"]["4"]["step"]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[4].startswith("4: ") and "best" in legend[4] and not any("best" in t for t in legend[:4])
+    assert panels["eval_accuracy"]["yscale"] == "logit"
+    fig.canvas.draw()
+    y = accuracy.transAxes.inverted().transform(accuracy.transData.transform([(100, 97), (100, 99)]))[:, 1]
+    assert y[1] - y[0] > 0.1, y
+    ticks = [float(t) for t in accuracy.get_yticks()]
+    assert {10, 50, 90, 99} <= set(ticks) and min(ticks) <= 11.1 and max(ticks) >= 99.2
+    assert data_overlap(fig, fig.legends[0]) == 0

@@ -10,10 +10,12 @@
 missing column means train rows without accuracy or status.
 
 :func:`make_report` writes ``ARRAY_DIR/report.png`` (a panel per series the run logged: train loss, smoothed over
-its raw values drawn faint; eval loss; eval accuracy in percent, as the table prints it; diverged / dropped models
-marked where it happened; the legend below the panels names each model by the hyper-parameters that differ
-between the models) and ``ARRAY_DIR/report.json`` (the summary plus, per panel, the curves plotted), and returns
-the same summary.
+its raw values drawn faint; eval loss; eval accuracy in percent, as the table prints it, on a logit axis once it
+passes 90 % so that models that all learn are told apart; diverged / dropped models marked where it happened; each
+model's kept best state marked on the eval panels at its step, a ring, the best model's a star, and the best
+model's curves drawn thicker; the legend below the panels names each model by the hyper-parameters that differ
+between the models, and says which is best and by what) and ``ARRAY_DIR/report.json`` (the summary plus, per
+panel, the curves plotted and the kept best states marked), and returns the same summary.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from onnxfuse.core._io import atomic_file, claim_output
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError, InputFileError, shell
 from onnxfuse.core.records import METRICS_HEADER, MetricsRow, read_metrics_rows
-from onnxfuse.recipe.ranking import best_of, default_metric, score
+from onnxfuse.recipe.ranking import best_of, default_metric, ranked_state, score
 
 __all__ = ["METRICS_COLUMNS", "read_metrics", "summarize", "summarize_array", "make_report", "report_figure",
            "format_table"]
@@ -131,8 +133,9 @@ def summarize(logs: dict[int, ModelLog], kept: dict | None = None, differing: di
     """The per-model summary of parsed metrics (JSON-ready: non-finite values are None), each model ranked by
     ``ranking.score``: by the metric the run kept best states by (``kept``: trained/'s record, see
     ``ArrayDir.kept_best``) and the value of its kept best state, else by eval loss (train loss without
-    evaluations) and its final value. ``differing``: the per-model settings that differ between the models, one
-    value per original model (``RunPlan.differing``), shown per model as ``hparams``."""
+    evaluations) and its final value; its ``state`` says which (best or final: ``split --which`` writes it).
+    ``differing``: the per-model settings that differ between the models, one value per original model
+    (``RunPlan.differing``), shown per model as ``hparams``."""
     models = [_model_summary(log) for log in logs.values()]
     metric = kept["metric"] if kept else default_metric(any(log.eval_loss for log in logs.values()))
     scores = {}
@@ -140,9 +143,10 @@ def summarize(logs: dict[int, ModelLog], kept: dict | None = None, differing: di
         entry = (kept or {}).get("models", {}).get(str(m["model"]))
         m["hparams"] = {k: v[m["model"]] for k, v in (differing or {}).items() if m["model"] < len(v)}
         m["kept_best"] = {"step": entry["step"], "value": entry["value"]} if entry else None
-        final = m[FINAL[metric]]
-        scores[m["model"]] = score(math.nan if final is None else final, entry["value"] if entry else None)
+        final, best = m[FINAL[metric]], entry["value"] if entry else None
+        scores[m["model"]] = score(math.nan if final is None else final, best)
         m["score"] = _finite(scores[m["model"]])
+        m["state"] = ranked_state(best)  # the state of the score: what `split --which` writes for it
     steps = [s for log in logs.values() for s, _ in log.train_loss + log.eval_loss]
     return {"B": len(models), "last_step": max(steps) if steps else None, "best_model": best_of(scores, metric),
             "ranked_by": {"metric": metric, "state": "best" if kept else "final"},
@@ -153,7 +157,8 @@ def summarize_array(array_dir: str | os.PathLike) -> dict:
     """:func:`summarize` of an array's current run: its metrics.csv, the best states trained/ kept and the
     per-model settings it recorded (what ``train``'s final table and ``report`` print)."""
     array = ArrayDir(os.fspath(array_dir))
-    return {**summarize(read_metrics(_open_metrics(array.path), array.known_B()), *_recorded(array)), "precision": _precision(array)}
+    return {**summarize(read_metrics(_open_metrics(array.path), array.known_B()), *_recorded(array)),
+            "precision": _precision(array)}
 
 
 def _precision(array: ArrayDir) -> str:
@@ -223,26 +228,31 @@ def _marker_at(series: list[tuple[int, float]], step: int) -> tuple[int, float] 
     return (step, before[-1]) if before else None
 
 
-def _draw_panel(ax, panel: tuple, logs: dict[int, ModelLog], labels: dict[int, str], colors: dict) -> dict:
+def _draw_panel(ax, panel: tuple, logs: dict[int, ModelLog], labels: dict[int, str], colors: dict,
+                best_model: int | None, kept: dict[int, int]) -> dict:
     """Draw one series of every model on ``ax``: a curve with many points as its smoothed trend over the raw
-    values drawn faint; return the panel's record for report.json."""
-    from onnxfuse.core._plot import log_ticks, smoothed
+    values drawn faint; the best model's (``best_model``) thicker and on top; on an eval panel, each model's kept
+    best state (``kept``: model -> its step) marked where it was evaluated (a ring; the best model's a star).
+    Return the panel's record for report.json."""
+    from onnxfuse.core._plot import accuracy_axis, log_ticks, smoothed
 
     name, title, ylabel, allow_log, scale = panel
     series_of = {m: [(s, v * scale) for s, v in getattr(log, name) if math.isfinite(v)] for m, log in logs.items()}
     values = [v for pts in series_of.values() for _, v in pts]
     log = allow_log and bool(values) and min(values) > 0
-    curves, markers, smooth_any = [], [], False
+    curves, markers, best_marks, smooth_any = [], [], [], False
     for model, points in series_of.items():
         if not points:
             continue
         xs, ys = zip(*points)
+        top = model == best_model
+        z = 3 if top else 2
         smooth = len(points) > 15  # a few evaluations are drawn as they are, with a dot each
         if smooth:
-            ax.plot(xs, ys, color=colors[model], linewidth=0.8, alpha=0.25)
-            ax.plot(xs, smoothed(ys, log=log), color=colors[model], linewidth=1.6)
+            ax.plot(xs, ys, color=colors[model], linewidth=0.8, alpha=0.25, zorder=z)
+            ax.plot(xs, smoothed(ys, log=log), color=colors[model], linewidth=2.6 if top else 1.6, zorder=z)
         else:
-            ax.plot(xs, ys, color=colors[model], linewidth=1.4, marker=".")
+            ax.plot(xs, ys, color=colors[model], linewidth=2.6 if top else 1.4, marker=".", zorder=z)
         smooth_any |= smooth
         curves.append({"label": labels[model], "model": model, "points": len(points), "smoothed": smooth})
         for status, step in logs[model].events:
@@ -252,15 +262,31 @@ def _draw_panel(ax, panel: tuple, logs: dict[int, ModelLog], labels: dict[int, s
             ax.plot([at[0]], [at[1]], linestyle="none", marker=MARKERS.get(status, "o"), markersize=9,
                     markeredgewidth=2, color=colors[model], markerfacecolor="none" if status == "dropped" else None)
             markers.append({"model": model, "status": status, "step": step, "at": [at[0], at[1] / scale]})
+        at = dict(points).get(kept.get(model)) if name.startswith("eval") else None
+        if at is not None:  # evaluated at the step its best state was kept at
+            ax.plot([kept[model]], [at], linestyle="none", zorder=4, **_best_marker(colors[model], top))
+            best_marks.append({"model": model, "step": kept[model], "at": at / scale})
     yscale = "log" if log else "linear"
     ax.set_yscale(yscale)
     if log:
         log_ticks(ax, values)
+    elif name == "eval_accuracy":
+        yscale = accuracy_axis(ax, values)
     ax.set_title(title + (" (smoothed; raw values faint)" if smooth_any else ""), fontsize=10)
     ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(ylabel + (" (logit scale)" if yscale == "logit" else ""))
     ax.grid(True, alpha=0.3)
-    return {"name": name, "title": title, "yscale": yscale, "curves": curves, "markers": markers}
+    return {"name": name, "title": title, "yscale": yscale, "curves": curves, "markers": markers,
+            "kept_best": best_marks}
+
+
+def _best_marker(color, top: bool) -> dict:
+    """How a kept best state is marked: a ring in the model's colour; the best model's, a star."""
+    if top:
+        return {"marker": "*", "markersize": 15, "markerfacecolor": color, "markeredgecolor": "black",
+                "markeredgewidth": 0.8}
+    return {"marker": "o", "markersize": 9, "markerfacecolor": "none", "markeredgecolor": color,
+            "markeredgewidth": 1.8}
 
 
 def _plot(logs: dict[int, ModelLog], summary: dict, out_png: str) -> list[dict]:
@@ -284,20 +310,30 @@ def report_figure(logs: dict[int, ModelLog], summary: dict):
     summaries = {m["model"]: m for m in summary["models"]}
     labels = _labels(logs, summaries)
     colors = dict(zip(logs, _colors(len(logs))))
+    best_model = summary.get("best_model")
+    kept = {m["model"]: m["kept_best"]["step"] for m in summary["models"] if m.get("kept_best")}
     panels = [p for p in PANELS if any(math.isfinite(v) for log in logs.values() for _, v in getattr(log, p[0]))]
     panels = panels or PANELS[:1]
     fig = figure(max(6.4, 4.6 * len(panels) + 0.4), 3.4)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    records = [_draw_panel(ax, panel, logs, labels, colors) for ax, panel in zip(axes, panels)]
+    records = [_draw_panel(ax, panel, logs, labels, colors, best_model, kept) for ax, panel in zip(axes, panels)]
     for ax, rec in zip(axes, records):
         if not rec["curves"]:
             ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes, color="gray")
-    handles = [Line2D([], [], color=colors[m], linewidth=2) for m in logs]
-    names = [labels[m] for m in logs]
+    handles = [Line2D([], [], color=colors[m], linewidth=2.6 if m == best_model else 2) for m in logs]
+    ranked = summary["ranked_by"]
+    names = [labels[m] + (f" (best by {'its best' if ranked['state'] == 'best' else 'its final'} "
+                          f"{ranked['metric'].replace('_', ' ')})" if m == best_model else "") for m in logs]
     for status in sorted({mk["status"] for rec in records for mk in rec["markers"]}):
         handles.append(Line2D([], [], linestyle="none", marker=MARKERS.get(status, "o"), markersize=8,
                               markeredgewidth=2, color="0.3", markerfacecolor="none" if status == "dropped" else None))
         names.append(MARKER_NAMES.get(status, status))
+    if any(rec["kept_best"] for rec in records):
+        handles.append(Line2D([], [], linestyle="none", **_best_marker("0.3", False)))
+        names.append("kept best state (split --which best)")
+        if any(mk["model"] == best_model for rec in records for mk in rec["kept_best"]):
+            handles.append(Line2D([], [], linestyle="none", **_best_marker("0.3", True)))
+            names.append("the best model's kept best state")
     differ = any(": " in s for s in names)
     no_eval = None if any(p[0].startswith("eval") for p in panels) else (
         "no evaluation in this run: train with --eval-data (or eval_fraction) and eval_every to plot eval loss "
