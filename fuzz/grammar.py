@@ -58,6 +58,7 @@ class Rendered:
     num_classes: int
     kinds: list[str] = field(default_factory=list)  # the layer kinds actually used, in order
     vocab: int = 0
+    opset: int = 17  # the opset it is exported at (20 for layers that need it: affine_grid, grid_sample)
 
 
 @dataclass

@@ -285,7 +285,7 @@ def _export(case: _Case, tmp: str) -> list[str]:
                 raise _Invalid(f"torch output {tuple(out.shape)} is not {case.r.output_shape} or not finite")
             path = os.path.join(tmp, f"model_{b}.onnx")
             with native_output_to(1):  # torch's exporter prints its IR graph when it fails
-                export_module(copy.deepcopy(m), path, example_inputs=(xb,))
+                export_module(copy.deepcopy(m), path, example_inputs=(xb,), opset=case.r.opset)
         except _Invalid:
             raise
         except Exception as e:

@@ -1,6 +1,8 @@
 """Each rule on small hand-built graphs (onnx.helper), B models with different weights: fused == per model."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -121,11 +123,169 @@ def test_reshape_dynamic_batch_shape_chain(B, rng):
 
 def test_unsupported_op_names_node_and_supported_ops(rng):
     def build(r):
-        nodes = [h.make_node("MatMul", ["x", "w"], ["a"]), h.make_node("TopK", ["a", "k"], ["out", "idx"], name="my_topk")]
-        inits = [rand_init(r, "w", [4, 5]), nh.from_array(np.array([2], np.int64), "k")]
-        return graph_model(nodes, [vinfo("x", [3, 4])], [vinfo("out", [3, 2])], inits)
+        nodes = [h.make_node("MatMul", ["x", "w"], ["a"]), h.make_node("Det", ["a"], ["out"], name="my_det")]
+        inits = [rand_init(r, "w", [4, 4])]
+        return graph_model(nodes, [vinfo("x", [3, 4, 4])], [vinfo("out", [3])], inits)
 
     with pytest.raises(UnsupportedOpError) as e:
         fuse_models([build(rng), build(rng)], strict=True)
     msg = str(e.value)
-    assert "my_topk" in msg and "'TopK'" in msg and "Conv" in msg and "Gemm" in msg
+    assert "my_det" in msg and "'Det'" in msg and "Conv" in msg and "Gemm" in msg
+
+
+# ---------------------------------------------------------------- the ops a training graph may hold (issue 39)
+def _one_op(nodes, inputs, outputs, inits, opset=18):
+    return graph_model(nodes, inputs, outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+def test_message_passing_scatter_gather_fuses_into_one_op_each(B, rng):
+    """A graph network's message passing: features gathered at edge sources (GatherElements), transformed by a
+    per-model weight, scatter-added at the targets (ScatterElements add) and read back with GatherND: each one
+    node for the B models, equal to each model."""
+    def build(r):
+        inits = [rand_init(r, "w", [4, 4]), nh.from_array(np.zeros((1, 4, 4), np.float32), "zeros"),
+                 nh.from_array(np.repeat(np.array([0, 1, 2, 3, 0], np.int64)[None, :, None], 4, 2), "src"),
+                 nh.from_array(np.repeat(np.array([1, 2, 3, 0, 2], np.int64)[None, :, None], 4, 2), "dst"),
+                 nh.from_array(np.array([[[0, 1], [0, 3]]], np.int64), "pick")]
+        nodes = [h.make_node("MatMul", ["x", "w"], ["hx"]),                                  # [1, V=4, 4]
+                 h.make_node("GatherElements", ["hx", "src"], ["msg"], axis=1),           # [1, E, 4]
+                 h.make_node("ScatterElements", ["zeros", "dst", "msg"], ["agg"], axis=1, reduction="add"),
+                 h.make_node("Relu", ["agg"], ["a"]),
+                 h.make_node("GatherND", ["a", "pick"], ["out"])]                           # [1, 2, 4]
+        return _one_op(nodes, [vinfo("x", [1, 4, 4])], [vinfo("out", [1, 2, 4])], inits)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((1, 4, 4)).astype(np.float32)}, rng)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("reduction", ["none", "add", "max"])
+def test_scatter_nd_with_per_model_updates(B, reduction, rng):
+    def build(r):
+        idx = [[1, 0], [3, 2], [0, 1]] if reduction == "none" else [[1, 0], [3, 2], [1, 0]]
+        inits = [rand_init(r, "w", [2, 2]), nh.from_array(np.array(idx, np.int64), "idx")]
+        nodes = [h.make_node("MatMul", ["u", "w"], ["uw"]),                     # [3, 2] per model
+                 h.make_node("ScatterND", ["x", "idx", "uw"], ["out"], reduction=reduction)]
+        return _one_op(nodes, [vinfo("x", [4, 3, 2]), vinfo("u", [3, 2])], [vinfo("out", [4, 3, 2])], inits)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((4, 3, 2)).astype(np.float32),
+                                "u": rng.standard_normal((3, 2)).astype(np.float32)}, rng)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+def test_top_k_routing_one_hot_and_trilu(B, rng):
+    """Top-k routing over per-model router scores, a one-hot of the chosen expert, and a causal triangle."""
+    def build(r):
+        inits = [rand_init(r, "wr", [6, 5]), nh.from_array(np.array([2], np.int64), "k"),
+                 nh.from_array(np.array(5, np.int64), "depth"), rand_init(r, "wq", [6, 6])]
+        values = nh.from_array(np.array([0.0, 1.0], np.float32), "v")  # a Constant node, as torch exports F.one_hot
+        nodes = [h.make_node("Constant", [], ["v"], value=values),
+                 h.make_node("MatMul", ["x", "wr"], ["scores"]),                 # [N, T, 5]
+                 h.make_node("TopK", ["scores", "k"], ["top", "which"], axis=-1),
+                 h.make_node("OneHot", ["which", "depth", "v"], ["hot"], axis=-1),  # [N, T, 2, 5]
+                 h.make_node("Identity", ["hot"], ["mask"]),
+                 h.make_node("MatMul", ["x", "wq"], ["q"]),
+                 h.make_node("Trilu", ["q"], ["tri"], upper=0)]
+        return _one_op(nodes, [vinfo("x", ["N", 6, 6])],
+                       [vinfo("top", ["N", 6, 2]), vinfo("mask", ["N", 6, 2, 5]), vinfo("tri", ["N", 6, 6])], inits)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((3, 6, 6)).astype(np.float32)}, rng)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+@pytest.mark.parametrize("opset", [18, 21])
+def test_group_norm_lrn_lp_mvn(B, opset, rng):
+    def build(r):
+        G, n = 2, (4 if opset >= 21 else 2)
+        inits = [rand_init(r, "w", [4, 3, 1, 1]), rand_init(r, "s", [n]), rand_init(r, "b", [n])]
+        nodes = [h.make_node("Conv", ["x", "w"], ["c"]),                                      # [N, 4, 5, 5]
+                 h.make_node("GroupNormalization", ["c", "s", "b"], ["gn"], num_groups=G, epsilon=1e-5),
+                 h.make_node("LRN", ["gn"], ["l"], size=3, alpha=0.1, beta=0.7, bias=1.2),
+                 h.make_node("LpNormalization", ["l"], ["p"], axis=1, p=2),
+                 h.make_node("MeanVarianceNormalization", ["p"], ["out"])]
+        return _one_op(nodes, [vinfo("x", ["N", 3, 5, 5])], [vinfo("out", ["N", 4, 5, 5])], inits, opset=opset)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((2, 3, 5, 5)).astype(np.float32)}, rng, tol=1e-4)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+def test_spatial_transformer_grid(B, rng):
+    """A spatial transformer: per-model affine maps from a localization layer, AffineGrid, GridSample: one node
+    each for the B models (the batch axis holds the models)."""
+    def build(r):
+        inits = [rand_init(r, "wl", [2 * 5 * 6, 6]), nh.from_array(np.array([1, 0, 0, 0, 1, 0], np.float32), "eye"),
+                 nh.from_array(np.array([-1, 2, 3], np.int64), "theta_shape"), rand_init(r, "wc", [3, 2, 1, 1])]
+        nodes = [h.make_node("Flatten", ["x"], ["f"]),
+                 h.make_node("MatMul", ["f", "wl"], ["t0"]),
+                 h.make_node("Mul", ["t0", "tenth"], ["t1"]),
+                 h.make_node("Add", ["t1", "eye"], ["t2"]),
+                 h.make_node("Reshape", ["t2", "theta_shape"], ["theta"]),
+                 h.make_node("Shape", ["x"], ["size"]),
+                 h.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=0),
+                 h.make_node("GridSample", ["x", "grid"], ["y"]),
+                 h.make_node("Conv", ["y", "wc"], ["out"])]
+        inits.append(nh.from_array(np.array(0.1, np.float32), "tenth"))
+        return _one_op(nodes, [vinfo("x", ["N", 2, 5, 6])], [vinfo("out", ["N", 3, 5, 6])], inits, opset=20)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((3, 2, 5, 6)).astype(np.float32)}, rng)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_spectrogram_front_end(B, rng):
+    """A window, an STFT of a per-model filtered signal and a DFT along time: windows are emitted once (shared),
+    STFT and DFT fused."""
+    def build(r):
+        inits = [rand_init(r, "w", [1, 1]), nh.from_array(np.array(16, np.int64), "n"),
+                 nh.from_array(np.array(8, np.int64), "step")]
+        nodes = [h.make_node("MatMul", ["s", "w"], ["sw"]),                  # [N, 64, 1] per model
+                 h.make_node("HannWindow", ["n"], ["win"]),
+                 h.make_node("STFT", ["sw", "step", "win"], ["spec"]),       # [N, 7, 9, 2]
+                 h.make_node("DFT", ["spec"], ["out"], axis=1)]
+        return _one_op(nodes, [vinfo("s", ["N", 64, 1])], [vinfo("out", ["N", 7, 9, 2])], inits, opset=18)
+
+    fa = check_fused(build, B, {"s": rng.standard_normal((2, 64, 1)).astype(np.float32)}, rng, tol=1e-4)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+def test_random_ops_give_each_model_its_own_seed(rng):
+    """A random node is one node per model, each with its own seed (a hash of the node's seed and the model's
+    index): its draws do not depend on B, and no two models share a stream, even for an input-less node."""
+    from onnxfuse.core.rules.random import model_seed
+
+    def build(r):
+        nodes = [h.make_node("RandomNormal", [], ["noise"], shape=[2, 3], seed=7.0),
+                 h.make_node("Add", ["x", "noise"], ["out"])]
+        return _one_op(nodes, [vinfo("x", [2, 3])], [vinfo("out", [2, 3])], [])
+
+    for B in (1, 3):
+        fa = fuse_models([build(None) for _ in range(B)])
+        seeds = [a.f for n in fa.model.graph.node if n.op_type == "RandomNormal" for a in n.attribute
+                 if a.name == "seed"]
+        assert seeds == [model_seed(7.0, b) for b in range(B)] and len(set(seeds)) == B
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("axis,idx_shape", [(0, [5]), (1, [2, 3]), (2, [4]), (-1, [1])])
+def test_gather_with_each_models_own_indices(B, axis, idx_shape, rng):
+    """x[:, self.index_buffer]: indices that are each model's own (an integer buffer) into a shared or per-model
+    tensor, along any axis: one GatherND with the model as a batch axis."""
+    def build(r):
+        idx = r.integers(-3, 3, idx_shape).astype(np.int64)
+        inits = [rand_init(r, "w", [4, 4]), nh.from_array(idx, "index_buffer")]
+        nodes = [h.make_node("Gather", ["x", "index_buffer"], ["shared_pick"], axis=axis),
+                 h.make_node("MatMul", ["x", "w"], ["xw"]),
+                 h.make_node("Gather", ["xw", "index_buffer"], ["own_pick"], axis=axis)]
+        a = axis % 3
+        out = [3, 4, 4][:a] + idx_shape + [3, 4, 4][a + 1:]
+        m = graph_model(nodes, [vinfo("x", [3, 4, 4])], [vinfo("shared_pick", out), vinfo("own_pick", out)], inits)
+        # as the exporter records a module's buffers: each model's own initializers, whatever their values
+        h.set_model_props(m, {"onnxfuse": json.dumps({"trainable": ["w"], "buffers": ["index_buffer"]})})
+        return m
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((3, 4, 4)).astype(np.float32)}, rng)
+    assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]

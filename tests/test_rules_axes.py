@@ -183,15 +183,14 @@ def test_instance_norm_and_group_conv_depthwise(B):
 def test_node_without_rule_runs_per_model(B):
     def build(r):
         n, w = conv_in(r)
-        inits = [w, i64("k", [2])]
-        nodes = [n, h.make_node("TopK", ["c", "k"], ["v", "i"], axis=3, name="topk"),
+        inits = [w, nh.from_array(np.array([1, 0, 1, 1, 0, 1], bool), "keep")]
+        nodes = [n, h.make_node("Compress", ["c", "keep"], ["v"], axis=3, name="compress"),
                  h.make_node("Relu", ["v"], ["out"])]
-        return graph_model(nodes, [vinfo("x", ["N", 2, 4, 6])], [vinfo("out", ["N", 4, 4, 2]),
-                                                                   vinfo("i", ["N", 4, 4, 2], TP.INT64)], inits)
+        return graph_model(nodes, [vinfo("x", ["N", 2, 4, 6])], [vinfo("out", ["N", 4, 4, 4])], inits)
 
-    with pytest.warns(UserWarning, match=r"run once per model instead of fused: topk \(TopK\)"):
+    with pytest.warns(UserWarning, match=r"run once per model instead of fused: compress \(Compress\)"):
         fa = check_fused(build, B, X)
-    assert fa.spec.summary["per_model"] == 1 and fa.spec.summary["unfused"][0]["op_type"] == "TopK"
+    assert fa.spec.summary["per_model"] == 1 and fa.spec.summary["unfused"][0]["op_type"] == "Compress"
 
 
 def test_per_model_inputs(rng):

@@ -8,6 +8,7 @@ access to their fused inputs) and either emits fused nodes and sets the layout o
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -17,6 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxfuse.core._graph import Names, node_label
+from onnxfuse.core._shapes import complete_shapes
 from onnxfuse.core.errors import ConfigError, NotFusibleError, UnsupportedOpError
 from onnxfuse.core.identity import AlignedModels
 from onnxfuse.core.layout import SHARED, Layout, stacked
@@ -428,12 +430,13 @@ class NodeGroup:
         raise RuleFailed(reason)
 
     # ---- used by the engine
-    def per_model(self) -> None:
+    def per_model(self, attrs: Callable[[int], dict] | None = None) -> None:
         """The fallback for a node without a rule: run it once per model on model b's slices and stack the results.
 
         Layout: every per-model input as stacked(0) [B, ...], model b's slice taken with Gather(index b) (a weight
         is packed [B, ...] and sliced the same way, so its gradient flows); outputs Unsqueeze + Concat -> stacked(0).
-        Correct for any op, but B copies of the node instead of one fused node.
+        Correct for any op, but B copies of the node instead of one fused node. ``attrs(b)``: attributes that model
+        b's node has in place of the original's (a random op's own seed).
         """
         B = self.B
         sliced: dict[int, list[str]] = {}
@@ -447,7 +450,7 @@ class NodeGroup:
                    for i, t in enumerate(self.node.input)]
             outs.append(self.emit(self.op_type, ins, [self._st.fresh(f"{o}__model{b}") if o else ""
                                                       for o in self.node.output], domain=self.node.domain,
-                                  **self.attrs()))
+                                  **{**self.attrs(), **(attrs(b) if attrs else {})}))
         axis0 = self.new_const([0], "axes")
         for j, o in enumerate(self.node.output):
             if o:
@@ -552,7 +555,8 @@ def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:
     bare.CopyFrom(model)
     del bare.graph.value_info[:]  # what the nodes compute, not what the engine declared
     try:
-        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False).graph
+        infer = functools.partial(onnx.shape_inference.infer_shapes, strict_mode=False)
+        inferred = complete_shapes(infer(bare), infer).graph  # as the sources' shapes were (core/_shapes.py)
     except Exception:  # check_pass reports an invalid graph with its own message
         return
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]

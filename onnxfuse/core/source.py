@@ -2,6 +2,7 @@
 are per-model weights."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from onnxfuse.core._facts import FOLD_LIMIT, GraphFacts
 from onnxfuse.core._graph import live_nodes, reads
 from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
+from onnxfuse.core._shapes import complete_shapes, onesided_stft_pass
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.windows import explicit_windows_pass
 
@@ -242,8 +244,10 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)
     proto = resolve_static_pass(proto, weights)  # window padding made explicit too, before any fold reads it
+    proto = onesided_stft_pass(proto)  # a shape onnx's inference gets wrong, made explicit (core/_shapes.py)
     try:
-        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+        infer = functools.partial(onnx.shape_inference.infer_shapes, strict_mode=False, data_prop=True)
+        inferred = complete_shapes(infer(proto), infer)  # and the shapes inference leaves out (core/_shapes.py)
     except Exception as e:
         raise InputFileError(f"{label}: ONNX shape inference failed ({str(e).splitlines()[0]})") from e
     g = inferred.graph

@@ -13,11 +13,12 @@ if TYPE_CHECKING:
 UNARY = (
     "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Abs", "Neg", "Sqrt", "Reciprocal", "Erf", "Softplus", "Softsign",
     "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Gelu", "Mish", "ThresholdedRelu", "Floor",
-    "Ceil", "Round", "Sign", "Not", "IsNaN", "IsInf", "Cast", "Sin", "Cos", "Identity", "Shrink",
+    "Ceil", "Round", "Sign", "Not", "IsNaN", "IsInf", "Cast", "Sin", "Cos", "Identity", "Shrink", "Tan", "Asin",
+    "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "BitwiseNot",
 )
 NARY = (
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Mod", "Equal", "Less", "LessOrEqual",
-    "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where",
+    "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitShift",
 )
 
 

@@ -1,4 +1,5 @@
-"""Normalization: statistics never cross models (BatchNorm/InstanceNorm per channel, LayerNorm per row)."""
+"""Normalization: statistics never cross models (BatchNorm/InstanceNorm/GroupNorm per channel, LayerNorm per row, LRN
+within a sample, Lp and mean-variance normalization along original axes)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -82,3 +83,50 @@ def fuse_instancenorm(g: "NodeGroup") -> None:
     C = g.input_shape(0)[1]
     ins = [x] + [g.weight(i, WeightSlot(None, (C,))) if g.is_weight(i) else g.get(i, packed(0)) for i in (1, 2)]
     g.emit_same(ins, packed(1))
+
+
+@rule("GroupNormalization")
+def fuse_groupnorm(g: "NodeGroup") -> None:
+    """B GroupNorms of G groups -> one of B*G groups over B*C channels.
+
+    Layout: x, y [N, B*C, *S] channel-packed; scale, bias [B*C] per channel (opset 21) or [B*G] per group (18).
+    Math: groups are contiguous blocks of C/G channels and model b's channels are the block [bC, (b+1)C), so fused
+    group b*G + j is model b's group j: each model's statistics and affine are its own.
+    """
+    C = g.input_shape(0)[1]
+    G = int(g.attr("num_groups"))
+    if not isinstance(C, int):
+        g.fail("the channel count of the input is not static")
+    n = C if g.opset >= 21 else G
+    ins = [g.get(0, packed(1))] + [g.weight(i, WeightSlot(None, (n,))) if g.is_weight(i) else g.get(i, packed(0))
+                                   for i in (1, 2)]
+    g.emit_same(ins, packed(1), num_groups=G * g.B)
+
+
+@rule("LRN")
+def fuse_lrn(g: "NodeGroup") -> None:
+    """LRN across channels (axis 1) of [N, C, *S]: the models side by side along the batch, [B*N, C, *S]
+    (packed(0)), so a window never reaches another model's channels."""
+    g.emit_same([g.get(0, packed(0))], packed(0))
+
+
+@rule("LpNormalization")
+def fuse_lp_normalization(g: "NodeGroup") -> None:
+    """x / ||x||_p along one original axis: any layout whose model axis is not that axis (packed there ->
+    stacked), fused axis k + (k >= a)."""
+    r = g.rank(0)
+    k = norm_axis(int(g.attr("axis", -1)), r)
+    L = g.layout(0)
+    L = stacked(0) if L is None or L.is_shared else (stacked(L.axis) if L.kind == "packed" and L.axis == k else L)
+    g.emit_same([g.get(0, L)], L, axis=L.fused_axis(k))
+
+
+@rule("MeanVarianceNormalization")
+def fuse_mean_variance_normalization(g: "NodeGroup") -> None:
+    """Statistics over original ``axes`` (default [0, 2, 3]): stacked on an axis outside them (packed there ->
+    stacked), the axes shifted past the model axis."""
+    r = g.rank(0)
+    axes = sorted(norm_axis(int(a), r) for a in g.attr("axes", [0, 2, 3]))
+    L = g.layout(0)
+    L = stacked(0) if L is None or L.is_shared else (stacked(L.axis) if L.kind == "packed" and L.axis in axes else L)
+    g.emit_same([g.get(0, L)], L, axes=[L.fused_axis(k) for k in axes])

@@ -1,4 +1,4 @@
-"""Reductions and scans along original axes: the model axis is never reduced."""
+"""Reductions, scans and TopK along original axes: the model axis is never reduced."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -67,3 +67,18 @@ def fuse_cumsum(g: "NodeGroup") -> None:
     k = norm_axis(int(k.reshape(-1)[0]), r)
     L = _keep_model_axis(g, [k])
     g.emit_same([g.get(0, L), g.new_const(L.fused_axis(k), "axis")], L)
+
+
+@rule("TopK")
+def fuse_top_k(g: "NodeGroup") -> None:
+    """The K largest (smallest) along one original axis, K shared: values and indices keep the input's layout,
+    fused axis k + (k >= a) (packed along k -> stacked). Indices count along that axis within one model's slice,
+    as alone (a mixture of experts' top-k routing: B routers are one TopK)."""
+    if g.opset < 10:
+        g.fail("TopK before opset 10 (k as an attribute) is not supported")
+    if not g.is_shared(1):
+        g.fail("K must be the same for every model")
+    r = g.rank(0)
+    k = norm_axis(int(g.attr("axis", -1)), r)
+    L = _keep_model_axis(g, [k])
+    g.emit_same([g.get(0, L), g.shared(1)], L, axis=L.fused_axis(k))

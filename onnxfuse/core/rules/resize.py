@@ -1,4 +1,5 @@
-"""Resize: scale original axes only; the model axis keeps scale 1."""
+"""Resampling: Resize (original axes only; the model axis keeps scale 1), GridSample and AffineGrid (the models side
+by side along the batch)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -43,3 +44,27 @@ def fuse_resize(g: "NodeGroup") -> None:
         if sizes is not None:
             ins.append(g.new_const(np.insert(sizes.astype(np.int64), 0, g.B), "sizes"))
     g.emit_same(ins, L)
+
+
+@rule("GridSample")
+def fuse_grid_sample(g: "NodeGroup") -> None:
+    """GridSample(X [N, C, *S], grid [N, *S_out, k]): the models side by side along the batch.
+
+    Layout: X, grid and the output [B*N, ...] (packed(0)): model b's samples are rows [bN, (b+1)N) of each.
+    Math: sample n of the output reads only sample n of X at sample n's grid, so model b's rows see only its own
+    image and its own grid (a spatial transformer's sampler; a shared X is copied per model).
+    """
+    g.emit_same([g.get(0, packed(0)), g.get(1, packed(0))], packed(0))
+
+
+@rule("AffineGrid")
+def fuse_affine_grid(g: "NodeGroup") -> None:
+    """AffineGrid(theta [N, 2|3, 3|4], size [N, C, *S]): theta [B*N, ...] (packed(0)), size's N times B, the
+    grid [B*N, *S, 2|3] (packed(0)). Math: each row of theta maps its own sample's grid."""
+    if not g.is_shared(1):
+        g.fail("the output size must be the same for every model")
+    r = g.input_shape(1)[0] if g.input_shape(1) else None
+    if not isinstance(r, int):
+        g.fail("the size input's length is not static")
+    size = g.emit("Mul", [g.shared(1), g.new_const(np.array([g.B] + [1] * (r - 1), np.int64), "model_rows")])[0]
+    g.emit_same([g.get(0, packed(0)), size], packed(0))

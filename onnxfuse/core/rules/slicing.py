@@ -1,4 +1,4 @@
-"""Concat, Split, Slice, Pad: data movement along original axes, never along the model axis."""
+"""Concat, Split, Slice, Pad, Trilu: data movement along original axes, never along the model axis."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -99,3 +99,16 @@ def fuse_pad(g: "NodeGroup") -> None:
         begins, ends = begins[:m] + [0] + begins[m:], ends[:m] + [0] + ends[m:]
     g.emit_same([x, g.new_const(np.array(begins + ends, np.int64), "pads"), value], L)
 
+
+
+@rule("Trilu")
+def fuse_trilu(g: "NodeGroup") -> None:
+    """The upper or lower triangle of the last two original axes, k shared: any layout whose model axis is before
+    them (else stacked(0)); a causal mask's triangle, per model."""
+    r = g.rank(0)
+    if g.has_input(1) and not g.is_shared(1):
+        g.fail("a diagonal k that differs per model is not supported")
+    L = _along(g, 0, [r - 2, r - 1])
+    if L.kind == "stacked" and L.axis > r - 2:
+        L = stacked(0)
+    g.emit_same([g.get(0, L)] + ([g.shared(1)] if g.has_input(1) else []), L)
