@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from onnxfuse.core._clock import Stopwatch
+from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.core.errors import ConfigError
 
 __all__ = ["run_benchmark", "MODES", "digits_28", "learning_rates"]
@@ -412,8 +413,7 @@ def run_benchmark(B_values: Sequence[int] | None = None, steps: int = 50, warmup
         "runs": [{"mode": r.mode, "B": r.B, "worker_wall_s": r.wall_s, **r.result} for r in runs],
     }
     if out is not None:
-        with open(os.fspath(out), "w") as f:
-            json.dump(result, f, indent=1)
+        atomic_write_bytes(out, json.dumps(result, indent=1).encode())  # whole or not at all, naming it on failure
         print(f"wrote {os.fspath(out)}")
     return result
 
