@@ -147,8 +147,11 @@ def test_an_empty_or_blank_output_path_is_refused_everywhere(work, capsys, monke
         assert code == 2 and f"the output path {blank!r} is " in line, (what, line)
     from onnxfuse.core.split import split_array
 
+    from onnxfuse.core._io import atomic_write_bytes
+
     for call in (lambda: save_array(fuse_models(models_in(work / "jobs2")), blank, overwrite=True),
-                 lambda: split_array(work / "OTHER", blank, overwrite=True, initial=True)):
+                 lambda: split_array(work / "OTHER", blank, overwrite=True, initial=True),
+                 lambda: atomic_write_bytes(blank, b"x")):  # every single file written (plan.save, ...)
         with pytest.raises(ConfigError, match="would name the current folder"):
             call()
     assert (snapshot(cwd), sorted(os.listdir(cwd))) == before

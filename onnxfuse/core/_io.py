@@ -324,7 +324,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[str]:
     (``give_modes``). If the block fails the temporary file is removed and the error goes on (a full disk or a
     read-only folder, from Python or a library such as safetensors, as the one-line error ``as_user_error`` makes
     of it, naming ``path``); what a killed writer leaves, ``remove_temporaries`` removes."""
-    path = os.fspath(path)
+    path = check_output_path(path)
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
