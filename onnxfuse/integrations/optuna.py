@@ -241,7 +241,8 @@ def _sync(study, t: dict, known: dict, asked=None) -> None:
     study.add_trial(optuna.trial.create_trial(
         params=t["optuna_params"], value=value, state=state.COMPLETE if value is not None else state.FAIL,
         distributions={k: json_to_distribution(d) for k, d in t["distributions"].items()},
-        user_attrs={**t["attrs"], **told["attrs"]}))
+        # (a study folder from before the pointers were told named the final weights when the trial was asked)
+        user_attrs={**{k: v for k, v in t["attrs"].items() if k != "onnxfuse.checkpoint"}, **told["attrs"]}))
 
 
 def _ask(study, out: _Study, k: int, n: int, suggest: Callable, width: int) -> tuple[list, list[dict]]:
