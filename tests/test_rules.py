@@ -289,3 +289,32 @@ def test_gather_with_each_models_own_indices(B, axis, idx_shape, rng):
 
     fa = check_fused(build, B, {"x": rng.standard_normal((3, 4, 4)).astype(np.float32)}, rng)
     assert fa.spec.summary["per_model"] == 0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+def test_control_flow_runs_per_model_with_each_models_outer_tensors(B, rng):
+    """If, Loop and Scan have no fusion rule: each model's copy runs on its own slices, and what its subgraphs read
+    from outside (a weight, an activation) is renamed to that model's slice of it."""
+    def build(r):
+        then = h.make_graph([h.make_node("MatMul", ["x", "w"], ["t"])], "then", [], [vinfo("t", ["N", 4])])
+        other = h.make_graph([h.make_node("Mul", ["x", "w2"], ["e"])], "else", [], [vinfo("e", ["N", 4])])
+        step = h.make_graph([h.make_node("Mul", ["acc_in", "w2"], ["m"]), h.make_node("Add", ["m", "xt"], ["acc_out"]),
+                             h.make_node("Identity", ["acc_out"], ["y"])],
+                            "step", [vinfo("acc_in", [4]), vinfo("xt", [4])], [vinfo("acc_out", [4]), vinfo("y", [4])])
+        nodes = [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0), h.make_node("Greater", ["s", "zero"], ["c"]),
+                 h.make_node("If", ["c"], ["branch"], then_branch=then, else_branch=other),
+                 h.make_node("Scan", ["acc0", "branch"], ["last", "seq"], body=step, num_scan_inputs=1)]
+        inits = [rand_init(r, "w", [4, 4]), rand_init(r, "w2", [4]), rand_init(r, "acc0", [4]),
+                 nh.from_array(np.array(0, np.float32), "zero")]
+        return graph_model(nodes, [vinfo("x", [3, 4])], [vinfo("last", [4]), vinfo("seq", [3, 4])], inits)
+
+    import torch
+
+    from onnxfuse.runtime.torch_graph import OnnxModule
+
+    for sign in (1, -1):
+        x = (np.abs(rng.standard_normal((3, 4))) * sign).astype(np.float32)
+        fa = check_fused(build, B, {"x": x}, rng)
+        got = OnnxModule.from_array(fa.model, fa.spec)(x=torch.from_numpy(x))  # the torch runtime runs it too
+        for g, r in zip(got, run_onnx(fa.model, {"x": x})):
+            assert rel_err(g.detach().numpy(), r) < 1e-5

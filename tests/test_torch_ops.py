@@ -1089,6 +1089,8 @@ def test_quantize_dequantize_and_fake_quantize(axis_scales, zp_type):
     order = ["x", "s"] + (["z"] if zp_type is not None else [])
     q = one_node("QuantizeLinear", {"x": x}, consts, order=order, attrs={"axis": 1})
     compare(q, {"x": x})
+    xq = RNG.integers(-100, 100, (2, 3, 4)).astype(zp_type or np.uint8)
+    compare(one_node("DequantizeLinear", {"xq": xq}, consts, order=["xq"] + order[1:], attrs={"axis": 1}), {"xq": xq})
     deq = h.make_node("DequantizeLinear", ["q"] + order[1:], ["y0"], axis=1)
     quant = h.make_node("QuantizeLinear", order, ["q"], axis=1)
     g = h.make_graph([quant, deq], "g", [_vi("x", x)], [_vi("y0")],
@@ -1125,6 +1127,11 @@ def test_random_ops_draw_from_the_nodes_generator():
     assert not torch.equal(OnnxModule(other, trainable=[])(x=torch.from_numpy(x))[0], a)
     u, = OnnxModule(one_node("RandomUniform", {}, attrs={"shape": [300, 40], "low": -1.0, "high": 3.0}))()
     assert u.shape == (300, 40) and float(u.min()) >= -1.0 and float(u.max()) < 3.0 and abs(float(u.mean()) - 1) < 0.05
+    n, = OnnxModule(one_node("RandomNormal", {}, attrs={"shape": [300, 40], "seed": 1.0}))()
+    assert abs(float(n.mean())) < 0.05 and abs(float(n.std()) - 1) < 0.05
+    ul, = OnnxModule(one_node("RandomUniformLike", {"x": x}, attrs={"dtype": TP.DOUBLE}), trainable=[])(
+        x=torch.from_numpy(x))
+    assert ul.dtype == torch.float64 and ul.shape == x.shape and 0 <= float(ul.min()) and float(ul.max()) < 1
     p = np.full((500, 40), 0.3, np.float32)
     b, = OnnxModule(one_node("Bernoulli", {"p": p}), trainable=[])(p=torch.from_numpy(p))
     assert set(b.unique().tolist()) <= {0.0, 1.0} and abs(float(b.mean()) - 0.3) < 0.02
@@ -1133,3 +1140,57 @@ def test_random_ops_draw_from_the_nodes_generator():
         l=torch.from_numpy(logits))
     assert mm.dtype == torch.int32 and mm.shape == (1, 4000)
     assert np.allclose(np.bincount(mm.numpy()[0], minlength=3) / 4000, [0.1, 0.6, 0.3], atol=0.03)
+
+
+def test_control_flow_if_loop_scan():
+    """If (a branch reading an outer tensor), Loop (a trip count, a carried value and a scan output) and Scan (a
+    running sum over the time axis), their subgraphs run as programs of their own, against onnxruntime; the
+    gradient flows through a branch to the outer tensor it reads."""
+    x = rand(3, 4)
+    w = rand(4, 4)
+    then = h.make_graph([h.make_node("MatMul", ["x", "w"], ["t"])], "then", [], [_vi("t", x @ w)])
+    other = h.make_graph([h.make_node("Neg", ["x"], ["e"])], "else", [], [_vi("e", x)])
+    for flag in (True, False):
+        m = one_node("If", {"c": np.array(flag), "x": x, "w": w}, order=["c"],
+                     attrs={"then_branch": then, "else_branch": other})
+        compare(m, {"c": np.array(flag), "x": x, "w": w})
+    m = one_node("If", {"c": np.array(True), "x": x, "w": w}, order=["c"],
+                 attrs={"then_branch": then, "else_branch": other})
+    gradients(m, {"c": np.array(True), "x": x, "w": w}, ["x", "w"], lambda c, x, w: x @ w)
+
+    body = h.make_graph(
+        [h.make_node("Identity", ["cond_in"], ["cond_out"]), h.make_node("Mul", ["v_in", "x"], ["v_out"]),
+         h.make_node("Cast", ["i"], ["fi"], to=TP.FLOAT), h.make_node("Add", ["v_out", "fi"], ["scan_out"])],
+        "body", [h.make_tensor_value_info("i", TP.INT64, []), h.make_tensor_value_info("cond_in", TP.BOOL, []),
+                 _vi("v_in", x)], [h.make_tensor_value_info("cond_out", TP.BOOL, []), _vi("v_out", x),
+                                   _vi("scan_out", x)])
+    feeds = {"v0": np.ones((3, 4), np.float32), "x": x * 0.5}
+    compare(one_node("Loop", feeds, {"trip": np.array(3, np.int64), "go": np.array(True)},
+                     order=["trip", "go", "v0"], attrs={"body": body}, n_out=2), feeds)
+
+    step = h.make_graph([h.make_node("Add", ["acc_in", "xt"], ["acc_out"]), h.make_node("Relu", ["acc_out"], ["y"])],
+                        "step", [_vi("acc_in", rand(4)), _vi("xt", rand(4))], [_vi("acc_out", rand(4)), _vi("y", rand(4))])
+    seq = rand(5, 4)
+    for direction in (0, 1):
+        m = one_node("Scan", {"acc0": np.zeros(4, np.float32), "seq": seq}, n_out=2,
+                     attrs={"body": step, "num_scan_inputs": 1, "scan_input_directions": [direction]})
+        compare(m, {"acc0": np.zeros(4, np.float32), "seq": seq})
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_ops(reduction, weighted):
+    """SoftmaxCrossEntropyLoss (with its log_prob output) and NegativeLogLikelihoodLoss, ignore_index and class
+    weights included, against onnxruntime; their gradients are F.cross_entropy's and F.nll_loss's."""
+    x, labels = rand(6, 5, 3), np.array([[0, 4, 2], [1, 1, -1], [3, 0, 2], [4, 4, 4], [2, -1, 0], [1, 3, 2]], np.int64)
+    feeds = {"x": x, "y": labels}
+    consts = {"w": np.abs(rand(5)) + 0.1} if weighted else {}
+    attrs = {"reduction": reduction, "ignore_index": -1}
+    sce = one_node("SoftmaxCrossEntropyLoss", feeds, consts, attrs=attrs, n_out=2)
+    compare(sce, feeds)
+    w = torch.from_numpy(consts["w"]) if weighted else None
+    gradients(sce, feeds, ["x"], lambda x, y: torch.nn.functional.cross_entropy(x, y, w, ignore_index=-1,
+                                                                                reduction=reduction))
+    logp = np.log(np.exp(x) / np.exp(x).sum(1, keepdims=True)).astype(np.float32)
+    nll = one_node("NegativeLogLikelihoodLoss", {"x": logp, "y": labels}, consts, attrs=attrs)
+    compare(nll, {"x": logp, "y": labels})

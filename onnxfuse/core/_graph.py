@@ -76,6 +76,26 @@ def outer_reads(node: onnx.NodeProto) -> list[str]:
     return found
 
 
+def rename_outer(graph: onnx.GraphProto, mapping: dict[str, str]) -> onnx.GraphProto:
+    """A copy of subgraph ``graph`` whose reads of outer-scope names (not its own inputs, initializers or node
+    outputs: those shadow them) are renamed by ``mapping``, in its nested subgraphs too."""
+    out = onnx.GraphProto()
+    out.CopyFrom(graph)
+    local = {i.name for i in out.input} | {t.name for t in out.initializer}
+    for n in out.node:
+        n.input[:] = [mapping.get(t, t) if t and t not in local else t for t in n.input]
+        for a in n.attribute:
+            inner = {k: v for k, v in mapping.items() if k not in local}
+            if a.type == onnx.AttributeProto.GRAPH:
+                a.g.CopyFrom(rename_outer(a.g, inner))
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                renamed = [rename_outer(g, inner) for g in a.graphs]
+                del a.graphs[:]
+                a.graphs.extend(renamed)
+        local.update(n.output)
+    return out
+
+
 def reads(node: onnx.NodeProto) -> list[str]:
     """Every name ``node`` reads: its inputs (``""`` for an absent optional one) and its subgraphs' outer reads."""
     return list(node.input) + outer_reads(node)

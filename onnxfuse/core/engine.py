@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxfuse.core._graph import Names, node_label
+from onnxfuse.core._graph import Names, node_label, outer_reads, rename_outer
 from onnxfuse.core._shapes import complete_shapes
 from onnxfuse.core.errors import ConfigError, NotFusibleError, UnsupportedOpError
 from onnxfuse.core.identity import AlignedModels
@@ -444,18 +444,40 @@ class NodeGroup:
             if self.has_input(i) and not self.is_shared(i):
                 x = self.get(i, stacked(0))
                 sliced[i] = [self.emit("Gather", [x, self.new_const(b, "model_index")], axis=0)[0] for b in range(B)]
+        # what its subgraphs (If branches, Loop and Scan bodies) read from outside: model b's copy reads b's
+        outer = {t: self._model_slices(k) for k, t in enumerate(outer_reads(self.node))}
         outs: list[list[str]] = []
         for b in range(B):
             ins = [sliced[i][b] if i in sliced else (self._st.tensors[t][0] if t else "")
                    for i, t in enumerate(self.node.input)]
+            node_attrs = {**self.attrs(), **(attrs(b) if attrs else {})}
+            if outer:
+                node_attrs = {k: rename_outer(v, {t: names[b] for t, names in outer.items()})
+                              if isinstance(v, onnx.GraphProto) else v for k, v in node_attrs.items()}
             outs.append(self.emit(self.op_type, ins, [self._st.fresh(f"{o}__model{b}") if o else ""
                                                       for o in self.node.output], domain=self.node.domain,
-                                  **{**self.attrs(), **(attrs(b) if attrs else {})}))
+                                  **node_attrs))
         axis0 = self.new_const([0], "axes")
         for j, o in enumerate(self.node.output):
             if o:
                 parts = [self.emit("Unsqueeze", [outs[b][j], axis0])[0] for b in range(B)]
                 self.set_output(j, self.emit("Concat", parts, [self.out_name(j)], axis=0)[0], stacked(0))
+
+    def _model_slices(self, k: int) -> list[str]:
+        """The k-th outer-scope tensor the node's subgraphs read, as B names, model b's at b: the fused name when
+        shared, else model b's slice of it in stacked(0) (Gather of index b; a weight, named by each model as its
+        own subgraph names it, is packed first, so its gradient flows)."""
+        names = [outer_reads(n)[k] for n in self.nodes]
+        t = names[0]
+        if t in self._st.src.weight_names and t not in self._st.tensors:
+            shape = self._st.src.shapes[t]
+            fused = self._st.pack_weight(names, WeightSlot(None, (1, *shape)), "param", None)
+            self._st.tensors.setdefault(t, (fused, stacked(0)))
+        name, layout = self._st.tensors[t]
+        if layout.is_shared:
+            return [name] * self.B
+        x = self._st.convert(t, stacked(0))
+        return [self.emit("Gather", [x, self.new_const(b, "model_index")], axis=0)[0] for b in range(self.B)]
 
     def passthrough(self) -> None:
         """Emit the node once, unchanged: every input is shared, so every model computes the same value."""

@@ -29,13 +29,13 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from onnxfuse.core._graph import last_readers, node_label
+from onnxfuse.core._graph import last_readers, node_label, outer_reads, reads
 from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
 from onnxfuse.runtime.torch_forms import torch_forms
-from onnxfuse.runtime.torch.kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, RandomStreams,
+from onnxfuse.runtime.torch.kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, RandomStreams, SubProgram,
                                             TorchOptions, UnsupportedTorchOpError, node_outputs, supported_ops)
 
 __all__ = ["OnnxModule", "Step", "TorchOptions", "UnsupportedTorchOpError"]
@@ -150,6 +150,7 @@ class OnnxModule(torch.nn.Module):
         self.register_buffer("_probe", torch.empty(0), persistent=False)
         self._device = _DeviceRef()
         self.random_streams = RandomStreams()  # the generators of random nodes with a seed (both programs share them)
+        self._subprograms: dict[str, SubProgram] = {}  # compiled subgraphs (If, Loop, Scan), by node and graph
         constants = {n: _tensor(t) for n, t in inits.items() if n not in self.param_keys and n not in self.buffer_keys}
         self._const_keys: dict[str, str] = {}
         self._const_taken: set[str] = set()
@@ -216,6 +217,29 @@ class OnnxModule(torch.nn.Module):
             self._source = None
         return self._programs[training]
 
+    def subprogram(self, graph: onnx.GraphProto, owner: str) -> SubProgram:
+        """``graph`` (a subgraph of node ``owner``: an If branch, a Loop or Scan body) as a module of its own,
+        registered as a child (it follows the module's device and train/eval mode): its formal inputs, then the
+        outer-scope tensors it reads by name, as inputs; its initializers are constants. Compiled once per
+        subgraph, for both programs."""
+        key = f"{owner}/{graph.name}"
+        if key not in self._subprograms:
+            outer = tuple(outer_reads(onnx.helper.make_node("If", [], [], then_branch=graph)))
+            inner = onnx.ModelProto()
+            inner.CopyFrom(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", self.opset)]))
+            g = inner.graph
+            g.input.extend(onnx.helper.make_empty_tensor_value_info(name) for name in outer)
+            sub = OnnxModule(inner, trainable=[], buffers=[], options=self.options, lazy=True)
+            sub._device = self._device  # one device for the module and its subgraphs
+            sub.random_streams = self.random_streams
+            self.add_module(_sanitize(f"subgraph_{key}", set(dict(self.named_children())), self), sub)
+            formal = sub.input_names[:len(sub.input_names) - len(outer)]
+
+            def run(values, env, sub=sub, formal=formal, outer=outer):
+                return sub(**dict(zip(formal, values)), **{name: env[name] for name in outer})
+            self._subprograms[key] = SubProgram(run, outer)
+        return self._subprograms[key]
+
     def _const_slot_key(self, name: str, value: torch.Tensor) -> str:
         """The buffer key of constant ``name`` on the module's device (registered once, shared by both programs)."""
         if name not in self._const_keys:
@@ -281,6 +305,7 @@ class _ProgramBuilder:
         outs = node_outputs(node)
         kernel = self.kernel(node, outs)
         present = [node.input[i] if i < len(node.input) and node.input[i] else None for i in kernel.inputs]
+        present += list(kernel.implicit)  # a subgraph's outer-scope reads
         for name in present:
             if name is not None and name not in self.consts and name not in self.slots.of:
                 raise ValueError(f"node '{node_label(node)}' ({node.op_type}) reads '{name}', which no earlier node "
@@ -290,7 +315,8 @@ class _ProgramBuilder:
             return
         on_host = node.op_type in HOST_OPS and all(n is None or n in self.consts or n in self.slots.host
                                                    for n in present)
-        ins = tuple(self.input_slot(i, name, kernel, on_host) for i, name in zip(kernel.inputs, present))
+        ins = tuple(self.input_slot(i, name, kernel, on_host)
+                    for i, name in zip(list(kernel.inputs) + [-1] * len(kernel.implicit), present))
         out_slots = tuple(self.new_output_slot(o, on_host) for o in outs)
         self.steps.append(Step(kernel.fn, ins, out_slots[0] if len(outs) == 1 else out_slots, (), node_label(node)))
 
@@ -311,7 +337,8 @@ class _ProgramBuilder:
         device = m._device
         spec = NodeSpec.of(node, m.opset, [self.consts.get(i) if i else None for i in node.input],
                            training=self.training, options=m.options, writable=writable, used_outputs=used,
-                           device=lambda: device.device, streams=m.random_streams)
+                           device=lambda: device.device, streams=m.random_streams,
+                           subprogram=lambda graph: m.subprogram(graph, node_label(node)))
         try:
             kernel = builder(spec)
         except UnsupportedTorchOpError:
@@ -382,7 +409,7 @@ def _reader_counts(nodes: Sequence[onnx.NodeProto]) -> dict[str, int]:
     """value -> how many node inputs read it."""
     readers: dict[str, int] = {}
     for n in nodes:
-        for i in n.input:
+        for i in reads(n):  # a subgraph's outer-scope reads too
             if i:
                 readers[i] = readers.get(i, 0) + 1
     return readers

@@ -22,10 +22,31 @@ from onnxfuse.runtime.torch.kernels import (control_flow, conv, detection, eleme
                                             generators, norm, pool, quantize, random, recurrent, reduce, resize,
                                             shape, signal, slicing, softmax, sort)
 from onnxfuse.runtime.torch.kernels._base import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, RandomStreams,
-                                                  TorchOptions, UnsupportedTorchOpError, autocast_lowered,
+                                                  SubProgram, TorchOptions, UnsupportedTorchOpError, autocast_lowered,
                                                   node_outputs, op, supported_ops, torch_dtype)
 from onnxfuse.runtime.torch.kernels.gemm import folded_matmul
 
-__all__ = ["OPS", "op", "Kernel", "NodeSpec", "RandomStreams", "node_outputs", "TorchOptions",
+# The default-domain operators with no kernel here, by family, and why: none of them can sit in a graph that trains.
+EXCLUDED_FAMILIES: dict[str, str] = {
+    "strings": "torch has no string tensors, and text is tokenized before a model sees it",
+    "image bytes": "decoding encoded images happens in the data pipeline, before the model",
+    "sequences and optionals": "values of other types than tensors, which no fusion rule lays out and torch's "
+                               "exporters write only for scripted control flow",
+    "integer-quantized products": "inference kernels of an already quantized model, whose integer outputs no "
+                                  "gradient flows through (quantization-aware training exports QuantizeLinear -> "
+                                  "DequantizeLinear, which trains: FakeQuantize)",
+}
+EXCLUDED: dict[str, str] = {  # op type -> its family in EXCLUDED_FAMILIES
+    **dict.fromkeys(("RegexFullMatch", "StringConcat", "StringNormalizer", "StringSplit", "TfIdfVectorizer"),
+                    "strings"),
+    "ImageDecoder": "image bytes",
+    **dict.fromkeys(("SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceErase", "SequenceInsert",
+                     "SequenceLength", "SequenceMap", "ConcatFromSequence", "SplitToSequence", "Optional",
+                     "OptionalGetElement", "OptionalHasElement"), "sequences and optionals"),
+    **dict.fromkeys(("ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLinear"),
+                    "integer-quantized products"),
+}
+
+__all__ = ["OPS", "op", "Kernel", "NodeSpec", "RandomStreams", "SubProgram", "node_outputs", "TorchOptions",
            "UnsupportedTorchOpError", "supported_ops", "torch_dtype", "HOST_OPS", "RANDOM_OPS", "autocast_lowered",
-           "folded_matmul"]
+           "folded_matmul", "EXCLUDED", "EXCLUDED_FAMILIES"]

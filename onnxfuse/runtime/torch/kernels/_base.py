@@ -25,6 +25,7 @@ class Kernel(NamedTuple):
     fn: Callable[..., Any]
     inputs: tuple[int, ...]  # the node inputs fn takes, in this order (an absent optional input is passed as None)
     host_inputs: tuple[int, ...] = ()  # of those, the ones fn reads as values (.tolist()): best kept on the host
+    implicit: tuple[str, ...] = ()  # outer-scope tensors its subgraphs read, passed after the inputs, in this order
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class NodeSpec:
     # the generator a random op with ``seed`` draws from (its own stream, kept by the module across programs and
     # checkpoints); None without a seed: torch's global generator, as torch's own random functions draw
     streams: "RandomStreams | None" = None
+    # compiles one of the node's subgraphs (If branches, Loop and Scan bodies) into a callable of its inputs and its
+    # outer-scope reads (by name) that returns its outputs as a tuple (the module's ``subprogram``)
+    subprogram: "Callable[[onnx.GraphProto], SubProgram] | None" = None
 
     def generator(self) -> torch.Generator | None:
         """The generator this random node draws from on the module's device (None: torch's global one)."""
@@ -112,6 +116,12 @@ class NodeSpec:
         if self.has(i) and self.const(i) is None:
             self.fail(f"its {what} (input {i}) is computed at run time, and the torch runtime needs it constant",
                       "make it a constant in the model, or train this array with --runtime ort")
+
+
+class SubProgram(NamedTuple):
+    """A compiled subgraph: ``run(inputs, outer)`` -> its outputs; ``outer``: the outer-scope names it reads."""
+    run: Callable[[Sequence[Any], dict[str, Any]], tuple]
+    outer: tuple[str, ...]
 
 
 class RandomStreams:
