@@ -27,7 +27,7 @@ from onnxfuse.core._opset import check_opset_supported
 from onnxfuse.core.errors import ArrayBusyError, ConfigError, InputFileError, OutputError, as_user_error
 
 __all__ = ["atomic_dir", "atomic_files", "claim_output", "check_output_path", "check_output_dir",
-           "check_output_file", "hold_inside", "remove_temporaries", "atomic_file", "atomic_write_bytes", "file_mode",
+           "check_output_file", "hold_inside", "remove_temporaries", "atomic_file", "atomic_write_bytes",
            "give_modes", "load_safetensors", "check_tensors", "read_onnx", "read_model", "check_model_contents",
            "check_no_external_data"]
 
@@ -292,15 +292,10 @@ def _umask() -> int:
     return umask
 
 
-def file_mode() -> int:
-    """The mode every file onnxfuse writes gets: 0666 less the umask, as ``open`` gives a new file (and 0777 less
-    the umask for a folder), whichever library wrote it: safetensors makes its files private (0600)."""
-    return 0o666 & ~_umask()
-
-
 def give_modes(path: str) -> None:
     """Give the file ``path``, or the folder ``path`` and every file and folder in it, the mode a new file or
-    folder gets under the umask (``file_mode``); symbolic links are left alone."""
+    folder gets under the umask (0666 / 0777 less it, as ``open`` and ``mkdir`` give them), whichever library wrote
+    them: safetensors makes its files private (0600). Symbolic links are left alone."""
     umask = _umask()
     if os.path.islink(path):
         return
