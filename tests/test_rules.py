@@ -121,6 +121,46 @@ def test_reshape_dynamic_batch_shape_chain(B, rng):
     check_fused(build, B, {"x": rng.standard_normal((5, 2, 4, 4)).astype(np.float32)}, rng)
 
 
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("allowzero", [0, 1])
+def test_reshape_allowzero_heads_split_and_merged(B, allowzero, rng):
+    """Attention's head split [N, T, C] -> [N, T, H, D] with a target computed from the batch size, and the merge
+    back with a constant target, as torch's dynamo exporter writes them: allowzero=1 on every Reshape (no 0 in
+    either target, so it means what allowzero=0 does)."""
+    def build(r):
+        inits = [rand_init(r, "w", [8, 8]), nh.from_array(np.array([0], np.int64), "lo"),
+                 nh.from_array(np.array([2], np.int64), "hi"), nh.from_array(np.array([2, 4], np.int64), "hd"),
+                 nh.from_array(np.array([-1, 4, 8], np.int64), "merged")]
+        nodes = [h.make_node("MatMul", ["x", "w"], ["m"]),
+                 h.make_node("Shape", ["m"], ["s"]), h.make_node("Slice", ["s", "lo", "hi"], ["nt"]),
+                 h.make_node("Concat", ["nt", "hd"], ["t"], axis=0),
+                 h.make_node("Reshape", ["m", "t"], ["heads"], allowzero=allowzero),
+                 h.make_node("Transpose", ["heads"], ["ht"], perm=[0, 2, 1, 3]),
+                 h.make_node("Softmax", ["ht"], ["p"], axis=-1),
+                 h.make_node("Transpose", ["p"], ["pt"], perm=[0, 2, 1, 3]),
+                 h.make_node("Reshape", ["pt", "merged"], ["out"], allowzero=allowzero)]
+        return graph_model(nodes, [vinfo("x", ["N", 4, 8])], [vinfo("out", ["N", 4, 8])], inits, opset=20)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((3, 4, 8)).astype(np.float32)}, rng)
+    assert fa.spec.summary["fused_fraction"] == 1.0, fa.spec.summary["unfused"]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_reshape_allowzero_literal_zero(B, rng):
+    """allowzero=1 with a 0 in the target: an empty dim, not a copy of the input's (the fused node keeps it)."""
+    def build(r):
+        inits = [rand_init(r, "w", [6, 6]), nh.from_array(np.array([0, 3, 2], np.int64), "t")]
+        nodes = [h.make_node("MatMul", ["x", "w"], ["m"]),
+                 h.make_node("Reshape", ["m", "t"], ["out"], allowzero=1)]
+        return graph_model(nodes, [vinfo("x", [0, 6])], [vinfo("out", [0, 3, 2])], inits, opset=20)
+
+    models = [build(np.random.default_rng(100 + b)) for b in range(B)]
+    fa = fuse_models(models)
+    assert fa.spec.summary["fused_fraction"] == 1.0, fa.spec.summary["unfused"]
+    out = run_onnx(fa.model, {"x": np.zeros((0, 6), np.float32)})[0]
+    assert out.shape == (B, 0, 3, 2)
+
+
 def test_unsupported_op_names_node_and_supported_ops(rng):
     def build(r):
         nodes = [h.make_node("MatMul", ["x", "w"], ["a"]), h.make_node("Det", ["a"], ["out"], name="my_det")]

@@ -73,9 +73,10 @@ def fuse_reshape(g: "NodeGroup") -> None:
     x.view(x.size(0), -1)) -> target t[:a] + [B] + t[a:], output stacked(a); otherwise stacked(0) with target
     [B] + t. A 0 in t keeps meaning "copy this input dim": with the model axis inserted at a, original dim i >= a
     sits at fused index i + 1 on both sides. packed(a) inputs are viewed as stacked(a) first (free).
+    allowzero=1 (torch's dynamo exporter writes it on every Reshape) makes a 0 in t a literal 0: the fused node
+    keeps it, and the inserted B is no 0; with no 0 in a known target it means what allowzero=0 does and is dropped.
     """
-    if g.attr("allowzero", 0):
-        g.fail("allowzero=1 is not supported")
+    allowzero = int(g.attr("allowzero", 0))
     g.shared(1)  # the target must be the same for every model
     L = _own_layout(g)
     in_s, out_s = g.input_shape(0), g.output_shape(0)
@@ -84,15 +85,20 @@ def fuse_reshape(g: "NodeGroup") -> None:
             and all(_same_dim(in_s[k], out_s[k]) for k in range(a)))
     a = a if keep else 0
     x = g.get(0, stacked(a))
-    if g.const(1) is None and out_s is not None and sum(not isinstance(d, int) for d in out_s) <= 1:
+    if (g.const(1) is None and out_s is not None and sum(not isinstance(d, int) for d in out_s) <= 1
+            and 0 not in out_s):
         # a target computed from the batch size (x.flatten(2) is Reshape(x, Concat(Shape(x)[:2], [-1])) whose
         # output is static but for one dim: a constant target with -1 there, so that the fused graph's shapes stay
-        # known to shape inference (some gradient kernels and the legalization need them)
-        static = [d if isinstance(d, int) else -1 for d in out_s]
-        new_target = g.new_const(static[:a] + [g.B] + static[a:], "shape")
+        # known to shape inference (some gradient kernels and the legalization need them). An empty output dim
+        # would be a 0 in that target, whose meaning depends on allowzero: the original target is kept then.
+        target = [d if isinstance(d, int) else -1 for d in out_s]
+        new_target = g.new_const(target[:a] + [g.B] + target[a:], "shape")
     else:
+        target = g.const(1)
         new_target = insert_model_entry(g, 1, a, g.B)
-    out = g.emit("Reshape", [x, new_target], [g.out_name(0)])[0]
+    # allowzero=1 is kept where the target may hold a 0 (a literal 0 then): a computed target, or a 0 in a known one
+    literal_zero = allowzero and (target is None or 0 in [int(d) for d in np.reshape(target, -1)])
+    out = g.emit("Reshape", [x, new_target], [g.out_name(0)], **({"allowzero": 1} if literal_zero else {}))[0]
     g.set_output(0, out, stacked(a))
 
 
