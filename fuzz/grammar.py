@@ -68,6 +68,7 @@ class Kind:
     emit: Callable  # (p, shape, name, src, dst) -> (init lines, forward lines, new shape) | None
     weight: float = 1.0
     nested: bool = False  # holds an inner layer (residual, gating)
+    opset: int = 17  # the opset a model holding it is exported at (the ops it exports need this one)
 
 
 def _elems(shape) -> int:
@@ -757,6 +758,128 @@ def _residual_emit(p, shape, n, src, dst):
     return init, lines + [f"{dst} = {join}"], shape
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the ops of graph networks, routing, spatial transformers, noise and quantization (issue 39): drawn from a stream
+# of their own (OPS_RATE), so that every earlier seed's model stays what it was
+
+def _message_sample(rng, shape):
+    if len(shape) != 2 or shape[0] < 3:
+        return None
+    V = shape[0]
+    E = rng.randint(V, 2 * V)
+    return dict(src=[rng.randrange(V) for _ in range(E)], dst=[rng.randrange(V) for _ in range(E)],
+                reduce=rng.choice(["add", "add", "amax"]))
+
+
+def _message_emit(p, shape, n, src, dst):
+    """Message passing over a fixed graph of the V rows: messages from each edge's source row (a Gather by an
+    index buffer), transformed, scatter-added (or max-reduced) at its target row (ScatterElements), as a residual."""
+    if len(shape) != 2 or max(p["src"] + p["dst"]) >= shape[0] or shape[1] > 64:
+        return None
+    V, D = shape
+    init = [f"self.register_buffer('{n}_src', torch.tensor({p['src']}))",
+            f"self.register_buffer('{n}_dst', torch.tensor({p['dst']}))",
+            f"self.{n} = nn.Linear({D}, {D})"]
+    index = f"self.{n}_dst.view(1, -1, 1).expand({src}.shape[0], -1, {D})"
+    if p["reduce"] == "add":
+        agg = f"torch.zeros_like({src}).scatter_add(1, {index}, {n}_m)"
+    else:
+        agg = f"torch.zeros_like({src}).scatter_reduce(1, {index}, {n}_m, reduce='amax', include_self=True)"
+    return init, [f"{n}_m = torch.tanh(self.{n}({src}[:, self.{n}_src]))", f"{dst} = {src} + {agg}"], shape
+
+
+def _route_sample(rng, shape):
+    if not shape or shape[-1] < 3:
+        return None
+    return dict(k=rng.randint(1, min(3, shape[-1] - 1)), how=rng.choice(["values", "gates", "onehot"]))
+
+
+def _route_emit(p, shape, n, src, dst):
+    """Top-k routing along the last axis: the k largest values (TopK), a sparse softmax gate written back at the
+    chosen positions (TopK, Softmax, ScatterElements), or a one-hot of the argmax (ArgMax, OneHot) as a mask."""
+    if not shape or shape[-1] <= p["k"]:
+        return None
+    k, D = p["k"], shape[-1]
+    if p["how"] == "values":
+        return [], [f"{dst} = torch.topk({src}, {k}, dim=-1).values"], (*shape[:-1], k)
+    if p["how"] == "gates":
+        return [], [f"{n}_v, {n}_i = torch.topk({src}, {k}, dim=-1)",
+                    f"{dst} = {src} * torch.zeros_like({src}).scatter(-1, {n}_i, F.softmax({n}_v, dim=-1))"], shape
+    # .float(), not .to(x.dtype): the export writes the dtype it traced (float32) either way, which under autocast
+    # is another precision than x's; .float() means that alone too
+    return [], [f"{dst} = {src} * (1 + F.one_hot({src}.argmax(-1), {D}).float())"], shape
+
+
+def _grid_sample(rng, shape):
+    if len(shape) != 3 or shape[1] < 2 or shape[2] < 2:
+        return None
+    return dict(affine=rng.random() < 0.5, align=rng.random() < 0.5,
+                padding=rng.choice(["zeros", "border", "reflection"]), mode=rng.choice(["bilinear", "nearest"]))
+
+
+def _grid_emit(p, shape, n, src, dst):
+    """A spatial transformer on [C, H, W]: an affine map predicted from the image (affine_grid, opset 20), or a
+    learned offset field, then grid_sample."""
+    if len(shape) != 3 or _elems(shape) > 1024:
+        return None
+    C, H, W = shape
+    align = p["align"]
+    if p["affine"]:
+        init = [f"self.{n} = nn.Linear({C * H * W}, 6)",
+                f"self.register_buffer('{n}_eye', torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))"]
+        lines = [f"{n}_t = self.{n}({src}.flatten(1)).view(-1, 2, 3) * 0.1 + self.{n}_eye",
+                 f"{n}_g = F.affine_grid({n}_t, list({src}.shape), align_corners={align})"]
+    else:
+        init = [f"self.{n} = nn.Parameter(0.05 * torch.randn(1, {H}, {W}, 2))",
+                f"self.register_buffer('{n}_base', F.affine_grid(torch.eye(2, 3).unsqueeze(0), [1, 1, {H}, {W}], "
+                f"align_corners={align}))"]
+        lines = [f"{n}_g = (self.{n}_base + self.{n}).expand({src}.shape[0], -1, -1, -1)"]
+    lines.append(f"{dst} = F.grid_sample({src}, {n}_g, mode='{p['mode']}', padding_mode='{p['padding']}', "
+                 f"align_corners={align})")
+    return init, lines, shape
+
+
+def _noise_sample(rng, shape):
+    return dict(how=rng.choice(["normal", "uniform", "bernoulli"]))
+
+
+def _noise_emit(p, shape, n, src, dst):
+    """Noise drawn inside the graph (RandomNormalLike, RandomUniformLike, Bernoulli), scaled by 0 so that the
+    model computes the same function as alone (the draws of two programs are not comparable): what it checks is
+    that every model's random node runs and fuses."""
+    draw = {"normal": "torch.randn_like({x})", "uniform": "torch.rand_like({x})",
+            "bernoulli": "torch.bernoulli(torch.full_like({x}, 0.5))"}[p["how"]].format(x=src)
+    return [], [f"{dst} = {src} + 0.0 * {draw}"], shape
+
+
+def _quant_sample(rng, shape):
+    return dict(scale=rng.choice([0.02, 0.05, 0.1]), zero=rng.choice([0, 128]))
+
+
+def _quant_emit(p, shape, n, src, dst):
+    """Quantization-aware training's fake quantization (QuantizeLinear -> DequantizeLinear, uint8): the
+    straight-through gradient where nothing is clamped."""
+    return [], [f"{dst} = torch.fake_quantize_per_tensor_affine({src}, {p['scale']}, {p['zero']}, 0, 255)"], shape
+
+
+def _triangle_sample(rng, shape):
+    if len(shape) < 2:
+        return None
+    return dict(upper=rng.random() < 0.5, k=rng.choice([0, 0, 1, -1]))
+
+
+def _triangle_emit(p, shape, n, src, dst):
+    """A triangle of the last two axes (Trilu), as a causal mask is made."""
+    if len(shape) < 2:
+        return None
+    fn = "torch.triu" if p["upper"] else "torch.tril"
+    return [], [f"{dst} = {fn}({src}, {p['k']})"], shape
+
+
+OPS_KINDS = ("message", "route", "grid", "noise", "quant", "triangle")
+OPS_RATE = 0.35  # per model: one layer of OPS_KINDS inserted, from the stream "ops-<seed>"
+
+
 KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("conv", _conv_sample, _conv_emit, 3.0),
     Kind("conv_transpose", _convt_sample, _convt_emit, 0.7),
@@ -783,6 +906,13 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     # weight 0: never drawn from the seed's main stream (so every other seed's model stays what it was); generate
     # inserts it from a stream of its own (RECURRENT_RATE)
     Kind("recurrent", _recurrent_sample, _recurrent_emit, 0.0),
+    # weight 0 too: OPS_RATE inserts one from a stream of its own
+    Kind("message", _message_sample, _message_emit, 0.0),
+    Kind("route", _route_sample, _route_emit, 0.0),
+    Kind("grid", _grid_sample, _grid_emit, 0.0, opset=20),
+    Kind("noise", _noise_sample, _noise_emit, 0.0),
+    Kind("quant", _quant_sample, _quant_emit, 0.0),
+    Kind("triangle", _triangle_sample, _triangle_emit, 0.0),
 ]}
 RECURRENT_RATE = 0.25  # per layer position whose shape is [T, D]: a recurrent layer first
 # Training semantics the graph cannot hold (onnxfuse/core/semantics.py), from a stream of their own as well:
@@ -832,6 +962,9 @@ def generate(seed: int, max_layers: int = 6) -> ModelSpec:
             layers.append(Layer(kind, p))
             shape = tuple(out[2])
             break
+    ops = random.Random(f"ops-{seed}")  # its own stream: every other draw stays what it was
+    if ops.random() < OPS_RATE:
+        _insert_ops_layer(ops, inp, layers)
     head = "auto"
     if inp["kind"] == "tokens":
         head = rng.choice(["lm", "lm-tied", "auto"])
@@ -841,6 +974,21 @@ def generate(seed: int, max_layers: int = 6) -> ModelSpec:
         inp = {**inp, "padding_idx": semantics.randrange(inp["vocab"])}
     frozen = semantics.randrange(len(layers)) if layers and semantics.random() < FROZEN_RATE else -1
     return ModelSpec(seed, inp, layers, head, per_model_inputs=per_model, frozen_layer=frozen)
+
+
+def _insert_ops_layer(rng, inp: dict, layers: list[Layer]) -> None:
+    """One layer of :data:`OPS_KINDS` at a random position where it applies to the shape it meets (none if it
+    applies nowhere)."""
+    kind = rng.choice(OPS_KINDS)
+    at = rng.randint(0, len(layers))
+    shape = tuple(inp["shape"]) if inp["kind"] == "float" else (inp["T"], inp["dim"])
+    for layer in layers[:at]:
+        out = KINDS[layer.kind].emit(layer.p, shape, "t", "x", "x")
+        if out is not None:
+            shape = tuple(out[2])
+    p = KINDS[kind].sample(rng, shape)
+    if p is not None and KINDS[kind].emit(p, shape, "t", "x", "x") is not None:
+        layers.insert(at, Layer(kind, p))
 
 
 def _has_parameters(init_line: str) -> bool:
@@ -913,4 +1061,5 @@ def render(spec: ModelSpec) -> Rendered:
         f"{body_fwd}\n"
         "        return x\n"
     )
-    return Rendered(source, in_shape, inp["kind"], shape, loss, class_axis, K, used, inp.get("vocab", 0))
+    return Rendered(source, in_shape, inp["kind"], shape, loss, class_axis, K, used, inp.get("vocab", 0),
+                    max([17] + [KINDS[k].opset for k in used]))

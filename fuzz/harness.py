@@ -549,7 +549,7 @@ def _equals_ort_alone(case: _Case, b: int, kind: str, lr: float, got: dict, got_
     mine = [(case.model_input(x, b), y) for x, y in batches]
     try:
         state, losses = train_alone(case.mods[b], case.r.loss, kind, lr, HYPER[kind], mine, folder,
-                                    class_axis=case.r.class_axis)
+                                    class_axis=case.r.class_axis, opset=case.r.opset)
     except Exception:  # an op the reference cannot train: no second opinion
         return False
     return _compare(kind, case, b, got, got_losses, _load(case, state), list(losses), batches) is None

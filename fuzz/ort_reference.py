@@ -46,7 +46,7 @@ __all__ = ["train_alone"]
 OPSET = 17
 
 
-def export_training_graph(module: torch.nn.Module, example: torch.Tensor) -> onnx.ModelProto:
+def export_training_graph(module: torch.nn.Module, example: torch.Tensor, opset: int = OPSET) -> onnx.ModelProto:
     """``module`` as a training-mode ONNX graph for inputs shaped like ``example`` (static shapes); initializers
     are named by state_dict key. Export runs one training forward, so the module's state is restored after it."""
     snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -55,7 +55,7 @@ def export_training_graph(module: torch.nn.Module, example: torch.Tensor) -> onn
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             torch.onnx.export(module.train(), (example,), buf, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-                              do_constant_folding=False, opset_version=OPSET, input_names=["input"],
+                              do_constant_folding=False, opset_version=opset, input_names=["input"],
                               output_names=["output"])
     finally:
         module.load_state_dict(snapshot)
@@ -277,7 +277,7 @@ OPTIMIZERS = {"sgd": _SGD, "adamw": _AdamW}
 # ---------------------------------------------------------------- the trainer
 def train_alone(module: torch.nn.Module, loss: str, optimizer: str, lr: float, hyper: dict,
                 batches: Sequence[tuple[torch.Tensor, torch.Tensor]], workdir: str | os.PathLike,
-                class_axis: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray]:
+                class_axis: int = 1, opset: int = OPSET) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Train ``module`` (not modified) alone on ``batches`` [(x, y)] in plain onnxruntime-training with torch.optim's
     ``optimizer`` ("sgd" or "adamw"; ``lr`` and torch's keyword ``hyper``) and ``loss`` ("cross-entropy" with
     the classes on ``class_axis``, or "mse"). Returns the state_dict after training (numpy, every key of the
@@ -288,7 +288,7 @@ def train_alone(module: torch.nn.Module, loss: str, optimizer: str, lr: float, h
     state_dict = {k: v.detach().clone().numpy() for k, v in module.state_dict().items()}
     params = [n for n, _ in module.named_parameters()]
     x0, y0 = batches[0]
-    model = export_training_graph(module, x0)
+    model = export_training_graph(module, x0, opset)
     shapes = _shapes(model, x0.numpy(), [n.input[0] for n in model.graph.node
                                          if n.op_type in ("BatchNormalization", "ConvTranspose")])
     missing = [p for p in params if p not in shapes]

@@ -464,6 +464,18 @@ def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: 
     return weights_as_inputs_pass(inference_loss_pass(fused, spec, loss), params, unused)
 
 
+def refuse_fake_quantization(model: onnx.ModelProto) -> None:
+    """Quantization-aware training (QuantizeLinear -> DequantizeLinear) is one error naming the node: ORT 1.19 has no
+    gradient for QuantizeLinear, and a straight-through estimator needs a gradient stop that ONNX cannot say (its
+    build fails with "corrupted protobuf data" otherwise)."""
+    node = next((n for n in model.graph.node if n.op_type == "QuantizeLinear" and not n.domain), None)
+    if node is not None:
+        raise UntrainableOpError(
+            f"node '{node.name or node.output[0]}' (QuantizeLinear): onnxruntime-training 1.19 has no gradient for "
+            "fake quantization (QuantizeLinear -> DequantizeLinear). To fix this, train this array with --runtime "
+            "torch (it trains fake quantization with torch's straight-through estimator)")
+
+
 def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt: OptimizerConfig,
                     folder: str, device: str = "cpu") -> TrainingArtifacts:
     """Write training_model.onnx, eval_model.onnx and checkpoint to ``folder``. A failure of onnxruntime-training
@@ -478,6 +490,7 @@ def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt
 
     # ops ORT 1.19 cannot differentiate -> equivalent trainable forms
     fwd, legalized = legalize(fused, parameters=set(trainable) | set(buffers))
+    refuse_fake_quantization(fwd)
     fwd = static_shapes_pass(fwd)
     fwd, _ = add_loss_pass(fwd, spec, loss)
     writes = batchnorm_pass(fwd)

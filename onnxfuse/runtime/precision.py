@@ -35,6 +35,7 @@ from onnxfuse.runtime._machine import NATIVE_FLAGS, cpu_description, native_low_
 from onnxfuse.recipe.runtimes import LossScale
 
 __all__ = ["DTYPES", "DOMAIN", "autocast", "autocast_graph", "LossScales", "biased_products", "norms_in_fp32",
+           "fills_like_their_source",
            "loss_in_fp32", "emulation_slowdown", "warn_if_emulated"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +47,7 @@ def autocast_graph(model: onnx.ModelProto, state: Collection[str]) -> onnx.Model
     alone under the same autocast (:func:`biased_products`, :func:`norms_in_fp32`); without autocast it computes
     the same float32 bits as ``model``. ``state``: the array's trained and state tensors (not constants, whatever
     their values now: a LayerNorm's weight starts at ones)."""
-    return norms_in_fp32(biased_products(model), state)
+    return fills_like_their_source(norms_in_fp32(biased_products(model), state))
 
 
 def biased_products(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -172,6 +173,67 @@ def norms_in_fp32(model: onnx.ModelProto, state: Collection[str]) -> onnx.ModelP
     if fused and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
+
+
+def fills_like_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` in which what torch's ``*_like`` functions exported takes its source's dtype again:
+    ``ConstantOfShape(Shape(x))`` of a float value (``zeros_like``, ``ones_like``, ``full_like``) is followed by
+    ``CastLike(., x)``, and ``RandomNormalLike`` / ``RandomUniformLike`` of a float x lose the ``dtype`` the export
+    traced (ONNX then takes x's).
+
+    The exporter writes the dtype it saw (float32); under autocast x may be bf16 / fp16, where ``torch.zeros_like(x)``
+    is too: the fill would promote the ops it meets to float32 (or a scatter into it would refuse bf16 updates),
+    where the model alone stays in bf16. Without autocast x is float32 and the casts leave it as it is."""
+    model = copy.deepcopy(model)
+    graph = model.graph
+    made = {o: n for n in graph.node for o in n.output}
+    names = Names.of(graph)
+    after = []
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in ("RandomNormalLike", "RandomUniformLike"):
+            dtype = next((a for a in node.attribute if a.name == "dtype"), None)
+            if dtype is not None and dtype.i == onnx.TensorProto.FLOAT:
+                node.attribute.remove(dtype)
+            continue
+        if node.op_type != "ConstantOfShape" or not node.input:
+            continue
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        if value is None or value.data_type not in _FLOATS:
+            continue  # a fill of ints or bools, or one without value (no *_like export writes that)
+        source = _shape_source(node.input[0], made)
+        if source is None:
+            continue
+        out, wide = node.output[0], names.fresh(f"{node.output[0]}_fill")
+        node.output[0] = wide
+        after.append((node, helper.make_node("CastLike", [wide, source], [out],
+                                             name=names.fresh(f"{node.name or out}/like_its_source"))))
+    for anchor, cast in after:
+        graph.node.insert(list(graph.node).index(anchor) + 1, cast)
+    return model
+
+
+# what a shape is computed with from Shape(x) (the fusion's Shape rule slices the fused tensor's shape per model)
+_SHAPE_ARITHMETIC = ("Slice", "Gather", "Concat", "Squeeze", "Unsqueeze", "Cast", "Identity", "Mul", "Div", "Add",
+                     "Sub", "Reshape")
+
+
+def _shape_source(name: str, made: dict, depth: int = 0) -> str | None:
+    """The one tensor x whose ``Shape`` the shape ``name`` is computed from (through shape arithmetic), else None."""
+    node = made.get(name)
+    if node is None or depth > 8:
+        return None
+    if node.op_type == "Shape":
+        return node.input[0]
+    if node.op_type not in _SHAPE_ARITHMETIC:
+        return None
+    found = {_shape_source(i, made, depth + 1) for i in node.input if i and i in made}
+    found.discard(None)
+    return found.pop() if len(found) == 1 else None
+
+
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
 
 
 def _constant_values(graph: onnx.GraphProto, state: set):
