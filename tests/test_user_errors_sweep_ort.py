@@ -17,6 +17,7 @@ import os
 import subprocess
 
 import numpy as np
+import onnx
 import pytest
 
 from conftest import EXE, cli, have_userns, in_tmpfs, one_error_line, write_spec
@@ -170,23 +171,6 @@ def test_full_disk_during_a_sweep_names_the_file_leaves_no_broken_record_and_res
 
 
 # -------------------------------------------------------------------------- C. ONNX Runtime session failures
-DET_PY = """import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):  # a 2x2 determinant per sample: ONNX Det, which neither runtime trains
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(1, 3)
-
-    def forward(self, x):
-        d = torch.linalg.det(self.fc1(x).reshape(-1, 2, 2))
-        return self.fc2(d.unsqueeze(1))
-
-
-def make():
-    return Net()
-"""
 ROUND_PY = """import torch
 import torch.nn as nn
 
@@ -219,16 +203,32 @@ def _array(tmp_path, capsys, source: str, shape: list[int]) -> tuple[str, str]:
 
 
 def test_ort_session_failure_names_the_node_and_no_torch_suggestion_without_a_torch_kernel(tmp_path, capsys):
-    """A determinant (ONNX Det): onnxruntime-training cannot build its gradient, and the torch runtime has no Det
-    kernel either. One line naming the Det node and ORT's cause, and no --runtime torch suggestion (it says the
-    torch runtime has no kernel for it). (A bidirectional GRU was this test's model until the GRU was legalized
-    and given a torch kernel: tests/test_recurrent.py.)"""
-    arr, data = _array(tmp_path, capsys, DET_PY, [8, 4])
-    code, _, err = cli(capsys, "train", arr, "--data", data, "--runtime", "ort", "--steps", 1, "--batch-size", 8,
-                       "-q")
+    """An antialiased Resize: onnxruntime-training cannot train it, and the torch runtime's Resize kernel does not
+    cover antialias either. One line naming the node and ORT's cause, and no --runtime torch suggestion (it says
+    the torch runtime cannot run it). (Det was this test's model until the torch runtime had a kernel for every
+    operator; a bidirectional GRU before that.)"""
+    from onnx import TensorProto, helper, numpy_helper
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    for b in range(2):
+        w = np.random.default_rng(b).standard_normal((3, 2 * 8 * 8)).astype(np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("Resize", ["input", "", "scales"], ["big"], name="smooth", mode="linear", antialias=1),
+             helper.make_node("Flatten", ["big"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w"], ["output"], transB=1)],
+            "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 2, 4, 4])],
+            [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3])],
+            [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"), numpy_helper.from_array(w, "w")])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8),
+                  str(jobs / f"model_{b}.onnx"))
+    assert cli(capsys, "fuse", jobs, "-o", tmp_path / "arr")[0] == 0
+    np.savez(tmp_path / "d.npz", input=np.ones((8, 2, 4, 4), np.float32), labels=np.zeros(8, np.int64))
+    code, _, err = cli(capsys, "train", tmp_path / "arr", "--data", tmp_path / "d.npz", "--runtime", "ort",
+                       "--steps", 1, "--batch-size", 8, "-q")
     line = one_error_line(err)
-    assert code == 2 and "node '/Det" in line and "(Det" in line, line
-    assert "--runtime torch (" not in line and "op type 'Det' has no torch kernel" in line, line
+    assert code == 2 and "smooth" in line and "(Resize" in line, line
+    assert "--runtime torch (" not in line and "antialias" in line, line
 
 
 def test_ort_failure_suggests_the_torch_runtime_exactly_when_it_can_train_the_array(tmp_path, capsys):
