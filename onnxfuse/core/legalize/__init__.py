@@ -13,16 +13,19 @@ the recurrent rule's batched form). A node that needs a rewrite but has a form n
 """
 from __future__ import annotations
 
+import copy
+
 import onnx
 
 # importing a family module registers its rewrites
 from onnxfuse.core.legalize import (activation, conv, conv_transpose, cumsum, depth_space, einsum, norm,  # noqa: F401
                                     pad, pool, recurrent, reduce, resize, sampling, slicing, split)
-from onnxfuse.core.errors import UntrainableOpError
+from onnxfuse.core._graph import node_label
+from onnxfuse.core.errors import NotFusibleError, UntrainableOpError
 from onnxfuse.core.legalize._engine import REWRITES, apply_rewrites
-from onnxfuse.core.registry import op_key
+from onnxfuse.core.rules.recurrent import TORCH_DOMAIN
 
-__all__ = ["legalize", "legalized_ops", "standard_onnx"]
+__all__ = ["legalize", "legalized_ops", "own_ops", "standard_onnx"]
 
 
 _MAX_ROUNDS = 8
@@ -45,12 +48,27 @@ def legalize(model: onnx.ModelProto, parameters: set[str] | None = None) -> tupl
                              "report it with the model")
 
 
+def own_ops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of ``model`` in onnxfuse's own domain (the torch runtime's ops that a fusion rule emits: the
+    recurrent rule's batched form), which no other ONNX runtime knows."""
+    return [n for n in model.graph.node if n.domain == TORCH_DOMAIN]
+
+
 def standard_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with the nodes of onnxfuse's own domains (the torch runtime's ops that a fusion rule emits: the
-    recurrent rule's batched form) rewritten into standard ONNX ops computing the same values, and nothing else
-    changed: a graph any ONNX runtime runs as it is (an onnxruntime ``InferenceSession``). The input is not
-    modified."""
-    out, _ = apply_rewrites(model, only=lambda node: op_key(node)[0] != "")
+    """``model`` with the nodes of onnxfuse's own domain (:func:`own_ops`) rewritten into standard ONNX ops computing
+    the same values, and nothing else changed but the domain's opset import: a graph any ONNX runtime runs as it is
+    (an onnxruntime ``InferenceSession``), with every initializer of ``model`` under its name (the rewrites add
+    constants of their own). What an array's ``fused.onnx`` holds. The input is not modified."""
+    if not own_ops(model):
+        return copy.deepcopy(model)
+    out, _ = apply_rewrites(model, only=lambda node: node.domain == TORCH_DOMAIN)
+    left = own_ops(out)
+    if left:  # every op a rule emits in the domain has its rewrite (legalize/recurrent.py)
+        raise NotFusibleError(f"internal error: node '{node_label(left[0])}' ({TORCH_DOMAIN}::{left[0].op_type}) "
+                              "has no standard ONNX form")
+    kept = [o for o in out.opset_import if o.domain != TORCH_DOMAIN]
+    del out.opset_import[:]
+    out.opset_import.extend(kept)
     return out
 
 

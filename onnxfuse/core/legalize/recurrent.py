@@ -3,12 +3,15 @@ LSTMGrad kernel only supports the forward direction for now"), and RNN has no gr
 bidirectional LSTM / GRU becomes one forward node per direction, the reverse one on the sequence reversed; an RNN
 is unrolled over its (static) time steps into MatMul, Add and its activation. The recurrent rule's batched form, the
 torch runtime's own op, becomes one standard node per model (LSTM, GRU: which the rewrites above then legalize), or
-for an RNN the unrolled steps with a model axis (one batched MatMul per step for all models)."""
+for an RNN the unrolled steps with a model axis (one batched MatMul per step for all models; B standard RNN nodes
+where it cannot be unrolled). These last rewrites are also ``standard_onnx``'s: what an array's ``fused.onnx``
+holds in place of the batched node."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 
+from onnxfuse.core.errors import UntrainableOpError
 from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
 from onnxfuse.core.rules.recurrent import BATCHED, TORCH_DOMAIN
 
@@ -128,8 +131,26 @@ def batched_rnn_unrolled(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodePr
 
     Layout: X [B, T, N, I] or shared [T, N, I]; W [B, D, H, I], R [B, D, H, H], B [B, D, 2H]; initial_h
     [B, D, N, H] or shared [D, N, H]; outputs [B, ...] (layout 1 as for RNN, after the model axis).
-    Math: MatMul broadcasting pairs model b's operands only; each model's recurrence is :func:`rnn_unrolled`'s."""
+    Math: MatMul broadcasting pairs model b's operands only; each model's recurrence is :func:`rnn_unrolled`'s.
+
+    A node the unroll cannot take (a dynamic sequence length, sequence_lens, other activations, clip) becomes B
+    standard RNN nodes instead (:func:`batched_per_model`): a graph any ONNX runtime runs (``standard_onnx``);
+    legalizing those for ORT training then refuses it in one line, naming what the unroll needs."""
+    if not _unrollable(node, ctx, models=True):
+        return batched_per_model(node, ctx)
     return _unrolled(node, ctx, models=True)
+
+
+def _unrollable(node: onnx.NodeProto, ctx: Context, models: bool) -> bool:
+    """Whether :func:`_unrolled` takes ``node``: a static sequence length, no sequence_lens other than a constant
+    full length, Tanh or Relu activations and no clip."""
+    try:
+        _check(node, ctx, _inputs(node), int(models and ctx.rank(node, node.input[0]) == 4))
+    except UntrainableOpError:
+        return False
+    attrs = ctx.attrs(node)
+    acts = [a.decode() if isinstance(a, bytes) else a for a in attrs.get("activations") or ["Tanh"]]
+    return all(a in ("Tanh", "Relu") for a in acts) and attrs.get("clip") is None
 
 
 def _unrolled(node: onnx.NodeProto, ctx: Context, models: bool) -> list[onnx.NodeProto]:
