@@ -18,8 +18,9 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 PACKAGES = ("onnxfuse",)
-FILE_NAMES = {"fused.onnx", "array.json", "train_state.json", "run.json", "started.json", "metrics.csv", "report.png",
-              "report.json", "weights.safetensors", "optimizer_state.safetensors", "state.json", "ort_checkpoint"}
+FILE_NAMES = {"fused.onnx", "fused.own-ops.pb", "array.json", "train_state.json", "run.json", "started.json",
+              "metrics.csv", "report.png", "report.json", "weights.safetensors", "optimizer_state.safetensors",
+              "state.json", "ort_checkpoint"}
 FOLDER_NAMES = {"sources", "trained", "dropped", "checkpoints", "runs", "artifacts", "best"}
 PER_MODEL_NAMES = {"model_{b}.onnx", "model_{b}.safetensors"}  # f"model_{b}.onnx", as found, with any index
 LOCK_FILE = ".onnxfuse.lock"

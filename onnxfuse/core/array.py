@@ -1,7 +1,12 @@
 """The array folder: the one module that knows what lives where in it, who may use it, and which run its outputs
 belong to. Every other module asks :class:`ArrayDir`; none spells a file name of the folder.
 
-    fused.onnx, array.json              the array (``onnxfuse fuse``): the fused graph and its weight mapping
+    fused.onnx, array.json              the array (``onnxfuse fuse``): the fused graph and its weight mapping;
+                                        fused.onnx is standard ONNX, any ONNX runtime runs it
+    fused.own-ops.pb                    only when the fused graph holds onnxfuse's own ops (the recurrent rule's
+                                        batched form, the torch runtime's op): that graph without its weights
+                                        (they are fused.onnx's, under the same names); fused.onnx holds standard
+                                        nodes computing the same values in its place (``standard_onnx``)
     sources/model_<b>.onnx              model b's graph without its weights (split and re-fusion put weights back)
     run.json                            the current run (whose outputs these are): its id, settings and data
                                         hashes, start time, settings
@@ -52,8 +57,10 @@ from onnx import numpy_helper
 
 from onnxfuse.core._io import (atomic_dir, atomic_file, atomic_write_bytes, check_tensors, load_safetensors,
                                read_onnx, remove_temporaries)
+from onnxfuse.core._graph import reads
 from onnxfuse.core._lock import folder_lock
 from onnxfuse.core.errors import InputFileError, shell
+from onnxfuse.core.legalize import own_ops, standard_onnx
 from onnxfuse.core.records import (CheckpointRecord, RunRecord, TrainStateRecord, invalid, read_metrics_rows,
                                    read_record, record_json)
 from onnxfuse.core.weights import ArraySpec
@@ -62,6 +69,7 @@ __all__ = ["ArrayDir", "TrainedState", "check_output_location", "model_file", "m
 
 # the array
 FUSED, SPEC, SOURCES = "fused.onnx", "array.json", "sources"
+OWN_OPS = "fused.own-ops.pb"  # the fused graph with onnxfuse's own ops, when it has any; not a .onnx file
 # a run's outputs
 METRICS, CHECKPOINTS, TRAINED, RUNS, RUN = "metrics.csv", "checkpoints", "trained", "runs", "run.json"
 STARTED = "started.json"  # the last run started, until its first step (then it is run.json)
@@ -129,6 +137,11 @@ class ArrayDir:
     @property
     def fused_path(self) -> str:
         return self._join(FUSED)
+
+    @property
+    def own_ops_path(self) -> str:
+        """The fused graph with onnxfuse's own ops, without weights (only in an array whose graph has such ops)."""
+        return self._join(OWN_OPS)
 
     @property
     def spec_path(self) -> str:
@@ -234,10 +247,18 @@ class ArrayDir:
     def create(cls, path: str | os.PathLike, model: onnx.ModelProto, spec: ArraySpec,
                sources: Sequence[onnx.ModelProto], overwrite: bool = False) -> "ArrayDir":
         """Write an array atomically: the fused ``model``, its ``spec`` and the weightless ``sources`` (model b's
-        graph). With ``overwrite``, a folder there is replaced as a whole (an array's runs too), holding its lock."""
+        graph). With ``overwrite``, a folder there is replaced as a whole (an array's runs too), holding its lock.
+
+        fused.onnx is ``model`` in standard ONNX (``standard_onnx``: onnxfuse's own ops written as standard nodes);
+        a ``model`` that has such ops is also written as it is, without its weights, to fused.own-ops.pb, which
+        :meth:`load_fused` puts back together: every reader of the folder gets ``model``, any other tool opens
+        fused.onnx."""
         array = cls(path)
+        standard = standard_onnx(model)  # before the folder is claimed: a failure leaves nothing behind
         with atomic_dir(array.path, overwrite, command="fuse", mark=True) as tmp:
-            onnx.save(model, os.path.join(tmp, FUSED))
+            onnx.save(standard, os.path.join(tmp, FUSED))
+            if own_ops(model):
+                onnx.save(_without_weights(model), os.path.join(tmp, OWN_OPS))
             spec.save(os.path.join(tmp, SPEC))
             os.makedirs(os.path.join(tmp, SOURCES))
             for b, src in enumerate(sources):
@@ -256,7 +277,25 @@ class ArrayDir:
         return ArraySpec.load(self.spec_path)
 
     def load_fused(self) -> onnx.ModelProto:
-        return read_onnx(self.fused_path, "re-run `onnxfuse fuse`")
+        """The fused graph as fusion made it: fused.onnx, or in an array whose graph has onnxfuse's own ops,
+        fused.own-ops.pb with fused.onnx's weights (each under its name, in fused.onnx's order)."""
+        fix = "re-run `onnxfuse fuse`"
+        standard = read_onnx(self.fused_path, fix)
+        if not os.path.exists(self.own_ops_path):
+            return standard
+        model = read_onnx(self.own_ops_path, fix)
+        if model.graph.initializer:
+            raise InputFileError(f"'{self.own_ops_path}' holds initializers; onnxfuse writes it without any (its "
+                                 f"weights are {FUSED}'s): {fix}")
+        wanted = _names_read(model.graph)
+        model.graph.initializer.extend(t for t in standard.graph.initializer if t.name in wanted)
+        defined = ({i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+                   | {o for n in model.graph.node for o in n.output})
+        missing = sorted(wanted - defined - {""})
+        if missing:
+            raise InputFileError(f"'{self.own_ops_path}' reads '{missing[0]}', which neither it nor {FUSED} holds: "
+                                 f"the two files are not one array's; {fix}")
+        return model
 
     def load(self) -> tuple[onnx.ModelProto, ArraySpec]:
         """The fused model and its spec; a missing folder or file is an InputFileError saying how to make it."""
@@ -615,6 +654,19 @@ class ArrayDir:
         where = f"; its newest checkpoint is at step {self.checkpoint_step(steps[-1])}" if steps else \
             " and left no checkpoint"
         return f"its run {record['id']} (started {record['started'] or '?'}) did not finish{where}"
+
+
+def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without its initializers (fused.own-ops.pb: the weights are fused.onnx's)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.initializer[:]
+    return out
+
+
+def _names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every name ``graph``'s nodes (their subgraphs too) and outputs read."""
+    return {t for n in graph.node for t in reads(n)} | {o.name for o in graph.output}
 
 
 def check_output_location(output: str | os.PathLike, inputs: Sequence[str | os.PathLike], flag: str = "-o") -> None:
