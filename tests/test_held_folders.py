@@ -420,3 +420,25 @@ def test_every_file_written_gets_the_mode_the_umask_gives(work, capsys):
     wrong = {k: oct(v) for k, v in modes.items()
              if v != (0o750 if os.path.isdir(work / k) else 0o640)}
     assert wrong == {}, wrong
+
+
+def test_demo_holds_its_folder_and_writes_nothing_into_one_another_command_holds(tmp_path, capsys):
+    """`onnxfuse demo -o D` while another command holds D: one line naming the holder, and D stays as it was
+    (the demo wrote its data file before claiming the folder)."""
+    import sys
+
+    D = tmp_path / "D"
+    D.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom onnxfuse.core._lock import folder_lock\n"
+                               "with folder_lock(sys.argv[1], 'train'):\n    print('held', flush=True)\n"
+                               "    time.sleep(120)\n", str(D)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(D)
+        code, _, err = cli(capsys, "demo", "-o", D, "--steps", 1, "--models", 2, "-q")
+        line = one_error_line(err)
+        assert code == 2 and f"is in use by `onnxfuse train` (pid {holder.pid}," in line, line
+        assert snapshot(D) == before
+    finally:
+        holder.kill()
+        holder.wait()

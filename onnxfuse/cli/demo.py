@@ -41,35 +41,43 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     """The demo (see the module docstring); ``progress``: its step lines and the progress bar; ``precision``: the
     training's (``--precision``: bf16 and fp16 train the fp32 weights under autocast; the split models are
     evaluated in fp32, as any checkpoint would be)."""
-    import torch
-    from safetensors.torch import load_file
-
     from onnxfuse.core._clock import Stopwatch
-    from onnxfuse.core.array import model_weights_file
-    from onnxfuse.core.passes import fuse_models, save_array
-    from onnxfuse.core.split import split_array
-    from onnxfuse.exporters import export_array, zoo
-
-    from onnxfuse.training.report import make_report
-    from onnxfuse.training.run import TrainConfig, train_array
-    from onnxfuse.recipe.runtimes import resolve_runtime
-    from onnxfuse.runtime._machine import cpu_description
-
-    from onnxfuse.core._io import check_output_path
+    from onnxfuse.core._io import check_output_path, claim_output
+    from onnxfuse.core._lock import LOCK_FILE
     from onnxfuse.core.errors import ConfigError
+    from onnxfuse.recipe.runtimes import resolve_runtime
 
     check_output_path(out_dir)  # '' would be the current folder
-    other = sorted(set(os.listdir(out_dir)) - set(DEMO_FILES)) if os.path.isdir(out_dir) else []
+    # (a lock file marks a folder some command holds: claim_output names the holder)
+    other = sorted(set(os.listdir(out_dir)) - set(DEMO_FILES) - {LOCK_FILE}) if os.path.isdir(out_dir) else []
     if other or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         raise ConfigError(f"'{out_dir}' holds {repr(other[0]) if other else 'a file'}, which `onnxfuse demo` did not "
                           f"write; the demo replaces {', '.join(DEMO_FILES)} there: give -o a new folder")
     runtime = resolve_runtime(runtime, "cpu", precision)
     say = print if progress else (lambda *a, **k: None)  # the progress lines ([1/4] ...); -q: the table alone
     clock = Stopwatch()
+    with claim_output(out_dir, "demo", replace=False):  # no other command writes there meanwhile
+        return _demo(out_dir, models, steps, batch_size, runtime, precision, progress, say, clock)
+
+
+def _demo(out_dir, models, steps, batch_size, runtime, precision, progress, say, clock) -> list[dict]:
+    """The demo's four stages, holding ``out_dir``."""
+    import torch
+    from safetensors.torch import load_file
+
+    from onnxfuse.core._io import atomic_file
+    from onnxfuse.core.array import model_weights_file
+    from onnxfuse.core.passes import fuse_models, save_array
+    from onnxfuse.core.split import split_array
+    from onnxfuse.exporters import export_array, zoo
+    from onnxfuse.runtime._machine import cpu_description
+    from onnxfuse.training.report import make_report
+    from onnxfuse.training.run import TrainConfig, train_array
+
     (xtr, ytr), (xte, yte) = digits_data()
-    os.makedirs(out_dir, exist_ok=True)
     data = os.path.join(out_dir, "digits_train.npz")
-    np.savez(data, input=xtr, labels=ytr)
+    with atomic_file(data) as tmp, open(tmp, "wb") as f:  # whole or absent, like every file onnxfuse writes
+        np.savez(f, input=xtr, labels=ytr)
     lrs = _lrs(models)
     say(f"[1/4] exporting {models} DigitsCNN models (seeds 0..{models - 1}) to {out_dir}/jobs")
     paths = export_array(zoo.DigitsCNN, os.path.join(out_dir, "jobs"), models, [batch_size, 1, 8, 8], overwrite=True)
