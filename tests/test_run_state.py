@@ -124,6 +124,13 @@ CORRUPT = {
     "metrics_model_7": ("metrics", b"step,model,split,loss\n1,0,train,2.3\n1,7,train,2.3\n", "report",
                         "line 3: model is not a model of this array"),
     "checkpoint_sampler": ("checkpoint", lambda r: r.update(sampler="x"), "resume", "sampler"),
+    # the sampler's inner values (an internal TypeError mid-run; an offset of -5 trained on NaN losses)
+    "checkpoint_sampler_epoch": ("checkpoint", lambda r: r["sampler"].update(epoch="x"), "resume",
+                                 "epoch is 'x', not an integer"),
+    "checkpoint_sampler_offset": ("checkpoint", lambda r: r["sampler"].update(offset=-5), "resume",
+                                  "offset is -5, not an integer"),
+    "checkpoint_sampler_orders": ("checkpoint", lambda r: r["sampler"].update(orders=[[0, 0, 1]]), "resume",
+                                  "orders are not permutations"),
     "checkpoint_models": ("checkpoint", lambda r: r.update(models=[0, 1, 5]), "resume", "models.2"),
     "checkpoint_active": ("checkpoint", lambda r: r.update(active=[True]), "resume",
                           "active has 1 entries for the 3 models"),

@@ -243,10 +243,33 @@ class BatchSampler:
                 "orders": None if self.orders is None else [o.tolist() for o in self.orders]}
 
     def load_state_dict(self, d: dict) -> None:
-        self.epoch, self.offset, self.per_model = d["epoch"], d["offset"], d["per_model"]
-        self.rngs = []
-        for state in d["rngs"]:
+        """Restore a :meth:`state_dict`; a value that this sampler cannot hold (a hand-edited or corrupt record:
+        another type, a negative or too large position, a generator state numpy refuses, orders that are not
+        permutations of the samples) is a ValueError saying which."""
+        def count(key: str, top: int) -> int:
+            v = d[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+                raise ValueError(f"{key} is {v!r}, not an integer from 0 to {top}")
+            return v
+
+        epoch, offset = count("epoch", 2 ** 62), count("offset", self.n)
+        per_model = d["per_model"]
+        if per_model != self.per_model:
+            raise ValueError(f"per_model is {per_model!r}, this data order's is {self.per_model!r}")
+        states = d["rngs"]
+        if not isinstance(states, list) or len(states) != len(self.rngs):
+            raise ValueError(f"rngs holds {len(states) if isinstance(states, list) else type(states).__name__} "
+                             f"generator states, not {len(self.rngs)}")
+        rngs = []
+        for state in states:
             r = np.random.default_rng()
-            r.bit_generator.state = state
-            self.rngs.append(r)
-        self.orders = None if d["orders"] is None else [np.asarray(o, dtype=np.int64) for o in d["orders"]]
+            r.bit_generator.state = state  # numpy checks the state (a TypeError or ValueError when wrong)
+            rngs.append(r)
+        orders = d["orders"]
+        if orders is not None:
+            if not isinstance(orders, list) or len(orders) != len(rngs):
+                raise ValueError("orders is not one list per generator")
+            orders = [np.asarray(o, dtype=np.int64) for o in orders]
+            if any(o.shape != (self.n,) or not np.array_equal(np.sort(o), np.arange(self.n)) for o in orders):
+                raise ValueError(f"orders are not permutations of the {self.n} samples")
+        self.epoch, self.offset, self.rngs, self.orders = epoch, offset, rngs, orders

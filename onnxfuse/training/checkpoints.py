@@ -251,8 +251,8 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
     try:
         source.load_state_dict(st["sampler"])
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        what = f"sampler: {type(e).__name__} {' '.join(str(e).split())[:120]}"
-        raise InputFileError(f"checkpoint '{path}' is incomplete or corrupt ({what}); {fix}") from None
+        what = f"sampler: {' '.join(str(e).split())[:160]}"
+        raise InputFileError(f"'{ArrayDir.checkpoint_record_path(path)}' is not valid ({what}); {fix}") from None
     streams = getattr(source, "streams", None)  # the per-model data order's index streams
     if streams is not None and streams != len(models):
         raise InputFileError(f"checkpoint '{path}' does not match the data order; resume with the same settings")
