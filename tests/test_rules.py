@@ -161,6 +161,28 @@ def test_reshape_allowzero_literal_zero(B, rng):
     assert out.shape == (B, 0, 3, 2)
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_castlike_of_a_constant_an_activation_and_a_weight(B, rng):
+    """CastLike as torch's dynamo exporter writes it (a Python scalar cast like the activation it meets), of a
+    per-model activation (to float16 and back) and of a per-model float64 weight: a Cast to the target's type, the
+    layout kept."""
+    def build(r):
+        inits = [rand_init(r, "w", [4, 4]), nh.from_array(r.standard_normal([4]).astype(np.float64), "w64")]
+        nodes = [h.make_node("MatMul", ["x", "w"], ["m"]),
+                 h.make_node("Constant", [], ["k"], value=nh.from_array(np.array(0.5, np.float64))),
+                 h.make_node("Constant", [], ["half"], value=nh.from_array(np.array(1, np.float16))),
+                 h.make_node("CastLike", ["k", "m"], ["k32"]),
+                 h.make_node("CastLike", ["m", "half"], ["m16"]),
+                 h.make_node("CastLike", ["m16", "m"], ["back"]),
+                 h.make_node("CastLike", ["w64", "m"], ["w32"]),
+                 h.make_node("Mul", ["back", "k32"], ["p"]),
+                 h.make_node("Add", ["p", "w32"], ["out"])]
+        return graph_model(nodes, [vinfo("x", ["N", 4])], [vinfo("out", ["N", 4])], inits, opset=20)
+
+    fa = check_fused(build, B, {"x": rng.standard_normal((3, 4)).astype(np.float32)}, rng, tol=1e-3)
+    assert fa.spec.summary["fused_fraction"] == 1.0, fa.spec.summary["unfused"]
+
+
 def test_unsupported_op_names_node_and_supported_ops(rng):
     def build(r):
         nodes = [h.make_node("MatMul", ["x", "w"], ["a"]), h.make_node("Det", ["a"], ["out"], name="my_det")]

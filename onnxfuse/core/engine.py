@@ -307,6 +307,10 @@ class NodeGroup:
     def output_shape(self, j: int = 0) -> list | None:
         return self._st.src.shapes.get(self.node.output[j])
 
+    def input_dtype(self, i: int) -> int | None:
+        """Input i's element type (``onnx.TensorProto`` enum), or None when inference leaves it unknown."""
+        return self._st.src.dtypes.get(self.node.input[i])
+
     def rank(self, i: int) -> int:
         s = self.input_shape(i)
         if s is None:

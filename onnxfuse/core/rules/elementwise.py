@@ -41,6 +41,21 @@ def fuse_clip(g: "NodeGroup") -> None:
     g.emit_same([g.get(0, L)] + [g.shared(i) if g.has_input(i) else "" for i in range(1, g.num_inputs)], L)
 
 
+@rule("CastLike")
+def fuse_cast_like(g: "NodeGroup") -> None:
+    """CastLike(x, target) = Cast(x, to=target's element type): x keeps its layout (shared stays shared). Only the
+    target's type is read, so it is neither converted nor required to be shared (torch's dynamo exporter writes
+    CastLike(constant, activation) for every Python scalar in the forward). Emitted as Cast, which every runtime
+    differentiates."""
+    to = g.input_dtype(1)
+    if to is None:
+        g.fail("the element type of input 1 (the target) is unknown")
+    L = g.layout(0)
+    L = stacked(0) if L is None else L  # a per-model weight, packed [B, ...]
+    x = g.shared(0) if L.is_shared else g.get(0, L)
+    g.set_output(0, g.emit("Cast", [x], [g.out_name(0)], to=to)[0], L)
+
+
 @rule(*NARY)
 def fuse_nary(g: "NodeGroup") -> None:
     """f(x, y, ...) with numpy broadcasting.
