@@ -15,6 +15,7 @@ import torch
 from onnx import numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
+from onnxfuse.core._graph import all_nodes
 from onnxfuse.core._io import atomic_dir
 from onnxfuse.core._opset import MAX_OPSET, MIN_OPSET  # the opsets onnxfuse reads
 from onnxfuse.core.array import model_file
@@ -157,6 +158,20 @@ def example_error(module: torch.nn.Module, example_inputs: tuple, e: Exception, 
                        "int64)")
 
 
+def lost_batchnorm_warning(module: torch.nn.Module, ran: Sequence[str], proto: onnx.ModelProto) -> str | None:
+    """One line when BatchNorm layers of ``module`` ran in its training-mode export (``ran``: their names) but the
+    graph holds Conv/ConvTranspose/Gemm nodes and no BatchNormalization: the exporter folded them into those nodes
+    (torch's dynamo exporter does, in training mode too), and the array would train without them; else None."""
+    ops = {n.op_type for n in all_nodes(proto.graph)}
+    if not ran or "BatchNormalization" in ops or not ops & {"Conv", "ConvTranspose", "Gemm"}:
+        return None
+    names = ", ".join(f"'{n}'" for n in dict.fromkeys(ran))
+    return (f"{type(module).__name__}: its training-mode forward runs BatchNorm layer(s) {names}, but the exported "
+            "graph holds no BatchNormalization: the exporter folded them into the Conv/Gemm before them (torch's "
+            "dynamo exporter does), so this array would train without them, unlike torch; export with "
+            "torch.onnx.export(..., dynamo=False, training=torch.onnx.TrainingMode.TRAINING), which keeps them")
+
+
 def trace_inputs(input_shape: Sequence[int] | Mapping[str, Sequence[int]],
                    input_dtype: str | Mapping[str, str] | None = None) -> tuple[list[str], tuple[torch.Tensor, ...]]:
     """The graph inputs' names and the tensors the export traces with (``factory.model_inputs`` checks and names
@@ -207,6 +222,9 @@ def export_module(
     module.train()
     dynamic_axes = {n: {0: "N"} for n in list(input_names) + list(output_names)} if dynamic_batch else None
     buf = io.BytesIO()
+    ran: list[str] = []  # the BatchNorm layers the exported forward runs
+    hooks = [m.register_forward_pre_hook(lambda *_, name=name: ran.append(name))
+             for name, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
@@ -218,9 +236,14 @@ def export_module(
     except Exception as e:
         raise example_error(module, example_inputs, e, "export") from e
     finally:
+        for h in hooks:
+            h.remove()
         module.load_state_dict(snapshot)
         module.train(was_training)
     proto = onnx.load_from_string(buf.getvalue())
+    lost = lost_batchnorm_warning(module, ran, proto)
+    if lost:
+        warnings.warn(lost, stacklevel=2)
     for init in proto.graph.initializer:
         if init.name in snapshot:
             init.CopyFrom(numpy_helper.from_array(snapshot[init.name].cpu().numpy(), init.name))
