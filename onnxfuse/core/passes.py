@@ -18,6 +18,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
+from onnxfuse.core._dynamo_file import dynamo_file_warnings
 from onnxfuse.core._graph import cleanup_pass, toposort_pass
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.engine import NODE_ORIGINS, Strategy, fuse_aligned
@@ -140,6 +141,8 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
     for node, form in result.summary.get("forms", {}).items():
         log.debug("form of node '%s': %s (%s)", node, form, "the strategy's choice" if strategy else "the rule's "
                   "first, --strategy default")
+    for message in dynamo_file_warnings(sources[0].dynamo, sources[0].label):  # what torch's dynamo export lost
+        warnings.warn(message, stacklevel=2)
     metas = [s.meta for s in sources]
     if padding_rows or frozen:
         apply_options(result.weights, metas, padding_rows, frozen)

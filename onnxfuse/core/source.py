@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxfuse.core._dynamo_file import DynamoFile, exporter_constants, read_dynamo_file, signature_trainable
 from onnxfuse.core._facts import FOLD_LIMIT, GraphFacts
 from onnxfuse.core._graph import live_nodes, reads
 from onnxfuse.core._io import read_model
@@ -61,6 +62,7 @@ class SourceModel:
     dtypes: dict[str, int]
     meta: dict
     weight_names: set[str] = field(default_factory=set)
+    dynamo: DynamoFile | None = None  # torch's dynamo exporter's record of the file as read, if it has one
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
@@ -72,11 +74,12 @@ class SourceModel:
             self._arrays[name] = numpy_helper.to_array(self.initializers[name])
         return self._arrays[name]
 
-    @property
+    @functools.cached_property
     def trainable(self) -> set[str] | None:
-        """Names the exporter marked trainable, or None when the file carries no onnxfuse metadata."""
+        """Names the exporter marked trainable: onnxfuse's metadata, or a dynamo-exported file's graph signature (its
+        weights but the module's buffers); None when the file says neither (every weight is trained)."""
         t = self.meta.get("trainable")
-        return None if t is None else set(t)
+        return set(t) if t is not None else signature_trainable(self.dynamo, self.weight_names)
 
 
 def _metadata(proto: onnx.ModelProto, label: str = "model") -> dict:
@@ -91,12 +94,13 @@ def _metadata(proto: onnx.ModelProto, label: str = "model") -> dict:
 
 def weight_names(proto: onnx.ModelProto, meta: dict | None = None) -> set[str]:
     """The initializers that differ per model: the exporter's trainable parameters and buffers, or, in a file
-    without onnxfuse metadata, every floating-point initializer."""
+    without onnxfuse metadata, every floating-point initializer but those a dynamo-exported file's record shows are
+    constants of the forward's code (ReLU6's Clip bounds: :func:`~onnxfuse.core._dynamo_file.exporter_constants`)."""
     meta = _metadata(proto) if meta is None else meta
     inits = {t.name: t for t in proto.graph.initializer}
     if "trainable" in meta or "buffers" in meta:
         return (set(meta.get("trainable", [])) | set(meta.get("buffers", []))) & set(inits)
-    return {n for n, t in inits.items() if t.data_type in FLOAT_TYPES}
+    return {n for n, t in inits.items() if t.data_type in FLOAT_TYPES} - exporter_constants(proto)
 
 
 _RESOLVE_ROUNDS = 10
@@ -243,6 +247,7 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
     opset = onnx_opset(proto, label)  # one onnxfuse reads: read_model checked it (_opset.MIN_OPSET, MAX_OPSET)
     meta = _metadata(proto, label)
     weights = weight_names(proto, meta)
+    dynamo = None if meta else read_dynamo_file(proto)  # read before any pass rewrites a node
     proto = resolve_static_pass(proto, weights)  # window padding made explicit too, before any fold reads it
     proto = onesided_stft_pass(proto)  # a shape onnx's inference gets wrong, made explicit (core/_shapes.py)
     try:
@@ -274,4 +279,5 @@ def load_source(model: str | os.PathLike | onnx.ModelProto, label: str | None = 
         dtypes=dtypes,
         meta=meta,
         weight_names=weights,
+        dynamo=dynamo,
     )
