@@ -325,7 +325,8 @@ class ArrayDir:
         per_model = [i["name"] for i in spec.inputs if i.get("per_model")]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fa = fuse(protos, labels=[spec.sources[b] for b in models], per_model_inputs=per_model)
+            fa = fuse(protos, labels=[spec.sources[b] for b in models], per_model_inputs=per_model,
+                      model_ids=list(models))  # each model keeps its index (a random op's own seed)
         fa.spec.extra_state = [spec.extra_state[b] for b in models]
         return fa.model, fa.spec
 

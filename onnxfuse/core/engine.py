@@ -11,7 +11,7 @@ import contextlib
 import functools
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -56,11 +56,15 @@ NODE_ORIGINS = ("rules", "per_model", "shared", "layout", "output")
 class FusionState:
     """Everything built so far: fused nodes, initializers, and where each original tensor lives."""
 
-    def __init__(self, aligned: AlignedModels, per_model_inputs: set[str] = frozenset()):
+    def __init__(self, aligned: AlignedModels, per_model_inputs: set[str] = frozenset(),
+                 model_ids: Sequence[int] | None = None):
         self.aligned = aligned
         self.per_model_inputs = set(per_model_inputs)
         self.models: list[SourceModel] = aligned.models
         self.B = aligned.B
+        # each model's identity in its array (its original index: the same when the array is re-fused without some
+        # models), for what must not depend on a model's position (a random op's own seed)
+        self.model_ids = list(model_ids) if model_ids is not None else list(range(self.B))
         self.src = aligned.models[0]
         self.opset = self.src.opset
         self.nodes: list[onnx.NodeProto] = []
@@ -280,6 +284,11 @@ class NodeGroup:
         return node_label(self.node)
 
     @property
+    def model_ids(self) -> list[int]:
+        """Model b's identity in its array at b (its original index; range(B) for a newly fused array)."""
+        return self._st.model_ids
+
+    @property
     def model_label(self) -> str:
         """The name of model 0 (its file), for a message about the model itself."""
         return self._st.src.label
@@ -497,7 +506,8 @@ class NodeGroup:
 
 
 def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"], strict: bool = False,
-                 per_model_inputs: set[str] = frozenset(), strategy: Strategy | None = None) -> FusionResult:
+                 per_model_inputs: set[str] = frozenset(), strategy: Strategy | None = None,
+                 model_ids: Sequence[int] | None = None) -> FusionResult:
     """Run every node group through its rule in ``rules`` ((domain, op type) -> rule: the catalogue
     ``onnxfuse.core.rules.RULES``, or a test's own table); return the fused model (graph outputs in stacked(0)).
 
@@ -508,7 +518,7 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
     Where a rule offers several fused forms (``Rule.forms``), ``strategy`` picks one per node (default: each rule's
     first); the summary's ``forms`` lists every choice by node name (its first output's where it has none).
     """
-    st = FusionState(aligned, per_model_inputs)
+    st = FusionState(aligned, per_model_inputs, model_ids)
     label = aligned.models[0].label
     counts = {"fused": 0, "shared": 0, "per_model": 0}
     unfused: list[dict] = []

@@ -96,7 +96,7 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
                 labels: Sequence[str] | None = None,
                 strict: bool = False, per_model_inputs: Sequence[str] = (),
                 strategy: str | Strategy | None = None, padding_rows: Mapping[str, Sequence[int]] | None = None,
-                frozen: Sequence[str] = ()) -> FusedGraph:
+                frozen: Sequence[str] = (), model_ids: Sequence[int] | None = None) -> FusedGraph:
     """Fuse B models that are the same graph up to weights into one horizontally fused model.
 
     ``per_model_inputs`` names graph inputs that differ per model: the fused graph takes them as [B, ...].
@@ -108,7 +108,8 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
     ``padding_rows`` ({embedding table: rows}) and ``frozen`` (weight names or glob patterns) say what a plain
     export's graph cannot (:mod:`onnxfuse.core.semantics`; onnxfuse's exporter records both): without them, each
     embedding lookup of a plain export is warned about. ``models``: files, ModelProtos, or folders of .onnx files
-    (:func:`model_files`).
+    (:func:`model_files`). ``model_ids``: each model's index in its array (default 0..B-1; an array re-fused
+    without some of its models passes the survivors' own), which a random op's per-model seed reads.
     """
     if isinstance(strategy, str):
         strategy = None if strategy == "default" else fixed_strategy(strategy)
@@ -135,7 +136,7 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
         log.debug("identity check: the %d models are one graph up to weights (%.2f s)", len(sources), watch.seconds)
     with Stopwatch() as watch:
         result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs),
-                              strategy=strategy)
+                              strategy=strategy, model_ids=model_ids)
     log.debug("fused by the rules in %.2f s (%d fused, %d run per model, %d shared)", watch.seconds,
               result.summary["fused"], result.summary["per_model"], result.summary["shared"])
     for node, form in result.summary.get("forms", {}).items():

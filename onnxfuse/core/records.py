@@ -200,6 +200,8 @@ class CheckpointRecord(_Record):
     best: KeptBestRecord | None = None
     compiled: StrictBool | None = None
     loss_scales: dict[str, Any] | None = None
+    # the torch runtime's random nodes' generators: {"train"|"eval": {node: base64 generator state}}
+    random: dict[Literal["train", "eval"], dict[str, StrictStr]] | None = None
     last_loss: list[Real] | None = None  # per model of the array, as ``models``
     last_eval: Annotated[LastEval | None, BeforeValidator(_empty_is_none)] = None
     last_eval_step: Count | None = None

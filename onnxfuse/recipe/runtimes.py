@@ -198,10 +198,12 @@ def resolve_runtime(runtime: str, device: Device | str, precision: str = "fp32")
 def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
                  optimizer: OptimizerConfig, device: Device | str = "cpu", workdir: str | None = None,
                  threads: int | None = None, compile: str = "off", total_steps: int = 0, precision: str = "fp32",
-                 loss_scale: LossScale | None = None) -> Runtime:
+                 loss_scale: LossScale | None = None, seed: int = 0) -> Runtime:
     """A trainer of ``fused`` on ``runtime`` (a name or ``auto``); ``compile``: capture the step whole (``on``),
     not (``off``), or decide from ``total_steps`` (``auto``; a runtime that cannot compile does not);
-    ``precision`` (:data:`PRECISIONS`) and, for fp16, ``loss_scale`` (default: GradScaler's)."""
+    ``precision`` (:data:`PRECISIONS`) and, for fp16, ``loss_scale`` (default: GradScaler's); ``seed``: the run's,
+    which a compiling runtime's random nodes mix into their own seeds (ONNX Runtime's draw from their node's seed
+    alone)."""
     device = Device.of(device)
     info = RUNTIMES[resolve_runtime(runtime, device, check_precision(precision))]
     reduced = {"precision": precision, "loss_scale": loss_scale} if precision != "fp32" else {}
@@ -215,7 +217,7 @@ def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: st
                               **reduced)
     else:
         trainer = info.load()(fused, spec, loss, optimizer, device=device, workdir=workdir, threads=threads,
-                              compile=compile, total_steps=total_steps, **reduced)
+                              compile=compile, total_steps=total_steps, seed=seed, **reduced)
     log.debug("runtime %s on %s in %s (%s), compile %s: its trainer built in %.2f s", info.name, device, precision,
               "auto: the first registered one that runs there" if runtime == "auto" else "as asked",
               compile if info.compiles else "off (it does not compile)", watch.seconds)

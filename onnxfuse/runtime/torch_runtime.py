@@ -53,7 +53,7 @@ class TorchTrainer:
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
                  device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None,
                  compile: str = "off", total_steps: int = 0, precision: str = "fp32",
-                 loss_scale: LossScale | None = None):
+                 loss_scale: LossScale | None = None, seed: int = 0):
         import torch
 
         from onnxfuse.runtime.array_module import FusedArray
@@ -122,6 +122,9 @@ class TorchTrainer:
             self._train = self.array.program(train, outputs=[output] + stat_outputs, options=options)
             self._eval = self.array.program(to_inference(copy.deepcopy(fused)), outputs=[output]).eval()
             self.inputs = self.graph_inputs
+        # random nodes with a seed (each model's own, from the fusion) mix in the run's seed (RandomStreams)
+        for program in (self._train, self._eval):
+            program.onnx.random_streams.base = seed
         self.optimizer_state_names = [STATE_PREFIX + s for s in optimizer.state_names()]
         # the workload whose compile and step times are recorded by every mode that compiles (on, auto), and read
         # by auto (train_step.record_key adds the batch's shapes and this machine)
@@ -276,6 +279,26 @@ class TorchTrainer:
         """Set what :meth:`loss_scales` returned (``keep``: this array's models' positions in it)."""
         if self.stepper.scaler is not None:
             self.stepper.scaler.load(state, keep)
+
+    def random_state(self) -> dict:
+        """Where each random node's generator is (training and evaluation programs), as text a checkpoint records:
+        a resumed run draws what the uninterrupted one would."""
+        import base64
+
+        return {name: {label: base64.b64encode(t.numpy().tobytes()).decode() for label, t in
+                       program.onnx.random_streams.state().items()}
+                for name, program in (("train", self._train), ("eval", self._eval))}
+
+    def load_random_state(self, state: dict) -> None:
+        """Put back what :meth:`random_state` returned."""
+        import base64
+
+        import torch
+
+        for name, program in (("train", self._train), ("eval", self._eval)):
+            program.onnx.random_streams.load({
+                label: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+                for label, text in (state.get(name) or {}).items()})
 
     def weights(self) -> dict[str, np.ndarray]:
         return {n: t.detach().cpu().numpy().copy() for n, t in self.array.onnx_state().items()}

@@ -235,6 +235,8 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
     run.trainer.steps = st["trainer_steps"]
     if st.get("loss_scales") is not None:
         run.trainer.load_loss_scales(st["loss_scales"])
+    if st.get("random") and hasattr(run.trainer, "load_random_state"):
+        run.trainer.load_random_state(st["random"])
     run.keep_decision(st.get("compiled"))
     run.step = st["step"]
     run.active = st["active"]

@@ -57,13 +57,18 @@ class RunState:
         return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
                             workdir=folder, threads=self.config.threads or None, compile=self.config.compile,
                             total_steps=self.total, precision=self.config.precision,
-                            loss_scale=self.loss_scale)
+                            loss_scale=self.loss_scale, seed=self.config.seed)
 
     # ---- state
     def state(self) -> dict:
         return {"step": self.step, "models": self.models, "active": self.active, "trainer_steps": self.trainer.steps,
                 "status": {str(k): v for k, v in self.status.items()}, "compiled": self.trainer.compiled,
-                "loss_scales": self.loss_scales()}
+                "loss_scales": self.loss_scales(), "random": self.random_state()}
+
+    def random_state(self) -> dict | None:
+        """Where the graph's random nodes' generators are (the torch runtime's), None where the runtime keeps none."""
+        state = getattr(self.trainer, "random_state", None)
+        return state() if state is not None else None
 
     def loss_scales(self) -> dict | None:
         """fp16: each model's loss scale and steps since its last overflow (the trainer's), None otherwise."""
