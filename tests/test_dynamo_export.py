@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import check_fused, rel_err, run_onnx, vinfo
+from conftest import check_fused, cli, rel_err, run_onnx, vinfo
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.torch_export import lost_batchnorm_warning
@@ -216,9 +216,38 @@ def test_parameters_the_default_optimizer_merged_or_dropped_are_warned_about():
     assert "optimize=False" in rewrote[0]
 
 
+class TiedLM(nn.Module):
+    """An embedding whose table is also the output layer's weight (tied), a LayerNorm, and a learned 0-d
+    temperature read twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.ln = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+        self.t = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.head(self.ln(self.emb(x))) * self.t + self.t
+
+
+@exports
+def test_tied_weights_are_not_taken_for_rewritten_parameters():
+    """torch.export reads a tied table through one of its two names: the other name, read by no node, is no
+    parameter the optimizer rewrote (nothing is warned about but the plain export's embedding lookup)."""
+    mods = []
+    for b in range(2):
+        torch.manual_seed(b)
+        mods.append(TiedLM())
+    fa, said = _fuse_saying([dynamo_export(m, torch.randint(0, 20, (4, 5)), optimize=False) for m in mods])
+    assert fa.spec.summary["fused_fraction"] == 1.0
+    assert [m for m in said if "looked up" not in m] == [], said
+
+
 @exports
 @pytest.mark.parametrize("optimize", [True, False], ids=["optimized", "unoptimized"])
-def test_lost_batchnorm_is_warned_about(optimize, tmp_path):
+def test_lost_batchnorm_is_warned_about(optimize, tmp_path, capsys):
     """A file whose training-mode BatchNorm the dynamo exporter wrote as an inference-mode one (folded into the Conv
     before it by its optimizer) is warned about in one line naming the file and the fix; the same model exported by
     onnxfuse keeps a training-mode BatchNormalization, and nothing is said."""
@@ -233,6 +262,8 @@ def test_lost_batchnorm_is_warned_about(optimize, tmp_path):
     assert len(lost) == 1, said
     assert lost[0].startswith("model_0.onnx: ") and "2 training-mode BatchNorm" in lost[0]
     assert "dynamo=False" in lost[0] and "onnxfuse export" in lost[0]
+    code, _, err = cli(capsys, "fuse", *paths, "-o", tmp_path / "array")  # the command line: the same one line
+    assert code == 0 and f"onnxfuse: warning: {lost[0]}\n" in err, err
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -34,6 +34,11 @@ __all__ = ["SIGNATURE_KEY", "DynamoFile", "read_dynamo_file", "exporter_constant
 SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"  # on the graph: str(ExportGraphSignature)
 RULE_KEY = "pkg.onnxscript.rewriter.rule_name"  # on a node the optimizer rewrote: the rules applied
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"  # on a node: the torch.fx node it was exported from
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # on a node: the module path down to it, e.g. ['', 'encoder', 'encoder.norm2',
+# 'layer_norm_1']
+# torch.fx names a node after its target: operator.getitem picks one output of a node that has several, which the
+# ONNX node exported from that node writes itself (so a getitem has no node of its own and folds nothing)
+_GETITEM = re.compile(r"getitem(_\d+)?$")
 # one input of the signature: "p_fc1_weight: PARAMETER target='fc1.weight'", "b_mask: BUFFER target='mask'
 # persistent=False", "x: USER_INPUT"
 _INPUT_SPEC = re.compile(r"^(?P<arg>\S+): (?P<kind>[A-Z_]+)(?: target='(?P<target>[^']*)')?", re.M)
@@ -48,6 +53,7 @@ class _FxNode:
     """The ONNX nodes exported from one torch.fx node, and what torch reads there."""
 
     refs: set[str] = field(default_factory=set)  # the parameters (state_dict keys) its arguments name
+    module: str = ""  # the path of the module it runs in
     args: set[str] = field(default_factory=set)  # every torch.fx value its arguments name
     reads: set[str] = field(default_factory=set)  # the initializers its ONNX nodes read
     nodes: list = field(default_factory=list)
@@ -114,6 +120,8 @@ def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
             continue
         lhs, _, rhs = line.partition(" = ")
         f = fx.setdefault(lhs.split(" ")[0].lstrip("%"), _FxNode())
+        scopes = re.findall(r"'([^']*)'", meta.get(SCOPES_KEY, ""))
+        f.module = scopes[-2] if len(scopes) >= 2 else ""
         args = set(re.findall(r"%(\w+)", rhs))
         f.args |= args
         f.refs |= {param_of_arg[a] for a in args if a in param_of_arg}
@@ -125,12 +133,14 @@ def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
     dropped: list[str] = []
     stands_for_param: set[str] = set(untracked)  # initializers that may hold a parameter's value
     referenced: set[str] = set()
+    any_folded = False
     for f in fx.values():
         referenced |= f.refs
         made = {t for t in f.reads if t not in kinds}  # values the exporter made, read here
         missing = f.refs - f.reads
         # a torch.fx value no node computes any more (folded at export) may carry a parameter into this node
-        folded_in = any(a not in fx and a not in placeholders for a in f.args)
+        folded_in = any(a not in fx and a not in placeholders and not _GETITEM.match(a) for a in f.args)
+        any_folded |= folded_in
         if missing or folded_in:
             stands_for_param |= made
         if any(id(n) in folded_bn for n in f.nodes):
@@ -139,7 +149,11 @@ def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
             merged += missing
         elif not made:
             dropped += missing
-    computed = sorted(p for p in params - referenced - inits)
+    # a parameter no node left reads: folded into a value computed at export, when the file shows such a fold; not
+    # when its own module reads another parameter of that name instead (tied: torch.export reads one placeholder)
+    tied = {p for p in params - referenced for f in fx.values()
+            if f.module == p.rpartition(".")[0] and any(q.rpartition(".")[2] == p.rpartition(".")[2] for q in f.refs)}
+    computed = sorted(params - referenced - inits - tied) if any_folded else []
     constants = {t for t in floats - set(kinds)
                  if t not in at_differentiable or (t not in stands_for_param and not computed)}
     return DynamoFile(kinds, constants, sorted(set(merged)), sorted(set(dropped)), computed, lost_batchnorms)
