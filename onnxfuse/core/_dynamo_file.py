@@ -9,7 +9,7 @@ says about itself, read from the metadata that exporter writes (no torch needed)
   onnxscript's optimizer (``optimize=True``, the default) did to the parameters: a transpose folded into a new
   initializer (``val_7`` = W.T, read where W was: a weight of its own, trained as torch trains W), initializers
   of equal value merged into one (every LayerNorm weight of a fresh model is ones: they become one tensor, trained
-  as one), an all-zero bias dropped (never trained), a parameter computed into a constant elsewhere.
+  as one), an all-zero bias dropped (never trained), a parameter folded into a value computed at export.
 - A float initializer that stands for no parameter is a constant of the forward's code (ReLU6's bounds as ``Clip``'s
   min and max, attention's scale): not a weight, the same in every model (:func:`exporter_constants`).
 - A BatchNorm the module ran in training mode never reaches the file as one: the exporter writes an inference-mode
@@ -137,7 +137,7 @@ def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
     for f in fx.values():
         referenced |= f.refs
         made = {t for t in f.reads if t not in kinds}  # values the exporter made, read here
-        missing = f.refs - f.reads
+        missing = f.refs - f.reads - untracked  # a node without torch.fx metadata may read it for this one
         # a torch.fx value no node computes any more (folded at export) may carry a parameter into this node
         folded_in = any(a not in fx and a not in placeholders and not _GETITEM.match(a) for a in f.args)
         any_folded |= folded_in
