@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._graph import all_nodes
-from onnxfuse.core._io import atomic_dir
+from onnxfuse.core._io import atomic_dir, atomic_file
 from onnxfuse.core._opset import MAX_OPSET, MIN_OPSET  # the opsets onnxfuse reads
 from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
@@ -252,7 +252,8 @@ def export_module(
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(meta))
     proto.ir_version = min(proto.ir_version, 10)
     if path is not None:
-        onnx.save(proto, os.fspath(path))
+        with atomic_file(path) as tmp:  # whole or absent; a full disk is one line naming the file
+            onnx.save(proto, tmp)
     return proto
 
 
