@@ -907,7 +907,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     # inserts it from a stream of its own (RECURRENT_RATE)
     Kind("recurrent", _recurrent_sample, _recurrent_emit, 0.0),
     # weight 0 too: OPS_RATE inserts one from a stream of its own
-    Kind("message", _message_sample, _message_emit, 0.0),
+    Kind("message", _message_sample, _message_emit, 0.0, opset=18),  # scatter_reduce's reduction max: opset 18
     Kind("route", _route_sample, _route_emit, 0.0),
     Kind("grid", _grid_sample, _grid_emit, 0.0, opset=20),
     Kind("noise", _noise_sample, _noise_emit, 0.0),

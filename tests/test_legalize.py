@@ -543,3 +543,44 @@ def test_symbolic_dims_beyond_the_batch(tmp_path, case):
     params = ["w", "ct_w"] if "ct_w" in {i for n in nodes for i in n.input} else ["w"]
     grads = _train_step(legal, params, x, np.zeros_like(expected), str(tmp_path))
     assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in grads.values())
+
+
+# --- ScatterElements max / min -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+def test_scatter_reduce_extremum_gradient_is_torchs(tmp_path, reduce):
+    """scatter_reduce amax / amin (message passing's max aggregation): ORT 1.19 trains the node, but gives every
+    update the output's gradient at its index, winner or not; legalized, each gradient is torch's (to the elements
+    equal to the result, ties split). The raw node's gradient is wrong, which is why the rewrite exists."""
+    from onnxfuse.core.source import load_source
+
+    dst = torch.tensor([1, 0, 1, 3, 3, 2, 1])
+
+    class Messages(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.post = lin(4, 4), lin(4, 2)
+
+        def forward(self, x):  # x [N, 5 nodes, 4]
+            m = torch.tanh(self.pre(x[:, [0, 1, 2, 3, 4, 0, 2]]))
+            agg = torch.zeros_like(x).scatter_reduce(1, dst.view(1, -1, 1).expand(x.shape[0], -1, 4), m,
+                                                     reduce=reduce, include_self=True)
+            return self.post(x + agg)
+
+    torch.manual_seed(3)
+    module = Messages()
+    path = os.path.join(tmp_path, "model.onnx")
+    export_module(module, path, example_inputs=(torch.randn(2, 5, 4),), opset=18)
+    model = load_source(path).model  # the export's If on a static condition resolved
+    legal, applied = legalize(model)
+    assert any("ScatterElements" in line for line in applied), applied
+    params = [n for n, _ in module.named_parameters()]
+    x = torch.randn(3, 5, 4)
+    out = module(x)
+    target = torch.randn_like(out)
+    module.zero_grad()
+    F.mse_loss(out, target).backward()
+    want = {n: p.grad.numpy() for n, p in module.named_parameters()}
+    got = _train_step(legal, params, x.numpy(), target.detach().numpy(), os.path.join(tmp_path, "legal"))
+    assert all(rel_err(got[n], want[n]) < TOL for n in params), {n: rel_err(got[n], want[n]) for n in params}
+    raw = _train_step(model, params, x.numpy(), target.detach().numpy(), os.path.join(tmp_path, "raw"))
+    assert rel_err(raw["pre.weight"], want["pre.weight"]) > 10 * TOL

@@ -380,3 +380,21 @@ def test_control_flow_runs_per_model_with_each_models_outer_tensors(B, rng):
         got = OnnxModule.from_array(fa.model, fa.spec)(x=torch.from_numpy(x))  # the torch runtime runs it too
         for g, r in zip(got, run_onnx(fa.model, {"x": x})):
             assert rel_err(g.detach().numpy(), r) < 1e-5
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_an_if_on_a_static_condition_is_its_branch(flag, rng):
+    """torch's export of scatter_reduce (opset 18) branches on the index's static size: an If whose condition is a
+    constant becomes the branch it takes (its own names renamed into the graph), so nothing runs per model."""
+    def build(r):
+        then = h.make_graph([h.make_node("MatMul", ["x", "w"], ["t"]), h.make_node("Relu", ["t"], ["tr"])], "then",
+                            [], [vinfo("tr", [3, 4])])
+        other = h.make_graph([h.make_node("Neg", ["x"], ["e"])], "else", [], [vinfo("e", [3, 4])])
+        nodes = [h.make_node("Constant", [], ["c"], value=nh.from_array(np.array(flag))),
+                 h.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+                 h.make_node("Mul", ["y", "w2"], ["out"])]
+        return graph_model(nodes, [vinfo("x", [3, 4])], [vinfo("out", [3, 4])],
+                           [rand_init(r, "w", [4, 4]), rand_init(r, "w2", [4])])
+
+    fa = check_fused(build, 3, {"x": rng.standard_normal((3, 4)).astype(np.float32)}, rng)
+    assert fa.spec.summary["per_model"] == 0 and not any(n.op_type == "If" for n in fa.model.graph.node)

@@ -23,7 +23,7 @@ from onnxfuse.core.errors import ConfigError, NotFusibleError, UnsupportedOpErro
 from onnxfuse.core.identity import AlignedModels
 from onnxfuse.core.layout import SHARED, Layout, stacked
 from onnxfuse.core.registry import op_key, op_names
-from onnxfuse.core.source import SourceModel
+from onnxfuse.core.source import SourceModel, tensor_shape
 from onnxfuse.core.weights import FusedWeight, WeightSlot, pack_weights, relayout
 
 if TYPE_CHECKING:
@@ -492,10 +492,24 @@ class NodeGroup:
         x = self._st.convert(t, stacked(0))
         return [self.emit("Gather", [x, self.new_const(b, "model_index")], axis=0)[0] for b in range(self.B)]
 
+    def outer_reads_shared(self) -> bool:
+        """Whether everything the node's subgraphs (If branches, Loop and Scan bodies) read from outside is shared
+        (a weight never is)."""
+        return all(t not in self._st.src.weight_names and t in self._st.tensors and self._st.tensors[t][1].is_shared
+                   for t in outer_reads(self.node))
+
     def passthrough(self) -> None:
-        """Emit the node once, unchanged: every input is shared, so every model computes the same value."""
+        """Emit the node once, unchanged: every input is shared, so every model computes the same value (its
+        subgraphs' outer reads, shared too, renamed to their fused names)."""
         ins = [self._st.tensors[t][0] if t else "" for t in self.node.input]
-        self.emit_same(ins, SHARED)
+        outer = {t: self._st.tensors[t][0] for t in outer_reads(self.node)}
+        attrs = {k: rename_outer(v, outer) if outer and isinstance(v, onnx.GraphProto) else v
+                 for k, v in self.attrs().items()}
+        outs = [self.out_name(j) if o else "" for j, o in enumerate(self.node.output)]
+        self.emit(self.op_type, ins, outs, domain=self.node.domain, **attrs)
+        for j, o in enumerate(outs):
+            if o:
+                self.set_output(j, o, SHARED)
         if self.op_type == "Constant" and not self.node.domain:
             value = _constant_value(self.node)
             if value is not None:
@@ -527,7 +541,7 @@ def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"]
         g = NodeGroup(st, nodes)
         node = g.node
         rule = rules.get(op_key(node))
-        all_shared = all(g.is_shared(i) for i in range(len(node.input)))
+        all_shared = all(g.is_shared(i) for i in range(len(node.input))) and g.outer_reads_shared()
         if all_shared and (rule is None or rule.shared_passthrough):
             with st.emitting("shared"):
                 g.passthrough()
@@ -627,7 +641,7 @@ def _assemble(st: FusionState) -> onnx.ModelProto:
         else:
             with st.emitting("output"):
                 st.emit("Identity", [name], [vi.name])
-        shape = st.src.shapes.get(vi.name)
+        shape = st.src.shapes.get(vi.name) or tensor_shape(vi.type)  # inferred, else as the file declares it
         outputs.append(helper.make_tensor_value_info(
             vi.name, st.src.dtypes.get(vi.name, onnx.TensorProto.FLOAT),
             None if shape is None else [st.B] + [d if not (isinstance(d, str) and d.startswith("unk__")) else None

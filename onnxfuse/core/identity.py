@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from onnxfuse.core._graph import CycleError, node_label, topological_order
+from onnxfuse.core._graph import CycleError, node_label, reads, topological_order
 from onnxfuse.core.errors import NotFusibleError
 from onnxfuse.core.source import SourceModel
 
@@ -75,7 +75,7 @@ class _Structure:
         self.consumers: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(self.nodes))}
         self.deps: dict[int, set[int]] = {i: set() for i in range(len(self.nodes))}
         for i, n in enumerate(self.nodes):
-            for k, t in enumerate(n.input):
+            for k, t in enumerate(reads(n)):  # a subgraph's outer-scope reads are inputs too (after the node's own)
                 if t in self.producer:
                     p, j = self.producer[t]
                     self.consumers[p].append((i, k, j))
@@ -112,7 +112,7 @@ class _Structure:
         keys: dict[int, str] = {}
         for i in self._file_topo:
             n = self.nodes[i]
-            ins = tuple(self.input_signature(t, keys) for t in n.input)
+            ins = tuple(self.input_signature(t, keys) for t in reads(n))
             keys[i] = _h(n.domain, n.op_type, tuple(sorted(_attr_repr(a) for a in n.attribute)), ins, len(n.output))
         return keys
 

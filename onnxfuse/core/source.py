@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 
 from onnxfuse.core._dynamo_file import DynamoFile, exporter_constants, read_dynamo_file, signature_trainable
 from onnxfuse.core._facts import FOLD_LIMIT, GraphFacts
-from onnxfuse.core._graph import live_nodes, reads
+from onnxfuse.core._graph import Names, live_nodes, reads, rename_outer
 from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core._shapes import complete_shapes, onesided_stft_pass
@@ -140,8 +140,14 @@ def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None 
         changed = int(windowed is not out)
         out, g = windowed, windowed.graph
         facts = GraphFacts(out, opset, variable=weights)
+        names = Names.of(g)
         nodes = []
         for node in g.node:
+            taken = _taken_branch(node, facts, names, g)
+            if taken is not None:  # an If whose condition is static: the branch it takes, in its place
+                nodes.extend(taken)
+                changed += 1
+                continue
             values = _static_outputs(node, facts)
             if values is None:
                 nodes.append(node)
@@ -168,6 +174,48 @@ def resolve_static_pass(model: onnx.ModelProto, weights: Collection[str] | None 
     infos = [vi for vi in g.value_info if vi.name in produced]
     del g.value_info[:]
     g.value_info.extend(infos)
+    return out
+
+
+def _taken_branch(node: onnx.NodeProto, facts: GraphFacts, names: Names, g: onnx.GraphProto
+                  ) -> list[onnx.NodeProto] | None:
+    """The nodes of the branch an ``If`` takes when its condition is static (torch's export of
+    ``scatter_reduce`` at opset 18 branches on the index's static size), renamed into the graph (its
+    initializers moved into it) and writing the If's outputs; None for any other node. A fused graph then holds no
+    If whose branches only the export needed."""
+    if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+        return None
+    cond = facts.constant(node.input[0])
+    if cond is None or cond.size != 1:
+        return None
+    branch = next(a.g for a in node.attribute if a.name == ("then_branch" if bool(cond.reshape(-1)[0])
+                                                             else "else_branch"))
+    local = {t.name for t in branch.initializer} | {o for n in branch.node for o in n.output if o}
+    rename = {t: names.fresh(f"{node.name or node.op_type}/{t}") for t in sorted(local)}
+    for t in branch.initializer:
+        moved = onnx.TensorProto()
+        moved.CopyFrom(t)
+        moved.name = rename[t.name]
+        g.initializer.append(moved)
+    out = []
+    for n in branch.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        copy.input[:] = [rename.get(t, t) for t in n.input]
+        copy.output[:] = [rename.get(t, t) for t in n.output]
+        for a in copy.attribute:  # a nested subgraph reads the branch's names: their new ones
+            if a.type == onnx.AttributeProto.GRAPH:
+                a.g.CopyFrom(rename_outer(a.g, rename))
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                graphs = [rename_outer(sub, rename) for sub in a.graphs]
+                del a.graphs[:]
+                a.graphs.extend(graphs)
+        copy.name = names.fresh(f"{node.name or node.op_type}/{n.name or n.op_type}")
+        out.append(copy)
+    for result, o in zip(branch.output, node.output):  # the branch's results become the If's outputs
+        if o:
+            out.append(helper.make_node("Identity", [rename.get(result.name, result.name)], [o],
+                                        name=names.fresh(f"{node.name or node.op_type}/result")))
     return out
 
 

@@ -172,12 +172,14 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
     del g.value_info[:]
     g.value_info.extend(infos)
     outs = [o for o in g.output if o.name in stale]
+    declared = {o.name: onnx.TypeProto.FromString(o.type.SerializeToString()) for o in outs}
     for o in outs:
         o.type.tensor_type.ClearField("shape")
     if outs:
         again = {o.name: o for o in onnx.shape_inference.infer_shapes(out, strict_mode=False).graph.output}
-        for o in outs:
-            o.type.CopyFrom(again[o.name].type)
+        for o in outs:  # as inferred now; where inference cannot say (after an If), as the file declared it
+            inferred = again[o.name].type
+            o.type.CopyFrom(inferred if inferred.tensor_type.HasField("shape") else declared[o.name])
     return out
 
 

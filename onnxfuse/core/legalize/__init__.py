@@ -7,7 +7,7 @@ The engine (``_engine.py``) applies one registered rewrite per op type; each fam
 ``norm`` (LayerNormalization outputs, InstanceNormalization), ``reduce`` (ReduceMax/Min/L1/SumSquare/LogSum),
 ``conv`` (1-D and grouped N-D Conv), ``pad`` (reflect, edge, wrap), ``pool`` (AveragePool, GlobalMaxPool), ``activation`` (HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, PRelu, Sign), ``einsum``, ``cumsum``,
 ``conv_transpose``, ``resize``, ``depth_space`` (DepthToSpace, SpaceToDepth), ``split`` (unused outputs),
-``slicing`` (a negative step on the last axis), ``sampling`` (AffineGrid) and ``recurrent`` (reverse and bidirectional LSTM / GRU, RNN,
+``slicing`` (a negative step on the last axis), ``sampling`` (AffineGrid), ``scatter`` (ScatterElements max/min) and ``recurrent`` (reverse and bidirectional LSTM / GRU, RNN,
 the recurrent rule's batched form). A node that needs a rewrite but has a form none supports raises
 :class:`onnxfuse.core.errors.UntrainableOpError` naming it.
 """
@@ -19,7 +19,7 @@ import onnx
 
 # importing a family module registers its rewrites
 from onnxfuse.core.legalize import (activation, conv, conv_transpose, cumsum, depth_space, einsum, norm,  # noqa: F401
-                                    pad, pool, recurrent, reduce, resize, sampling, slicing, split)
+                                    pad, pool, recurrent, reduce, resize, sampling, scatter, slicing, split)
 from onnxfuse.core._graph import node_label
 from onnxfuse.core.errors import NotFusibleError, UntrainableOpError
 from onnxfuse.core.legalize._engine import REWRITES, apply_rewrites

@@ -51,6 +51,9 @@ def broadcast_layout(g: "NodeGroup", idx: Sequence[int]) -> Layout:
     broadcasting; otherwise stacked on the same axis; otherwise stacked(0), which always works.
     """
     r = g.output_rank(0)
+    for i in idx:  # every operand's rank is known (else the rule gives up in one line, and the node runs per model)
+        if g.has_input(i):
+            g.rank(i)
     firsts = [g.layout(i) for i in idx
               if g.has_input(i) and not g.is_weight(i) and not g.is_shared(i) and g.rank(i) == r]
     candidates = ([firsts[0], stacked(firsts[0].axis)] if firsts else []) + [stacked(0)]
