@@ -766,14 +766,16 @@ def _message_sample(rng, shape):
     if len(shape) != 2 or shape[0] < 3:
         return None
     V = shape[0]
-    E = rng.randint(V, 2 * V)
-    return dict(src=[rng.randrange(V) for _ in range(E)], dst=[rng.randrange(V) for _ in range(E)],
-                reduce=rng.choice(["add", "add", "amax"]))
+    how = rng.choice(["add", "add", "amax", "place"])
+    E = rng.randint(V, 2 * V) if how != "place" else rng.randint(1, V)
+    dst = [rng.randrange(V) for _ in range(E)] if how != "place" else rng.sample(range(V), E)  # place: one each
+    return dict(src=[rng.randrange(V) for _ in range(E)], dst=dst, reduce=how)
 
 
 def _message_emit(p, shape, n, src, dst):
     """Message passing over a fixed graph of the V rows: messages from each edge's source row (a Gather by an
-    index buffer), transformed, scatter-added (or max-reduced) at its target row (ScatterElements), as a residual."""
+    index buffer), transformed, scatter-added or max-reduced at its target row (ScatterElements), or placed at
+    distinct target rows (index_put: ScatterND), as a residual."""
     if len(shape) != 2 or max(p["src"] + p["dst"]) >= shape[0] or shape[1] > 64:
         return None
     V, D = shape
@@ -781,11 +783,15 @@ def _message_emit(p, shape, n, src, dst):
             f"self.register_buffer('{n}_dst', torch.tensor({p['dst']}))",
             f"self.{n} = nn.Linear({D}, {D})"]
     index = f"self.{n}_dst.view(1, -1, 1).expand({src}.shape[0], -1, {D})"
+    lines = [f"{n}_m = torch.tanh(self.{n}({src}[:, self.{n}_src]))"]
+    if p["reduce"] == "place":  # each target row set once (index_put: ScatterND)
+        lines += [f"{n}_y = torch.zeros_like({src})", f"{n}_y[:, self.{n}_dst] = {n}_m", f"{dst} = {src} + {n}_y"]
+        return init, lines, shape
     if p["reduce"] == "add":
         agg = f"torch.zeros_like({src}).scatter_add(1, {index}, {n}_m)"
     else:
         agg = f"torch.zeros_like({src}).scatter_reduce(1, {index}, {n}_m, reduce='amax', include_self=True)"
-    return init, [f"{n}_m = torch.tanh(self.{n}({src}[:, self.{n}_src]))", f"{dst} = {src} + {agg}"], shape
+    return init, lines + [f"{dst} = {src} + {agg}"], shape
 
 
 def _route_sample(rng, shape):
