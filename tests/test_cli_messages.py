@@ -557,3 +557,15 @@ def test_a_metric_measured_in_reduced_precision_says_so(work, capsys):
     assert json.loads((work / "array" / "report.json").read_text())["precision"] == "bf16"
     code, out, err = cli(capsys, *train)
     assert code == 0 and "(bf16)" not in out and "eval acc " in out.splitlines()[1], out
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_run_sweep_refuses_a_cpu_count_ray_cannot_start_with(bad, tmp_path):
+    """run_sweep(num_cpus=0) in Python: one ConfigError naming num_cpus, before Ray starts (it said 'give
+    resources.cpus at most 0'); the CLI refuses --cpus 0 when it parses."""
+    from onnxfuse.core.errors import ConfigError
+    from onnxfuse.sweep import run_sweep
+
+    with pytest.raises(ConfigError, match=r"num_cpus=.*at least one CPU"):
+        run_sweep(None, tmp_path / "sweep", num_cpus=bad)
+    assert not (tmp_path / "sweep").exists()

@@ -504,6 +504,9 @@ def run_sweep(spec: str | os.PathLike | SweepSpec | None, out_dir: str | os.Path
     None: the folder's own). ``trials``: the trials' parameters ({space key: value} each) instead of the spec's
     search, ``trial_ids`` their ids (the Optuna helper passes the trials it asked for, numbered across its
     rounds). ``runtime`` overrides the spec's for the arrays still to run."""
+    if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1):
+        raise ConfigError(f"num_cpus={num_cpus!r}: a local Ray needs at least one CPU; give a count of 1 or more, "
+                          "or None for this machine's")
     sweep = SweepDir(out_dir)
     if resume:
         if not sweep.is_sweep():
