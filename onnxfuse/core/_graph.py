@@ -84,16 +84,20 @@ def rename_outer(graph: onnx.GraphProto, mapping: dict[str, str]) -> onnx.GraphP
     local = {i.name for i in out.input} | {t.name for t in out.initializer}
     for n in out.node:
         n.input[:] = [mapping.get(t, t) if t and t not in local else t for t in n.input]
-        for a in n.attribute:
-            inner = {k: v for k, v in mapping.items() if k not in local}
-            if a.type == onnx.AttributeProto.GRAPH:
-                a.g.CopyFrom(rename_outer(a.g, inner))
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                renamed = [rename_outer(g, inner) for g in a.graphs]
-                del a.graphs[:]
-                a.graphs.extend(renamed)
+        rename_subgraph_reads(n, {k: v for k, v in mapping.items() if k not in local})
         local.update(n.output)
     return out
+
+
+def rename_subgraph_reads(node: onnx.NodeProto, mapping: dict[str, str]) -> None:
+    """In place: what ``node``'s subgraphs read from outside them, renamed by ``mapping`` (:func:`rename_outer`)."""
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            a.g.CopyFrom(rename_outer(a.g, mapping))
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            renamed = [rename_outer(g, mapping) for g in a.graphs]
+            del a.graphs[:]
+            a.graphs.extend(renamed)
 
 
 def reads(node: onnx.NodeProto) -> list[str]:

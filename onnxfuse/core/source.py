@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 
 from onnxfuse.core._dynamo_file import DynamoFile, exporter_constants, read_dynamo_file, signature_trainable
 from onnxfuse.core._facts import FOLD_LIMIT, GraphFacts
-from onnxfuse.core._graph import Names, live_nodes, reads, rename_outer
+from onnxfuse.core._graph import Names, live_nodes, reads, rename_subgraph_reads
 from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core._shapes import complete_shapes, onesided_stft_pass
@@ -203,13 +203,7 @@ def _taken_branch(node: onnx.NodeProto, facts: GraphFacts, names: Names, g: onnx
         copy.CopyFrom(n)
         copy.input[:] = [rename.get(t, t) for t in n.input]
         copy.output[:] = [rename.get(t, t) for t in n.output]
-        for a in copy.attribute:  # a nested subgraph reads the branch's names: their new ones
-            if a.type == onnx.AttributeProto.GRAPH:
-                a.g.CopyFrom(rename_outer(a.g, rename))
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                graphs = [rename_outer(sub, rename) for sub in a.graphs]
-                del a.graphs[:]
-                a.graphs.extend(graphs)
+        rename_subgraph_reads(copy, rename)  # a nested subgraph reads the branch's names: their new ones
         copy.name = names.fresh(f"{node.name or node.op_type}/{n.name or n.op_type}")
         out.append(copy)
     for result, o in zip(branch.output, node.output):  # the branch's results become the If's outputs
