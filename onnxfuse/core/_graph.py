@@ -33,9 +33,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["CycleError", "node_label", "subgraphs", "all_nodes", "reads", "outer_reads", "producers", "dependencies",
-           "last_readers", "topological_order", "live_nodes", "cleanup_pass", "toposort_pass", "name_nodes", "Names",
-           "Emitter"]
+__all__ = ["CycleError", "node_label", "subgraphs", "all_nodes", "reads", "outer_reads", "rename_outer",
+           "rename_subgraph_reads", "producers", "dependencies", "last_readers", "topological_order", "live_nodes",
+           "cleanup_pass", "toposort_pass", "name_nodes", "Names", "Emitter"]
 
 
 class CycleError(ValueError):
