@@ -1,7 +1,8 @@
 """The package's shape, read from its folders: every module lives in ``onnxfuse/<layer>/``, the layers are the ones
 docs/architecture.md lists, in its order, and a module imports only modules of its own layer or of layers before
-it -- function-level imports and ``if TYPE_CHECKING:`` blocks included. No import cycles (among imports that run); no two modules share a file
-name, except the op-family catalogs (the files of a layer's sub-packages: ``core/rules/``, ``core/legalize/``).
+it, and no import cycles -- function-level imports and ``if TYPE_CHECKING:`` blocks included in both; no two modules
+share a file name, except the op-family catalogs (the files of a layer's sub-packages: ``core/rules/``,
+``core/legalize/``).
 
 Imports are read from the source (``ast``). ``from package import name`` counts as an import of ``package.name``
 when that is a module."""
@@ -49,41 +50,27 @@ def layer(module: str) -> str | None:
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
 
 
-def _imports(module: str, path: str, type_checking: bool = True) -> set[str]:
-    """Every module ``module`` imports (any module, not only onnxfuse's), wherever the import statement is;
-    ``if TYPE_CHECKING:`` blocks included unless ``type_checking`` is False (imports that never run)."""
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+def _imports(module: str, source: str, is_package: bool = False) -> set[str]:
+    """Every module ``module`` (whose text is ``source``) imports (any module, not only onnxfuse's), wherever the
+    import statement is: at the top, inside a function, under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(source)
+    package = module.split(".") if is_package else module.split(".")[:-1]
     found: set[str] = set()
-
-    class Visitor(ast.NodeVisitor):
-        def visit_If(self, node: ast.If) -> None:
-            test = node.test
-            if not type_checking and ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or
-                                      (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")):
-                for n in node.orelse:
-                    self.visit(n)
-                return
-            self.generic_visit(node)
-
-        def visit_Import(self, node: ast.Import) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-
-        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
+                source_module = ".".join(base + ([node.module] if node.module else []))
             else:
-                source = node.module
+                source_module = node.module
             for a in node.names:
-                found.add(f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source)
-
-    Visitor().visit(tree)
+                found.add(f"{source_module}.{a.name}" if f"{source_module}.{a.name}" in MODULES else source_module)
     return found
 
 
-IMPORTS = {m: _imports(m, p) for m, p in MODULES.items()}
-RUN_IMPORTS = {m: _imports(m, p, type_checking=False) for m, p in MODULES.items()}  # what runs: cycles
+IMPORTS = {m: _imports(m, open(p, encoding="utf-8").read(), p.endswith("__init__.py")) for m, p in MODULES.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -134,9 +121,12 @@ def test_the_walk_sees_the_package():
     assert layer("onnxfuse.core.rules.conv") == "core" and layer("onnxfuse.cli") == "cli"
     assert layer("onnxfuse") is None and layer("onnxfuse.__main__") is None
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    # a TYPE_CHECKING import is an import of its layer, not one that runs
-    assert "onnxfuse.recipe.optim" in IMPORTS["onnxfuse.recipe.runtimes"]
-    assert "onnxfuse.recipe.optim" not in RUN_IMPORTS["onnxfuse.recipe.runtimes"]
+    # a TYPE_CHECKING import and one inside a function are imports like any other
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from onnxfuse.core.engine import NodeGroup\n"
+              "def f():\n    from .. import _graph\n    import onnx.helper\n")
+    assert _imports("onnxfuse.core.rules._common", source) == {
+        "typing", "onnxfuse.core.engine", "onnxfuse.core._graph", "onnx.helper"}
+    assert _imports("onnxfuse.core", "from . import engine\n", is_package=True) == {"onnxfuse.core.engine"}
 
 
 def test_the_folders_are_the_layers_of_the_document():
@@ -148,9 +138,21 @@ def test_the_folders_are_the_layers_of_the_document():
     assert loose == ["__init__.py", "__main__.py"], "every module lives in a layer folder"
 
 
+# Import cycles still to be undone, each a set of modules; a cycle found must lie inside one of them.
+KNOWN_CYCLES = [
+    # issue 38 item 1 (one settings model) undoes this one: settings -> runtimes -> optim -> config -> settings
+    {"onnxfuse.recipe.settings", "onnxfuse.recipe.runtimes", "onnxfuse.recipe.optim", "onnxfuse.recipe.config"},
+]
+
+
 def test_no_import_cycles():
-    internal = {m: {i for i in imports if i in MODULES} for m, imports in RUN_IMPORTS.items()}
-    assert _cycles(internal) == []
+    """No cycle among the package's modules, counting every import: type-only (``if TYPE_CHECKING:``) and inside a
+    function too, since each says one module needs the other."""
+    internal = {m: {i for i in imports if i in MODULES} for m, imports in IMPORTS.items()}
+    cycles = _cycles(internal)
+    assert [c for c in cycles if not any(set(c) <= known for known in KNOWN_CYCLES)] == []
+    stale = [sorted(known) for known in KNOWN_CYCLES if not any(set(c) & known for c in cycles)]
+    assert not stale, f"no cycle left among {stale}: remove it from KNOWN_CYCLES"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m)))
@@ -186,7 +188,7 @@ def test_no_two_modules_share_a_file_name():
 
 
 def test_the_engine_imports_no_rule_and_placements_data_model_not_its_executor():
-    assert not {i for i in RUN_IMPORTS["onnxfuse.core.engine"] if i.startswith("onnxfuse.core.rules")}
+    assert not {i for i in IMPORTS["onnxfuse.core.engine"] if i.startswith("onnxfuse.core.rules")}
     data_model = ["graph", "devices", "orders", "costs", "placers", "partition", "simulate", "shard"]
     runners = {"onnxfuse.placement.execute", "onnxfuse.placement.profile"}
     for name in data_model:

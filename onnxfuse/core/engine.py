@@ -11,7 +11,7 @@ import contextlib
 import functools
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -26,13 +26,28 @@ from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core.source import SourceModel, tensor_shape
 from onnxfuse.core.weights import FusedWeight, WeightSlot, pack_weights, relayout
 
-if TYPE_CHECKING:
-    from onnxfuse.core.rules import Rule
-
-__all__ = ["NodeGroup", "RuleFailed", "FusionResult", "Strategy", "fuse_aligned", "check_layouts"]
+__all__ = ["NodeGroup", "Rule", "RuleFailed", "FusionResult", "Strategy", "fuse_aligned", "check_layouts"]
 
 # A fusion strategy: given the B aligned nodes and the forms their rule offers (default first), the form to emit.
 Strategy = Callable[["NodeGroup", tuple], str]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the engine calls for one op type: ``fuse`` over the B aligned nodes. The catalog
+    (``onnxfuse/core/rules/``) registers one per op type; the engine is handed that table and defines only what an
+    entry is, so it imports no rule."""
+
+    op_type: str
+    fuse: Callable[[NodeGroup], None]
+    domain: str = ""
+    # When every input is shared (same in all models), the engine emits the node once, unchanged. Rules for ops
+    # whose result must differ per model even then (random ops such as Dropout) turn this off.
+    shared_passthrough: bool = True
+    # The fused forms the rule can emit, the default first (e.g. Conv: "grouped", "per-model"). A fusion strategy
+    # (``passes.fuse_models(strategy=...)``) picks one per node; the rule reads it as ``g.form``. Every form keeps
+    # the same weight layout, so array.json, checkpoints and split do not depend on the choice.
+    forms: tuple[str, ...] = ()
 
 
 class RuleFailed(Exception):
@@ -519,7 +534,7 @@ class NodeGroup:
         return [j for j, o in enumerate(self.node.output) if o and j not in self._outputs_set]
 
 
-def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], "Rule"], strict: bool = False,
+def fuse_aligned(aligned: AlignedModels, rules: Mapping[tuple[str, str], Rule], strict: bool = False,
                  per_model_inputs: set[str] = frozenset(), strategy: Strategy | None = None,
                  model_ids: Sequence[int] | None = None) -> FusionResult:
     """Run every node group through its rule in ``rules`` ((domain, op type) -> rule: the catalogue

@@ -17,15 +17,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
+
+import numpy as np
 
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.split import model_steps
 from onnxfuse.recipe.ranking import better
-
-if TYPE_CHECKING:
-    from onnxfuse.training.run_state import RunState
 
 __all__ = ["KeptBest", "keep_best", "prune_best"]
 
@@ -76,7 +75,21 @@ class KeptBest:
         return cls(metric, int(record.get("since", 0)), models)
 
 
-def keep_best(run: RunState, ev: dict) -> None:
+class EvaluatedRun(Protocol):
+    """What :func:`keep_best` reads of a run (``run_state.RunState`` is one; this module does not import it, as
+    that module holds a :class:`KeptBest`)."""
+
+    array: ArrayDir
+    best: KeptBest
+    models: list[int]
+    status: dict[int, dict]
+    step: int
+    trainer: object  # its ``steps``: the optimizer steps taken
+
+    def per_model_states(self, positions: Sequence[int] | None = None) -> list[dict[str, np.ndarray]]: ...
+
+
+def keep_best(run: EvaluatedRun, ev: dict) -> None:
     """After the evaluation ``ev`` of the models in the array (``ev[...][i]``: ``run.models[i]``'s): write the
     state of each model better than its best so far, and record it."""
     kept = run.best
