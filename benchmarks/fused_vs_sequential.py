@@ -5,15 +5,18 @@ another (onnxfuse B=1 arrays, and plain onnxruntime-training), for B = 4 and 16,
                                              [--repeats 5] [--json results.json]
 
 The benchmark behind README's "Benchmark" history table; the measurement itself is
-``onnxfuse.measure.bench_ort.run_benchmark``. ``onnxfuse bench`` is the benchmark against every way to train the
+``run_benchmark`` in ``benchmarks/_ort_sequential.py``. ``onnxfuse bench`` is the benchmark against every way to train the
 same models (PyTorch one after another, a torch.func ensemble, the dense ceiling, both runtimes).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from onnxfuse.measure.bench_ort import run_benchmark
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ort_sequential import run_benchmark  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,11 +26,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _order_study import StudyCase, order_summary, run_study, study_table  # noqa: E402
 from _placement_zoo import profiled_array, profiled_model, profiled_training_graph  # noqa: E402
 
 from onnxfuse.placement import make_devices  # noqa: E402
 from onnxfuse.placement.profile import calibrate  # noqa: E402
-from onnxfuse.placement.study import StudyCase, order_summary, run_study, study_table  # noqa: E402
 
 PLACETO = dict(bandwidth="7.6GB/s", latency="25us", op_overhead="5.7us")
 

@@ -443,7 +443,8 @@ def _nudged(mod: torch.nn.Module, nudge: float = 1e-7) -> torch.nn.Module:
 
 def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "off") -> Outcome | None:
     from onnxfuse.core.split import split_weights
-    from onnxfuse.training import get_loss, make_optimizer
+    from onnxfuse.recipe.losses import get_loss
+    from onnxfuse.recipe.optim import make_optimizer
     from onnxfuse.recipe.optim import StepValues
     from onnxfuse.recipe.runtimes import make_trainer
 
@@ -648,7 +649,8 @@ def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime:
     from onnxfuse.recipe.optim import StepValues
     from onnxfuse.recipe.runtimes import make_trainer
     from onnxfuse.runtime.precision import DTYPES
-    from onnxfuse.training import get_loss, make_optimizer
+    from onnxfuse.recipe.losses import get_loss
+    from onnxfuse.recipe.optim import make_optimizer
 
     case, B = sub.case, sub.B
     seen = {"states": [], "losses": [], "scales": [], "skipped": []}

@@ -21,7 +21,7 @@ from onnxfuse import fuse_models, save_array
 from onnxfuse.runtime import precision as precision_module
 from onnxfuse.runtime.train_step import (ASSUMED_COMPILE_S, auto_decision, machine_description, read_times,
                                          times_path)
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from onnxfuse.cli.main import main
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.split import split_weights
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 
 SHAPE = (8, 3, 4, 4)  # conftest's MLP: 48 inputs
 STEPS, EVAL_EVERY = 30, 5

@@ -237,7 +237,7 @@ def test_train_array_refuses_a_dict_as_config_in_one_line(work):
     """`train_array(dir, data, {"steps": 2})` ended in "AttributeError: 'dict' object has no attribute 'given'"."""
     from conftest import snapshot
     from onnxfuse import ConfigError
-    from onnxfuse.training import train_array
+    from onnxfuse.training.run import train_array
 
     before = snapshot(work / "array")
     with pytest.raises(ConfigError, match=r"^config is a dict, not a TrainConfig; give config=TrainConfig\(\*\*"):

@@ -20,7 +20,7 @@ from onnxfuse.core.split import final_states
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.exporters import zoo
 from onnxfuse.recipe.datasets import load_named
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 
 SHAPE = (16, 1, 8, 8)  # digits
 N, B, LR = 16, 2, 0.1

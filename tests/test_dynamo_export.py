@@ -151,7 +151,7 @@ def test_transformer_encoder_classifier_exported_by_dynamo_trains_like_torch(tmp
     training it alone."""
     from onnxfuse.core.split import split_weights
     from onnxfuse.recipe.runtimes import make_trainer
-    from onnxfuse.training import make_optimizer
+    from onnxfuse.recipe.optim import make_optimizer
 
     B, steps, T, D = 3, 5, 6, 16
     mods = []

@@ -14,7 +14,7 @@ from conftest import rel_err
 from onnxfuse import fuse_models
 from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.exporters import export_module, zoo
-from onnxfuse.training import make_optimizer
+from onnxfuse.recipe.optim import make_optimizer
 from onnxfuse.training.gan import FusedGAN
 
 B, N, NZ, ITERS = 3, 4, 8, 3

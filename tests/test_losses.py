@@ -14,7 +14,9 @@ from conftest import rel_err
 from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.core.split import split_weights
-from onnxfuse.training import get_loss, make_dataset, make_optimizer
+from onnxfuse.recipe.data import make_dataset
+from onnxfuse.recipe.losses import get_loss
+from onnxfuse.recipe.optim import make_optimizer
 from onnxfuse.recipe.runtimes import make_trainer
 
 B, N, STEPS = 3, 8, 4

@@ -109,7 +109,7 @@ def test_shard_groups_follow_device_speed():
 def test_partitioned_training_graph_equals_whole(tmp_path):
     """The ORT training graph (forward, loss, backward, in-place optimizer update) cut over three devices."""
     pytest.importorskip("onnxruntime.training")
-    from onnxfuse.training import make_optimizer
+    from onnxfuse.recipe.optim import make_optimizer
     from onnxfuse.runtime.ort_artifacts import build_artifacts
     from onnxfuse.recipe.losses import get_loss
 

@@ -18,7 +18,9 @@ from conftest import rel_err, run_onnx
 from onnxfuse import NotFusibleError, fuse_models, save_array
 from onnxfuse.exporters import export_module
 from onnxfuse.core.split import split_array, split_weights
-from onnxfuse.training import TrainConfig, get_loss, make_optimizer, train_array
+from onnxfuse.recipe.losses import get_loss
+from onnxfuse.recipe.optim import make_optimizer
+from onnxfuse.training.run import TrainConfig, train_array
 from onnxfuse.recipe.runtimes import make_trainer
 
 B = 3

@@ -92,7 +92,7 @@ def test_report_on_a_real_training_run(tmp_path, capsys):
     """A real metrics.csv from train_array on a B=3 MLP array (digits), then the CLI's table."""
     from onnxfuse.exporters import export_array, zoo
     from onnxfuse.core.passes import fuse_models, save_array
-    from onnxfuse.training import TrainConfig, train_array
+    from onnxfuse.training.run import TrainConfig, train_array
     from onnxfuse.recipe.datasets import load_named, reshape_for_input, split_holdout
 
     paths = export_array(zoo.MLP, tmp_path / "jobs", 3, [16, 64])

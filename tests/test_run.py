@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.split import final_states
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec
 

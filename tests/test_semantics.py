@@ -20,7 +20,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.split import split_weights
 from onnxfuse.exporters.torch_export import export_module
 from onnxfuse.recipe.runtimes import make_trainer
-from onnxfuse.training import make_optimizer
+from onnxfuse.recipe.optim import make_optimizer
 
 V, D, T, K = 12, 8, 5, 3
 STEPS = 4

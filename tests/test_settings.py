@@ -20,7 +20,7 @@ from onnxfuse.cli.main import build_parser, main
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.cli.place import _optimizer_choices, _state_slots
 from onnxfuse.core.split import final_states
-from onnxfuse.training import TrainConfig
+from onnxfuse.training.run import TrainConfig
 from onnxfuse.recipe.config import config_to_train_settings, load_config, normalize_config
 from onnxfuse.recipe.optim import LR, STATE_PREFIX, WEIGHT_DECAY, Optimizer, make_optimizer
 from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules

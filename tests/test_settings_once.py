@@ -209,7 +209,7 @@ def test_a_malformed_device_is_one_message(text, work, capsys):
 
 
 def test_the_device_value():
-    from onnxfuse.training import check_device
+    from onnxfuse.runtime.ort_runtime import check_device
 
     d = Device.parse("cuda:1")
     assert (d.kind, d.index, str(d), d.device_id) == ("cuda", 1, "cuda:1", 1)

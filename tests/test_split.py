@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from conftest import MODELS, export_all, make_modules, rel_err, run_onnx
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.split import split_array
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 
 
 def test_split_without_training_is_bit_exact(tmp_path):

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from conftest import EXE, cli, one_error_line
 from onnxfuse import fuse_models, save_array
 from onnxfuse.exporters import export_module, zoo
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 
 SHAPE = (8, 1, 8, 8)  # zoo.MLP's in_features=64 and zoo.DigitsCNN both read [N, 1, 8, 8]
 

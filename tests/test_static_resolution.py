@@ -23,7 +23,7 @@ from onnxfuse import fuse_models
 from onnxfuse.exporters import export_module
 from onnxfuse.core.passes import resolve_static_pass
 from onnxfuse.core.split import split_weights
-from onnxfuse.training import make_optimizer
+from onnxfuse.recipe.optim import make_optimizer
 from onnxfuse.recipe.runtimes import make_trainer
 
 B = 3

@@ -285,7 +285,7 @@ def test_a_training_run_imports_no_dynamo(tmp_path):
         import sys
         from onnxfuse import fuse_models, save_array
         from onnxfuse.exporters import export_module, zoo
-        from onnxfuse.training import TrainConfig, train_array
+        from onnxfuse.training.run import TrainConfig, train_array
         paths = [f"{tmp_path}/m{{b}}.onnx" for b in range(2)]
         for p in paths:
             export_module(zoo.MLP(in_features=48, hidden=16), p, input_shape={SHAPE})
@@ -443,7 +443,7 @@ def test_optuna_study_runs_as_arrays(tmp_path):
     from onnxfuse import fuse_models, save_array
     from onnxfuse.core.split import split_array
     from onnxfuse.sweep.results import trial_score
-    from onnxfuse.training import TrainConfig, train_array
+    from onnxfuse.training.run import TrainConfig, train_array
     from onnxfuse.training.report import summarize_array
 
     raw = base_spec(tmp_path, search={"method": "random", "samples": 1, "space": {

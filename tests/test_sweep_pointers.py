@@ -144,7 +144,7 @@ def test_report_json_names_the_state_each_model_is_ranked_by(tmp_path, capsys):
     from conftest import cli
     from onnxfuse import fuse_models, save_array
     from onnxfuse.exporters import export_module
-    from onnxfuse.training import TrainConfig, train_array
+    from onnxfuse.training.run import TrainConfig, train_array
     from onnxfuse.training.report import make_report
 
     data = data_file(tmp_path)

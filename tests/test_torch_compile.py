@@ -22,7 +22,7 @@ import torch
 
 from conftest import export_all, make_modules, rel_err
 from onnxfuse import fuse_models, save_array
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 from test_run import (SHAPE, _torch_alone, assert_same_trained_weights, data_file, first_nonfinite_step,
                       make_array, metrics, states)
 

@@ -8,7 +8,8 @@ import torch
 from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
 from onnxfuse.core.split import split_weights
-from onnxfuse.training import make_dataset, make_optimizer
+from onnxfuse.recipe.data import make_dataset
+from onnxfuse.recipe.optim import make_optimizer
 from onnxfuse.recipe.runtimes import make_trainer
 
 STEPS = 6

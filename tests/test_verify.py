@@ -23,7 +23,7 @@ from conftest import MODELS, export_all, make_modules
 from onnxfuse import fuse_models, save_array
 from onnxfuse.cli.main import main
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.training import TrainConfig, train_array
+from onnxfuse.training.run import TrainConfig, train_array
 from onnxfuse.recipe.config import normalize_config
 from onnxfuse.training.run import verify_array
 from onnxfuse.core.weights import ArraySpec

@@ -16,7 +16,7 @@ from test_zoo import _out_shape, export_zoo, zoo_input, zoo_modules
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.exporters.zoo import ZOO
-from onnxfuse.training import TrainConfig
+from onnxfuse.training.run import TrainConfig
 from onnxfuse.training.run import verify_array
 from onnxfuse.training.verify import SENSITIVITY_FACTOR, _nudge
 

@@ -93,7 +93,7 @@ def _loss_for(name: str):
         shape = (e.input_shape[0],) + tuple(_out_shape(name)[1:])
         return "mse", {}, lambda g, n: torch.rand((n,) + shape[1:], generator=g) * 2 - 1, \
             lambda out, y: torch.nn.functional.mse_loss(out, y)
-    from onnxfuse.training import get_loss
+    from onnxfuse.recipe.losses import get_loss
 
     if e.task == "segmentation":  # scores [N, K, P], labels [N, P]: torch's class axis 1
         return "cross-entropy", {}, lambda g, n: torch.randint(0, K, (n, _out_shape(name)[-1]), generator=g), \
@@ -150,7 +150,7 @@ def _train_fused(name, kind, lrs, extra, batches, mods, folder, runtime):
     """Fuse ``mods`` (export, fuse), train with onnxfuse on ``runtime``; return split states and the per-step
     losses [STEPS, B]."""
     from onnxfuse.core.split import split_weights
-    from onnxfuse.training import make_optimizer
+    from onnxfuse.recipe.optim import make_optimizer
     from onnxfuse.recipe.runtimes import make_trainer
 
     loss = _loss_for(name)[0]

@@ -115,7 +115,7 @@ def _run_config(args, resume: bool = False):
 
 
 def cmd_train(args) -> int:
-    from onnxfuse.training import train_array
+    from onnxfuse.training.run import train_array
     from onnxfuse.training.report import format_table, summarize_array
 
     cfg, overrides, data, eval_data = _run_config(args, resume=args.resume)
@@ -127,7 +127,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from onnxfuse.training import load_array
+    from onnxfuse.runtime.ort_runtime import load_array
     from onnxfuse.training.run import verify_array
 
     load_array(args.array)  # before --config could build an array there: check writes nothing

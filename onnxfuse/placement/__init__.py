@@ -11,8 +11,10 @@
     execute.py    run them as a pipeline of onnxruntime sessions                  (run_partition)
     profile.py    profiled costs and calibration of the simulator                 (profile_graph, calibrate)
     plan.py       every placer x order on one graph, compared                     (plan_placements)
-    report.py     all of it from one call, and its output folder                  (place_model, PlacementReport)
-    gantt.py      Gantt chart PNG;  study.py  the order x placer study;  _cli.py  `onnxfuse place`
+    result.py     all of it from one call, and its output folder                  (place_model, PlacementReport)
+    gantt.py      Gantt chart PNG                                                 (gantt_figure)
+
+The command is ``onnxfuse/cli/place.py``; the order x placer study is ``benchmarks/placement_study.py``.
 
 onnxruntime is imported only inside the functions that profile or run.
 """

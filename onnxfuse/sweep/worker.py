@@ -119,8 +119,8 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     segment that stops at a rung returns the array folder as ``state``."""
     from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.core.split import model_steps, split_array
-    from onnxfuse.training import TrainConfig, train_array
-    from onnxfuse.training.run import TrainingStopped
+    from onnxfuse.core.errors import TrainingStoppedError
+    from onnxfuse.training.run import TrainConfig, train_array
 
     where = node_of_this_process()
     watch = Stopwatch()
@@ -158,7 +158,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
         try:
             train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell, resume=go_on,
                         stop_at=seg.get("until"))
-        except TrainingStopped as e:
+        except TrainingStoppedError as e:
             stopped = str(e)
         array = ArrayDir(array_dir)
         state = array.trained()

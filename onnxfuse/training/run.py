@@ -71,14 +71,11 @@ from onnxfuse.training.prepare import Prepared, prepare
 from onnxfuse.training.run_state import RunState, mark_diverged, optimizer_and_schedules
 from onnxfuse.training.verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
-__all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "TrainingStopped", "METRICS_HEADER",
+__all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "METRICS_HEADER",
            "RESUMABLE", "settings_hash", "checkpoint_models", "seed_run", "CheckpointModels"]
 
 
 log = logging.getLogger("onnxfuse.train")
-
-
-TrainingStopped = TrainingStoppedError  # the run stopped early on purpose (on_diverge="stop"); its state is saved
 
 
 @dataclass
@@ -267,7 +264,7 @@ def _run(array: ArrayDir, fused: onnx.ModelProto, spec: ArraySpec, p: Prepared, 
         shutil.rmtree(ArrayDir.scratch_path(tmp), ignore_errors=True)  # ONNX Runtime's, rebuilt by each run
     prune_best(run.array, run.best)  # trained/ names the final best states now: the earlier ones may go
     if loop.stopped:
-        raise TrainingStopped(f"stopped: {loop.stopped}; state saved in {trained}")
+        raise TrainingStoppedError(f"stopped: {loop.stopped}; state saved in {trained}")
     final = np.full(spec.B, np.nan)
     for i, b in enumerate(run.models):
         final[b] = run.last_loss[i]

@@ -1,5 +1,6 @@
-"""The ORT-only benchmark behind README's "Benchmark" history table (``python benchmarks/fused_vs_sequential.py``):
-B LeNets trained as one fused array vs. the same B models trained one after another, all in ONNX Runtime.
+"""The measurement of ``python benchmarks/fused_vs_sequential.py`` (the ORT-only benchmark of docs/benchmarks.md's
+history): B LeNets trained as one fused array vs. the same B models trained one after another, all in ONNX
+Runtime. Research code: the package does not import it.
 `onnxfuse bench` (``onnxfuse/measure/bench.py``) is the benchmark against every way to train the same models.
 
 What is measured, for each B (default 4 and 16), on scikit-learn's bundled digits upscaled to 28x28, batch 32,
@@ -14,7 +15,7 @@ AdamW with one learning rate per model (geomspace 1e-4..1e-2, torch defaults oth
 
 Throughput is samples/s = models x batch x timed steps / wall time of the timed steps; export, fusing, artifact
 generation and session creation are reported separately as set-up time. Every configuration runs in its own
-subprocess (``python -m onnxfuse.measure.bench_ort --worker MODE ...``) so that its peak RSS (``ru_maxrss``) is its
+subprocess (``python benchmarks/_ort_sequential.py --worker MODE ...``) so that its peak RSS (``ru_maxrss``) is its
 own; the sequential workers drop each model's session before building the next. The machine may be shared, so
 ``repeats`` rounds alternate the three configurations and medians are reported; the ratios are what matter.
 ONNX Runtime's thread settings are left at their defaults (all cores) in every configuration.
@@ -237,7 +238,7 @@ class _Run:
 
 def _spawn(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_size: int) -> _Run:
     """One worker subprocess; its stderr (ORT's native build logs, warnings) is shown only if it fails."""
-    cmd = [sys.executable, "-m", "onnxfuse.measure.bench_ort", "--worker", mode, "--models", str(B),
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--models", str(B),
            "--jobs", jobs_dir, "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size)]
     with Stopwatch() as worker:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -403,7 +404,7 @@ def run_benchmark(B_values: Sequence[int] | None = None, steps: int = 50, warmup
               f"{d['seq-ort']:.1e} (seq ORT) (same weights, lr and batches: seq onnxfuse differs by rounding only, "
               "seq ORT also by ORT's transformers-style AdamW)")
     print(f"total {total_s:.0f}s. reproduce with:\n  python benchmarks/fused_vs_sequential.py {args}\n"
-          f"  (the measurement: onnxfuse.measure.bench_ort.run_benchmark)")
+          f"  (the measurement: benchmarks/_ort_sequential.py, run_benchmark)")
     result = {
         "benchmark": "fused_vs_sequential", "model": "LeNet", "input_shape": [batch_size, 1, IMAGE, IMAGE],
         "data": "sklearn digits, 8x8 upscaled to 28x28", "optimizer": "adamw",
@@ -419,7 +420,7 @@ def run_benchmark(B_values: Sequence[int] | None = None, steps: int = 50, warmup
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m onnxfuse.measure.bench_ort",
+    p = argparse.ArgumentParser(prog="python benchmarks/_ort_sequential.py",
                                 description="one benchmark configuration (run_benchmark starts these)")
     p.add_argument("--worker", required=True, choices=MODES)
     p.add_argument("--models", type=int, required=True)

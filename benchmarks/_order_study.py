@@ -8,7 +8,7 @@ simulated step of every candidate, and ``order_summary`` ranks the traversal ord
 
 reported as its geometric mean over the family's cases, with the number of cases the order wins (ties count for
 every tied order). The ONNX graphs come from the caller (``benchmarks/placement_study.py`` exports the zoo);
-nothing here needs torch.
+nothing here needs torch. Research code for that script: the package does not import it.
 """
 from __future__ import annotations
 
