@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from onnxfuse.measure.forms import measured_strategy
     from onnxfuse.recipe.losses import get_loss
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
 
     torch.set_num_threads(args.threads)
     print(f"`python benchmarks/forms_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")

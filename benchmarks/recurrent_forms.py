@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from onnxfuse.exporters import export_module
     from onnxfuse.measure.workloads import interleaved_rounds
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
 
     torch.set_num_threads(args.threads)
     print(f"`python benchmarks/recurrent_forms.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")

@@ -446,7 +446,7 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "
     from onnxfuse.recipe.losses import get_loss
     from onnxfuse.recipe.optim import make_optimizer
     from onnxfuse.recipe.optim import StepValues
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
 
     case, B = sub.case, sub.B
     lrs = LRS[kind][:B]
@@ -647,7 +647,7 @@ def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime:
     under the user's torch.autocast, onnxfuse.optim."""
     from onnxfuse.core.split import split_weights
     from onnxfuse.recipe.optim import StepValues
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
     from onnxfuse.runtime.precision import DTYPES
     from onnxfuse.recipe.losses import get_loss
     from onnxfuse.recipe.optim import make_optimizer

@@ -139,10 +139,7 @@ def test_the_folders_are_the_layers_of_the_document():
 
 
 # Import cycles still to be undone, each a set of modules; a cycle found must lie inside one of them.
-KNOWN_CYCLES = [
-    # issue 38 item 1 (one settings model) undoes this one: settings -> runtimes -> optim -> config -> settings
-    {"onnxfuse.recipe.settings", "onnxfuse.recipe.runtimes", "onnxfuse.recipe.optim", "onnxfuse.recipe.config"},
-]
+KNOWN_CYCLES: list[set[str]] = []
 
 
 def test_no_import_cycles():

@@ -287,7 +287,8 @@ def test_factory_arguments_build_the_model_they_name_from_export_a_config_and_a_
     """hidden=12 and num_classes=3 (MLP's defaults: 64 and 10), given as `export --args`, a run config's
     model.args and a sweep spec's, each read by exporters/factory.py's one parser (YAML values: 1.2e1 is 12.0)."""
     from onnxfuse.core.array import ArrayDir
-    from onnxfuse.recipe.config import array_size, load_config
+    from onnxfuse.exporters.torch_export import build_array
+    from onnxfuse.recipe.config import load_config
     from onnxfuse.sweep import parse_spec
     from onnxfuse.sweep.folder import SweepDir
     from onnxfuse.sweep.planning import export_trials
@@ -300,7 +301,8 @@ def test_factory_arguments_build_the_model_they_name_from_export_a_config_and_a_
 
     (tmp_path / "run.yaml").write_text("model: {factory: onnxfuse.exporters.zoo:MLP, args: {hidden: 12, num_classes: "
                                        "3}, count: 2, input_shape: [4, 64]}\nsteps: 1\n")
-    assert array_size(load_config(tmp_path / "run.yaml"), tmp_path / "array") == 2
+    build_array(load_config(tmp_path / "run.yaml")["model"], tmp_path / "array")  # what `train --config` builds
+    assert ArrayDir(tmp_path / "array").load_spec().B == 2
     spec = ArrayDir(tmp_path / "array").load_spec()
     assert {w.sources[0]: tuple(w.orig_shape) for w in spec.weights.values() if w.sources[0] in want} == want
 

@@ -9,7 +9,7 @@ from conftest import rel_err
 from onnxfuse import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.recipe.optim import make_optimizer
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 from test_zoo import export_zoo, zoo_input, zoo_modules
 
 pytestmark = [pytest.mark.cuda,

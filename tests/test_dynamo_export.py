@@ -150,7 +150,7 @@ def test_transformer_encoder_classifier_exported_by_dynamo_trains_like_torch(tmp
     model's losses and its trained weights (split, put back into its own file, run by ONNX Runtime) equal torch.optim
     training it alone."""
     from onnxfuse.core.split import split_weights
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
     from onnxfuse.recipe.optim import make_optimizer
 
     B, steps, T, D = 3, 5, 6, 16

@@ -133,7 +133,7 @@ def _synthetic(B: int):
 def _step_times(models, combos: dict, N: int, rounds: int = 7) -> dict:
     """Median seconds of one torch-runtime training step of ``models`` fused in each combination of forms."""
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
     from onnxfuse.measure.workloads import interleaved_rounds
 
     B = len(models)

@@ -17,7 +17,7 @@ from onnxfuse.core.split import split_weights
 from onnxfuse.recipe.data import make_dataset
 from onnxfuse.recipe.losses import get_loss
 from onnxfuse.recipe.optim import make_optimizer
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 
 B, N, STEPS = 3, 8, 4
 LR = [0.05, 0.2, 0.5]

@@ -10,7 +10,7 @@ from conftest import MODELS, export_all, make_modules, rel_err
 from onnxfuse import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.recipe.optim import make_optimizer
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules
 
 B, STEPS = 3, 12

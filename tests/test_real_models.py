@@ -21,7 +21,7 @@ from onnxfuse.core.split import split_array, split_weights
 from onnxfuse.recipe.losses import get_loss
 from onnxfuse.recipe.optim import make_optimizer
 from onnxfuse.training.run import TrainConfig, train_array
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 
 B = 3
 N, T = 4, 8  # batch, sequence length

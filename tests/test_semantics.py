@@ -19,7 +19,7 @@ from onnxfuse import fuse_models
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.split import split_weights
 from onnxfuse.exporters.torch_export import export_module
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 from onnxfuse.recipe.optim import make_optimizer
 
 V, D, T, K = 12, 8, 5, 3

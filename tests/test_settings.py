@@ -21,11 +21,12 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.cli.place import _optimizer_choices, _state_slots
 from onnxfuse.core.split import final_states
 from onnxfuse.training.run import TrainConfig
-from onnxfuse.recipe.config import config_to_train_settings, load_config, normalize_config
+from onnxfuse.cli.train_flags import flags_to_raw
+from onnxfuse.recipe.config import load_config, normalize_config
 from onnxfuse.recipe.optim import LR, STATE_PREFIX, WEIGHT_DECAY, Optimizer, make_optimizer
 from onnxfuse.recipe.schedules import PerModelSchedules, check_schedules
-from onnxfuse.recipe.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, flags_to_raw, integer,
-                                      raw_to_flat, real, register_optimizer, register_schedule)
+from onnxfuse.recipe.settings import (OPTIMIZERS, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, integer, raw_to_flat, real,
+                                      register_optimizer, register_schedule)
 from onnxfuse.recipe.train_config import run_config
 from onnxfuse.core.weights import ArraySpec
 
@@ -137,7 +138,7 @@ def test_a_registered_schedule_and_optimizer_need_no_other_edit(toy_registration
     assert named["optimizer.rho"] == "--rho"
     config = TrainConfig.from_dict(raw_to_flat(raw))
     assert config.rho == [0.5, 0.6] and config.as_dict()["rho"] == [0.5, 0.6]
-    assert config.plan(2).hyper["rho"] == (0.5, 0.6)
+    assert config.for_array(2).hyper["rho"] == (0.5, 0.6)
     assert "'halve_once' needs 'at'" in config_error(TrainConfig, steps=1, schedule="halve_once")
     assert "TrainConfig(rho=...): optimizer.rho = 1.5 must be finite and in [0, 1)" in config_error(
         TrainConfig, steps=1, optimizer="toy", rho=1.5)
@@ -260,7 +261,7 @@ def test_a_command_line_and_its_config_file_are_the_same_run(array_dir, tmp_path
              "--loss", "cross-entropy", "--label-smoothing", "0.1", "--checkpoint-every", "2", "--keep-checkpoints",
              "3", "--on-diverge", "stop", "--log-every", "2", "--verify-steps", "0", "--allow-nonfinite-data",
              "--data", "d.npz"]
-    from_flags, _, _ = run_config(array_dir, *flags_to_raw(build_parser().parse_args(["train", "a", *flags])))
+    from_flags, _, _, _ = run_config(array_dir, *flags_to_raw(build_parser().parse_args(["train", "a", *flags])))
     path = tmp_path / "run.yaml"
     path.write_text(textwrap.dedent("""
         optimizer: {name: adam, lr: [0.1, 0.2], betas: [0.8, 0.99], eps: 1.0e-6, amsgrad: true, weight_decay: 0.01}
@@ -280,12 +281,11 @@ def test_a_command_line_and_its_config_file_are_the_same_run(array_dir, tmp_path
         verify_steps: 0
         allow_nonfinite_data: true
     """))
-    from_file, _, _ = run_config(array_dir, config_file=path)
-    assert from_flags.optimizer_config(2) == from_file.optimizer_config(2)
+    from_file, _, _, _ = run_config(array_dir, config_file=path)
+    assert from_flags.for_array(2).optimizer_config() == from_file.for_array(2).optimizer_config()
     assert from_flags.as_dict() == from_file.as_dict()
-    assert from_flags.plan(2) == from_file.plan(2)
+    assert from_flags.for_array(2) == from_file.for_array(2)
     # and the same settings given to the Python API
-    settings, _, _ = config_to_train_settings(load_config(path), array_dir)
-    without_record = lambda plan: dataclasses.replace(plan, record={})  # noqa: E731
-    assert without_record(TrainConfig.from_dict(settings).plan(2, has_eval=False)) == \
-        without_record(from_file.plan(2))
+    without_record = lambda settings: dataclasses.replace(settings, record={})  # noqa: E731
+    assert without_record(TrainConfig(**from_file.as_dict()).for_array(2, has_eval=False)) == \
+        without_record(from_file.for_array(2, has_eval=False))

@@ -1,6 +1,9 @@
-"""Settings resolved once: flags, config files, ``TrainConfig`` and a resumed run's settings go through one
-validation (``settings.normalize_config``), so every rule holds however a value is given and a flag's message is
-the config file's; the run reads one typed plan (``RunPlan``); the device is one value (``Device``), parsed once."""
+"""Settings declared once and resolved once: every view of a setting (``TrainConfig``'s and ``RunSettings``' fields,
+the flags, the config file's keys, the record a run writes, a sweep's array) is made from the one declaration
+(``settings.RUN_SETTINGS`` and the registries); flags, config files, ``TrainConfig``, a resumed run's settings and a
+sweep's arrays go through one validation (``config.normalize_config``), so every rule holds however a value is
+given and a flag's message is the config file's; the run reads one frozen object made once (``RunSettings``:
+the runtime chosen once, nothing checked again below); the device is one value (``Device``), parsed once."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +18,12 @@ from conftest import cli, export_all, make_modules, one_error_line
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.recipe import settings
+from onnxfuse.recipe import config, settings
 from onnxfuse.recipe.config import load_config
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.optim import OptimizerConfig
 from onnxfuse.recipe.settings import OPTIMIZERS, RUN_SETTINGS, flat_default
-from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+from onnxfuse.recipe.train_config import RunSettings, TrainConfig
 
 B, N = 2, 8
 
@@ -102,16 +105,16 @@ def test_the_python_api_follows_the_same_rules():
         assert said in str(e.value) and str(e.value).startswith("TrainConfig("), str(e.value)
     with pytest.raises(ConfigError, match=r"TrainConfig\(lr=\.\.\.\): optimizer.lr has 3 values but the array "
                                           r"has B=2 models"):
-        TrainConfig(steps=2, lr=[0.1, 0.2, 0.3]).plan(2)
+        TrainConfig(steps=2, lr=[0.1, 0.2, 0.3]).for_array(2)
     # every field round-trips (as_dict holds the hyper-parameters of other optimizers at their defaults)
     adam = TrainConfig(steps=2, optimizer="adam", lr=[0.1, 0.2])
     assert TrainConfig.from_dict(adam.as_dict()) == adam == dataclasses.replace(adam)
     # held-out data: the rules wait for the run to say whether it has eval data
-    assert TrainConfig(steps=4, eval_fraction=0.2).plan(2, has_eval=False).eval_fraction == 0.2
+    assert TrainConfig(steps=4, eval_fraction=0.2).for_array(2, has_eval=False).eval_fraction == 0.2
     with pytest.raises(ConfigError, match="data.eval and data.eval_fraction are both set"):
-        TrainConfig(steps=4, eval_fraction=0.2).plan(2, has_eval=True)
+        TrainConfig(steps=4, eval_fraction=0.2).for_array(2, has_eval=True)
     with pytest.raises(ConfigError, match="halving needs eval data"):
-        TrainConfig(steps=4, halving=[2]).plan(2, has_eval=False)
+        TrainConfig(steps=4, halving=[2]).for_array(2, has_eval=False)
 
 
 def test_batch_size_defaults_to_32_as_the_help_says(work, capsys):
@@ -128,10 +131,21 @@ def test_batch_size_defaults_to_32_as_the_help_says(work, capsys):
 
 # ------------------------------------------------------------------------ once: one validation, one parse, one plan
 def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work, monkeypatch, capsys):
-    """A real `onnxfuse train` in this process: the lr is validated once (settings.check_value, by the config
-    key), the device text parsed once (Device.parse), and the update graph's coefficients carry the lr as given."""
-    checked, parsed, fed = [], [], []
-    check_value, parse = settings.check_value, Device.parse.__func__
+    """A real `onnxfuse train` in this process: the lr is validated once (check_value, by the config
+    key), the device text parsed once (Device.parse) and asked once whether torch runs there (Device.available),
+    the runtime chosen once with what it is asked to do (precision, compile: ``check_runtime_takes``) and no layer
+    below checks a precision or a compile mode again (the Python API's checks are never called); the update
+    graph's coefficients carry the lr as given."""
+    from onnxfuse.runtime import train_step, trainers
+
+    checked, parsed, fed, asked, chosen, again = [], [], [], [], [], []
+    check_value, parse, available = settings.check_value, Device.parse.__func__, Device.available
+    takes = trainers.check_runtime_takes
+    monkeypatch.setattr(Device, "available", lambda self: asked.append(str(self)) or available(self))
+    monkeypatch.setattr(trainers, "check_runtime_takes", lambda *a, **k: chosen.append(a) or takes(*a, **k))
+    for module in (trainers, train_step):
+        for name in ("check_precision", "check_compile"):
+            monkeypatch.setattr(module, name, lambda *a, name=name, **k: again.append(name))
 
     def counting_check(p, value, key=None, *args, **kwargs):
         if key == "optimizer.lr":
@@ -150,6 +164,7 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
         return out
 
     monkeypatch.setattr(settings, "check_value", counting_check)
+    monkeypatch.setattr(config, "check_value", counting_check)  # the config file's schema checks by the table
     monkeypatch.setattr(Device, "parse", classmethod(counting_parse))
     monkeypatch.setattr(OptimizerConfig, "coefficients", recording)
     code, _, err = cli(capsys, "train", work / "array", "--data", work / "data.npz", "--lr", "0.1,0.01",
@@ -157,39 +172,82 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
     assert code == 0, err
     assert checked == [[0.1, 0.01]]
     assert parsed == ["cpu"]
+    assert asked == ["cpu"] and len(chosen) == 1 and again == []
     array = [row for hyper, row in fed if len(hyper) == B]  # the array's steps (the verification's one-model
     assert len(array) >= 2 and all(hyper == [0.1, 0.01] for hyper, _ in fed if len(hyper) == B)  # reference too)
     assert all(np.array_equal(row, np.float32([0.1, 0.01])) for row in array)
 
 
-def test_the_plan_is_typed_and_per_model():
-    plan = TrainConfig(steps=3, optimizer="adam", lr=[0.1, 0.2], clip_grad_norm=[1.0, float("inf")],
-                       device="cpu").plan(2)
-    assert isinstance(plan, RunPlan) and plan.B == 2
-    assert plan.hyper["lr"] == (0.1, 0.2) and plan.hyper["betas"] == ((0.9, 0.999), (0.9, 0.999))
-    assert plan.clip_grad_norm == (1.0, None)  # "no clipping" is None, one form
-    assert plan.device == Device("cpu") and len(plan.schedules) == 2
-    assert all(len(v) == 2 for v in plan.hyper.values())
+def test_the_run_settings_are_made_once_typed_and_per_model():
+    config = TrainConfig(steps=3, optimizer="adam", lr=[0.1, 0.2], clip_grad_norm=[1.0, float("inf")],
+                         device="cpu", eval_fraction=0.25)
+    run = config.for_array(2, has_eval=False, runtime="torch", batch_size=16)
+    assert isinstance(run, RunSettings) and run.B == 2
+    assert run.hyper["lr"] == (0.1, 0.2) and run.hyper["betas"] == ((0.9, 0.999), (0.9, 0.999))
+    assert run.clip_grad_norm == (1.0, None)  # "no clipping" is None, one form
+    assert run.device == Device("cpu") and len(run.schedules) == 2
+    assert all(len(v) == 2 for v in run.hyper.values())
+    # made where the run is: the runtime chosen (auto resolved), the metric best states are kept by (eval data
+    # held out: eval_loss), a DataLoader's batch size, the record saying so
+    assert (run.runtime, run.keep_best, run.batch_size, run.record["batch_size"]) == ("torch", "eval_loss", 16, 16)
+    assert config.runtime == "auto" and config.keep_best is None and config.batch_size == 32
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.batch_size = 4
-    opt = plan.optimizer_config()
-    assert opt.hyper["lr"] is plan.hyper["lr"]  # the plan's own values, not another form of them
+        run.batch_size = 4
+    opt = run.optimizer_config()
+    assert opt.hyper["lr"] is run.hyper["lr"]  # the run's own values, not another form of them
     assert opt.max_norm == [1.0, float("inf")]  # the coefficient row's form of "no clipping"
 
 
-def test_fields_are_declared_and_match_the_table():
-    """TrainConfig's fields are the run settings of settings.RUN_SETTINGS plus the built-in optimizers'
-    hyper-parameters (with their defaults), the schedule, the loss options and the later registrations; RunPlan
-    has a field for every run setting. A setting added to one and not the other fails here."""
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+def test_every_view_of_a_setting_is_made_from_the_one_declaration(tmp_path):
+    """TrainConfig's fields (with their defaults) and RunSettings' are the run settings of settings.RUN_SETTINGS
+    (and the registered optimizers' hyper-parameters); the flags of train and check, the keys of a config file,
+    the record a run writes (run.json, checkpoints, a sweep's plan) and a sweep's array are made from the same
+    declaration. Nothing else lists a setting, so a setting added to the declaration is in every view."""
+    import argparse
+
+    from onnxfuse.cli.main import build_parser
+    from onnxfuse.recipe.config import file_keys
+    from onnxfuse.recipe.settings import LOSS_PARAMS, SCHEDULES, flag_params
+    from onnxfuse.sweep import parse_spec
+    from onnxfuse.sweep.planning import array_settings
+
+    run = {s.name for s in RUN_SETTINGS}
     hyper = {p.name for spec in OPTIMIZERS.values() for p in spec.params}
-    assert set(fields) == {s.name for s in RUN_SETTINGS} | hyper | {"schedule", "loss_options", "extra"}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert set(fields) == run | hyper | {"schedule", "loss_options", "extra"}
     for s in RUN_SETTINGS:
         assert fields[s.name].default == s.param.default, s.name
     for name in hyper:
         assert fields[name].default == flat_default(name), name
-    plan_fields = {f.name for f in dataclasses.fields(RunPlan)}
-    assert {s.name for s in RUN_SETTINGS} - {"clip_grad_norm"} <= plan_fields and "clip_grad_norm" in plan_fields
+    assert {f.name for f in dataclasses.fields(RunSettings)} == run | {"B", "loss_options", "hyper", "schedules",
+                                                                       "models", "record"}
+    # the flags: one per setting with a flag (run settings, hyper-parameters, loss options, schedule parameters)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("train", "check"):
+        flags = set(sub.choices[command]._option_string_actions)
+        made = {("--no-" + f[2:]) if p.kind.parse is None and p.default is True else f for p, f, _ in flag_params()}
+        assert made | {"--schedule"} <= flags
+        assert flags - made - {"--schedule"} <= {"-h", "--help", "-q", "--quiet", "-v", "--verbose", "--config",
+                                                  "--data", "--eval-data", "--resume"}, command
+    named = {flag: what for _, flag, what in flag_params()}
+    assert {s.name for s in RUN_SETTINGS if s.cli} | hyper | {f"loss_options.{p.name}" for p in LOSS_PARAMS} <= \
+        set(named.values())
+    for p in (p for spec in SCHEDULES.values() for p in spec.params):  # one flag, shared with a same-named setting
+        assert named[p.flag] in (f"schedule.{p.name}", p.name), p.flag
+    # a config file's keys: each run setting's path
+    for s in RUN_SETTINGS:
+        section, _, leaf = s.path.rpartition(".")
+        assert (leaf or s.path) in file_keys(section), s.path
+    # the record a run writes, and a sweep's array: the TrainConfig's fields, by name
+    record = TrainConfig(steps=1).as_dict()
+    assert set(record) == set(fields) - {"extra"}
+    spec = parse_spec({"model": {"factory": "onnxfuse.exporters.zoo:MLP", "input_shape": [4, 64]},
+                       "search": {"space": {"optimizer.lr": [0.1, 0.01]}}, "data": {"train": "sklearn:digits"},
+                       "steps": 2})
+    trials = [{"id": f"t{i}", "array_values": {}, "per_model": {"optimizer.lr": lr}} for i, lr in enumerate((0.1, 0.01))]
+    shipped, data, _ = array_settings(spec, trials, None)
+    assert isinstance(shipped, TrainConfig) and shipped.lr == [0.1, 0.01] and data == "sklearn:digits"
+    assert set(shipped.as_dict()) == set(record) and TrainConfig.from_dict(shipped.as_dict()) == shipped
 
 
 # ------------------------------------------------------------------------ the device
@@ -255,4 +313,4 @@ def test_resume_flags_follow_the_rules_and_old_records_resume(work, tmp_path, ca
     assert code == 0, err
     assert "for 6 steps" in out
     config = TrainConfig.resumed(old)
-    assert config.plan(B).clip_grad_norm == (None, 1.0) and config.as_dict()["momentum"] == 0.9
+    assert config.for_array(B).clip_grad_norm == (None, 1.0) and config.as_dict()["momentum"] == 0.9

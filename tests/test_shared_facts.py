@@ -79,7 +79,7 @@ def test_both_runtimes_update_batchnorm_statistics_as_torch_does(tmp_path, opset
     running_var differently from torch (0.92636 for torch's 0.92655)."""
     from onnxfuse.core.passes import fuse_models
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 2, 8, 8)).astype(np.float32)
@@ -105,7 +105,7 @@ def test_the_trainable_parameters_and_buffers_of_an_array():
     """One split of an array's weights by role, which the optimizer state's shape, both runtimes and the GAN use."""
     from onnxfuse.core.errors import ConfigError
     from onnxfuse.core.weights import ArraySpec, FusedWeight, WeightSlot
-    from onnxfuse.recipe.runtimes import parameter_names
+    from onnxfuse.runtime.protocol import parameter_names
 
     def weight(name, role, n):
         return FusedWeight(name, WeightSlot(None, (n,)), (n,), "float32", role, [f"{name}.{b}" for b in range(2)])

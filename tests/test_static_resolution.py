@@ -24,7 +24,7 @@ from onnxfuse.exporters import export_module
 from onnxfuse.core.passes import resolve_static_pass
 from onnxfuse.core.split import split_weights
 from onnxfuse.recipe.optim import make_optimizer
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 
 B = 3
 STEPS = 4

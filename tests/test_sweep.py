@@ -147,12 +147,12 @@ def test_groups_come_from_the_graphs_not_the_labels(tmp_path):
     assert len(groups) == 2 and all(len(g) == 4 and len({hidden[t] for t in g}) == 1 for g in groups)
     assert [len(a["trials"]) for a in plan["arrays"]] == [4, 4]
     a0 = plan["arrays"][0]
-    assert a0["settings"]["lr"] == [plan["trials"][int(t[1:])]["params"]["optimizer.lr"] for t in a0["trials"]]
+    assert a0["settings"].lr == [plan["trials"][int(t[1:])]["params"]["optimizer.lr"] for t in a0["trials"]]
     # the same with two batch sizes: four groups
     raw["search"]["space"]["batch_size"] = [8, 16]
     spec = parse_spec(raw, "spec.yaml", str(tmp_path))
     plan = plan_sweep(spec, spec.trials(), SweepDir(tmp_path / "sw2"), None, None, progress=False)
-    assert len(plan["groups"]) == 4 and sorted({a["settings"]["batch_size"] for a in plan["arrays"]}) == [8, 16]
+    assert len(plan["groups"]) == 4 and sorted({a["settings"].batch_size for a in plan["arrays"]}) == [8, 16]
 
 
 # ------------------------------------------------------------------------------------------ a sweep on Ray

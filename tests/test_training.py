@@ -10,7 +10,7 @@ from onnxfuse import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.recipe.data import make_dataset
 from onnxfuse.recipe.optim import make_optimizer
-from onnxfuse.recipe.runtimes import make_trainer
+from onnxfuse.runtime.trainers import make_trainer
 
 STEPS = 6
 CONFIGS = {  # per-model hyper-parameters: every value differs between models

@@ -151,7 +151,7 @@ def _train_fused(name, kind, lrs, extra, batches, mods, folder, runtime):
     losses [STEPS, B]."""
     from onnxfuse.core.split import split_weights
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
 
     loss = _loss_for(name)[0]
     folder.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ def run_demo(out_dir: str = "onnxfuse-demo", models: int = 8, steps: int = 300, 
     from onnxfuse.core._io import check_output_path, claim_output
     from onnxfuse.core._lock import LOCK_FILE
     from onnxfuse.core.errors import ConfigError
-    from onnxfuse.recipe.runtimes import resolve_runtime
+    from onnxfuse.runtime.trainers import resolve_runtime
 
     check_output_path(out_dir)  # '' would be the current folder
     # (a lock file marks a folder some command holds: claim_output names the holder)

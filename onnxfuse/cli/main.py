@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-import os
 import re
 import sys
 import logging
@@ -11,12 +10,12 @@ import traceback
 import warnings
 
 from onnxfuse.cli._args import at_least
+from onnxfuse.cli.train_flags import add_train_flags
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
                                   shell)
 from onnxfuse.core.split import WHICH
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIME_CHOICES
-from onnxfuse.recipe.settings import add_flags
 
 __all__ = ["main", "build_parser"]
 
@@ -100,17 +99,23 @@ def _fuse(args) -> int:
     return 0
 
 
-def _run_config(args, resume: bool = False):
+def _run_config(args, build: bool = True):
     """(TrainConfig or None, overrides or None, data, eval data) from --config and the flags: the flags, as a
-    config mapping, over the file's, validated as one (the file's rules hold for flags too); with ``resume`` and no
-    config file: no TrainConfig, and the flags override the checkpoint's own settings (validated over them)."""
-    from onnxfuse.recipe.settings import flags_to_raw, raw_to_flat
+    config mapping, over the file's, validated as one (the file's rules hold for flags too). ``build``: the array
+    the file's model section describes is built where ARRAY_DIR has none. With --resume and no config file: no
+    TrainConfig, and the flags override the checkpoint's own settings (validated over them by the run)."""
+    from onnxfuse.cli.train_flags import flags_to_raw
+    from onnxfuse.recipe.settings import raw_to_flat
     from onnxfuse.recipe.train_config import run_config
 
     flags, named = flags_to_raw(args)
-    if resume and not args.config:
+    if getattr(args, "resume", False) and not args.config:
         return None, raw_to_flat(flags), args.data, args.eval_data
-    config, data, eval_data = run_config(args.array, flags, named, args.config)
+    config, data, eval_data, model = run_config(args.array, flags, named, args.config)
+    if model is not None and build:
+        from onnxfuse.exporters.torch_export import build_array
+
+        build_array(model, args.array)
     return config, None, data, eval_data
 
 
@@ -118,8 +123,8 @@ def cmd_train(args) -> int:
     from onnxfuse.training.run import train_array
     from onnxfuse.training.report import format_table, summarize_array
 
-    cfg, overrides, data, eval_data = _run_config(args, resume=args.resume)
-    res = train_array(args.array, data, cfg, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
+    config, overrides, data, eval_data = _run_config(args)
+    res = train_array(args.array, data, config, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
                       overrides=overrides)
     print(res.summary())
     print(format_table(summarize_array(args.array)))  # the table `onnxfuse report` prints
@@ -127,12 +132,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from onnxfuse.runtime.ort_runtime import load_array
+    from onnxfuse.core.array import ArrayDir
     from onnxfuse.training.run import verify_array
 
-    load_array(args.array)  # before --config could build an array there: check writes nothing
-    cfg, _, data, eval_data = _run_config(args)
-    report = verify_array(args.array, data, cfg, eval_data=eval_data)
+    ArrayDir(args.array).load()  # check writes nothing: the array is there, not built from --config's model section
+    config, _, data, eval_data = _run_config(args, build=False)
+    report = verify_array(args.array, data, config, eval_data=eval_data)
     print(report.table())
     print(report.summary())
     if not report.ok:
@@ -252,7 +257,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    f"{runs_code('the function')}")
     p.add_argument("--eval-data", help="held-out data, the same forms as --data; "
                    f"{runs_code('a MODULE:FUNCTION')}")
-    add_flags(p)  # every training setting, from onnxfuse/recipe/settings.py (the registries included)
+    add_train_flags(p)  # every training setting, made from onnxfuse/recipe/settings.py (the registries included)
 
 
 def _add_common_flags(p: argparse.ArgumentParser, default) -> None:

@@ -24,8 +24,8 @@ from onnxfuse.core.semantics import PADDING_ROWS
 from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.exporters.factory import DEFAULT_OPSET, call_factory, factory_name, load_factory, model_inputs
 
-__all__ = ["export_module", "export_array", "load_factory", "build_module", "trace_inputs", "example_error",
-           "DEFAULT_OPSET"]
+__all__ = ["export_module", "export_array", "build_array", "load_factory", "build_module", "trace_inputs",
+           "example_error", "DEFAULT_OPSET"]
 
 log = logging.getLogger("onnxfuse.export")
 
@@ -310,3 +310,19 @@ def export_array(
                        "input_shape": list(input_shape) if not isinstance(input_shape, Mapping) else shapes,
                        "input_dtype": dtypes, "args": dict(factory_args or {})}, f, indent=1, default=str)
     return [os.path.join(out_dir, model_file(b)) for b in range(count)]
+
+
+def build_array(model: Mapping[str, Any], array_dir: str | os.PathLike) -> None:
+    """The array a run config's ``model`` section describes (``config.normalize_config``: factory, args, count,
+    seeds, input_shape, input_dtype, per_model_inputs), exported (one model per seed) and fused into ``array_dir``,
+    as ``onnxfuse export`` and ``onnxfuse fuse`` would. Never over an existing folder: one that is not empty (and
+    holds no array) is refused."""
+    import tempfile
+
+    from onnxfuse.core.passes import fuse_models, save_array
+
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-jobs-") as jobs:
+        paths = export_array(model["factory"], os.path.join(jobs, "jobs"), model["count"], model["input_shape"],
+                             seeds=model["seeds"], factory_args=model["args"], input_dtype=model["input_dtype"])
+        save_array(fuse_models(paths, per_model_inputs=model.get("per_model_inputs") or ()), array_dir)
+    log.info("built the array in %s from model.factory %s", os.fspath(array_dir), model["factory"])

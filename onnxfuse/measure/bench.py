@@ -293,7 +293,7 @@ def _fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device:
 
     from onnxfuse.measure.forms import make_strategy
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
 
     fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
                      strategy=make_strategy(strategy, runtime, device, batch, threads, compile=compile))

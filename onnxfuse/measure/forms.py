@@ -142,7 +142,7 @@ def measure_forms(models: list[onnx.ModelProto], per_model: list[str], shapes: d
     from onnxfuse.core.passes import fuse_models
 
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer
     from onnxfuse.measure.workloads import interleaved_rounds
 
     B = len(models)
@@ -192,7 +192,7 @@ def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch
     per model is cheapest (see the module docstring). ``strategy.costs`` holds, per node, each form's seconds.
     ``compile="on"``: the forms are measured compiled (``--compile on``: inductor fuses each form differently),
     cached apart from the eager measurements."""
-    from onnxfuse.recipe.runtimes import resolve_runtime
+    from onnxfuse.runtime.trainers import resolve_runtime
 
     if batch < 1:
         raise ConfigError(f"--batch must be at least 1 for the auto strategy, got {batch}")

@@ -303,7 +303,7 @@ def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: d
     and differs where a bare graph gives less to go on: every initializer counts as trained (no spec tells
     buffers from parameters), every activation is kept for the whole step and no optimizer update is counted."""
     from onnxfuse.runtime.ort_artifacts import add_loss_pass
-    from onnxfuse.recipe.runtimes import parameter_names
+    from onnxfuse.runtime.protocol import parameter_names
     from onnxfuse.runtime.torch_optim import update_graph
 
     trainable, buffers = parameter_names(spec)
@@ -394,7 +394,7 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
     from onnxfuse.measure.workloads import interleaved_rounds
 
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.runtimes import make_trainer, resolve_runtime
+    from onnxfuse.runtime.trainers import make_trainer, resolve_runtime
 
     device = Device.of(device)
     runtime = resolve_runtime(runtime, device)
@@ -535,7 +535,7 @@ def plan_array(model: str, runtime: str = "auto", device: Device | str = "cpu", 
     cross-entropy over the output's last axis on random data at batch ``batch`` per model. ``memory_budget``:
     bytes or a size like '8GiB' (default: the device's memory x a safety factor, :func:`default_memory_budget`).
     ``probe``: the array sizes really trained. Bad input is a one-line ConfigError naming the setting."""
-    from onnxfuse.recipe.runtimes import resolve_runtime
+    from onnxfuse.runtime.trainers import resolve_runtime
 
     batch = _check_int("--batch", batch)
     max_B = _check_int("--max-B", max_B)

@@ -419,8 +419,8 @@ def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_opti
     per model (None or absent: torch.optim's default, see the registrations above), checked as a config file's
     ``optimizer`` section is (``normalize_config``: one hyper-parameter ``kind`` does not take is an error).
     ``max_norm``: clip_grad_norm_ per model (None or inf: off). ``caller`` names the function in messages."""
-    from onnxfuse.recipe.config import expand_per_model
-    from onnxfuse.recipe.settings import Origins, normalize_config
+    from onnxfuse.recipe.config import expand_per_model, normalize_config
+    from onnxfuse.recipe.settings import Origins
 
     unknown = sorted(set(hyper) - set(hyper_params()))
     if unknown:

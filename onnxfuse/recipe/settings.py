@@ -1,13 +1,14 @@
 """Every training setting, declared once: its type, default, range, whether it may differ per model, and its help.
 
-Everything else is derived from these declarations:
+Every other view of a setting is made from these declarations (``tests/test_settings_once.py`` derives each):
 
-- the one validation of a run's settings, :func:`normalize_config`: a config file's mapping, the same mapping
-  with flags merged over it (:func:`flags_to_raw`, :func:`merge_raw`), and ``TrainConfig``'s arguments
-  (:func:`raw_from_flat`) all go through it, so every rule holds whichever way a value is given;
-- ``TrainConfig`` (``train_config.py``): the flat settings of a run (its fields are checked against
-  :data:`RUN_SETTINGS` and the registered optimizers' hyper-parameters by a test), and the run's plan;
-- the flags of ``onnxfuse train`` / ``check`` (:func:`add_flags`), which are also the overrides of a resumed run;
+- the fields of ``TrainConfig`` (the settings as given) and of ``RunSettings`` (the settings a run reads),
+  ``train_config.py``; the record a run writes (run.json, checkpoints, a sweep's plan) is ``TrainConfig.as_dict()``;
+- the config file's keys and its one validation, ``config.normalize_config``: a config file's mapping, the same
+  mapping with flags merged over it (:func:`merge_raw`), ``TrainConfig``'s arguments (:func:`raw_from_flat`), a
+  resumed run's record and a sweep's array all go through it, so every rule holds whichever way a value is given;
+- the flags of ``onnxfuse train`` / ``check`` (``cli/train_flags.py``, from :func:`flag_params`), which are also
+  the overrides of a resumed run;
 - the error messages: one :class:`ConfigError` line naming the key (``optimizer.lr[1] = nan must be ...``),
   begun by where the value came from (``run.yaml: ``, ``--lr: ``: :class:`Origins`), made in one place
   (:func:`_message`).
@@ -16,15 +17,13 @@ Optimizers and schedules are registered once each, next to their maths: ``optim.
 :func:`register_optimizer` with an :class:`OptimizerSpec` (its hyper-parameters as :class:`Param` s),
 ``schedules.py`` decorates each torch scheduler builder with :func:`register_schedule`. The CLI's choices, the
 config schema, placement's optimizer choices and the grid's per-model keys all read :data:`OPTIMIZERS` and
-:data:`SCHEDULES`.
+:data:`SCHEDULES`; the runtimes a run may choose are ``runtimes.py``'s ``RUNTIMES``.
 
 Values are validated by pydantic (v2): each :class:`Kind` below is a pydantic type plus how a command line writes
 it; a :class:`Param` is a named, documented setting of a kind.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -36,20 +35,18 @@ from pydantic import (AfterValidator, BeforeValidator, Discriminator, Field, Str
 from pydantic_core import PydanticCustomError
 
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.exporters.factory import factory_args, model_inputs
 
-from onnxfuse.recipe.datasets import NAMED_DATASETS, is_data_factory, is_named
 from onnxfuse.recipe.device import DEVICE_TAKES, Device
 from onnxfuse.recipe.losses import LOSSES
-from onnxfuse.recipe.ranking import EVAL_METRICS, KEEP_BEST_CHOICES, OFF
+from onnxfuse.recipe.ranking import KEEP_BEST_CHOICES
 from onnxfuse.recipe.runtimes import COMPILE_CHOICES, PRECISIONS, LossScale, RUNTIME_CHOICES, RUNTIMES
 
-__all__ = ["Kind", "Param", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES", "register_optimizer",
-           "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "real", "integer", "BOOL", "choice",
-           "pair", "step_list", "text", "DEVICE", "CLIP", "check_value", "check_model_value", "check_schedule_entry",
-           "check_halving", "check_held_out", "Origins", "normalize_config", "per_model_keys", "is_per_model_list",
-           "add_flags", "flags_to_raw", "flag_of", "merge_raw", "raw_from_flat", "raw_to_flat", "flat_settings",
-           "raw_key", "hyper_params", "flat_default", "set_dotted", "get_dotted", "REQUIRED"]
+__all__ = ["Kind", "Param", "Setting", "OptimizerSpec", "ScheduleSpec", "OPTIMIZERS", "SCHEDULES",
+           "register_optimizer", "register_schedule", "RUN_SETTINGS", "LOSS_PARAMS", "RESUMABLE", "FP16_ONLY", "ORDERS",
+           "real", "integer", "BOOL", "choice", "pair", "step_list", "text", "DEVICE", "CLIP", "check_value",
+           "check_schedule_entry", "check_schedule", "check_halving", "Origins", "is_per_model_list", "run_setting",
+           "flag_params", "flag_of", "merge_raw", "raw_from_flat", "raw_to_flat", "flat_settings", "raw_key",
+           "hyper_params", "flat_default", "set_dotted", "get_dotted", "config_error", "shown", "REQUIRED"]
 
 REQUIRED: Any = object()  # a parameter without a default (a schedule's step_size)
 
@@ -216,11 +213,13 @@ def _adapter(p: Param, optional: bool) -> TypeAdapter:
 
 
 # ------------------------------------------------------------------------------------------------ the messages
-def _show(v: Any) -> str:
+def shown(v: Any) -> str:
+    """A value as a message shows it (a string quoted)."""
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def _fail(msg: str) -> ConfigError:
+def config_error(msg: str) -> ConfigError:
+    """``msg`` as one ConfigError line."""
     return ConfigError(" ".join(msg.split()))
 
 
@@ -236,12 +235,12 @@ def _message(e: ValidationError, key: str, style: str, where: str = "") -> Confi
     if err["type"] == "too_short":
         msg = "is an empty list; give one value, or one per model"
     elif err["type"] == "missing":
-        return _fail(f"{where}{key} is missing")
+        return config_error(f"{where}{key} is missing")
     elif err["type"] != "setting":
         msg = f"is not valid ({msg})"
     if style == "file":
-        return _fail(f"{where}{key} = {_show(value)} {msg}")
-    return _fail(f"{where}{key} {msg}, got {_show(value)}")
+        return config_error(f"{where}{key} = {shown(value)} {msg}")
+    return config_error(f"{where}{key} {msg}, got {shown(value)}")
 
 
 def check_value(p: Param, value: Any, key: str | None = None, style: str = "flag", where: str = "",
@@ -439,6 +438,12 @@ RUN_SETTINGS: tuple[Setting, ...] = (
             resumable=True),
 )
 _RUN = {s.name: s for s in RUN_SETTINGS}
+
+
+def run_setting(name: str) -> Setting | None:
+    """The run setting ``name`` of RUN_SETTINGS (None: no run setting has that name)."""
+    return _RUN.get(name)
+
 # fp16's loss scaling: these settings do nothing in another precision, so giving one there is refused
 FP16_ONLY = tuple(s.name for s in RUN_SETTINGS if s.name.startswith("loss_scale"))
 # settings a resumed run may change: how long it runs, what it logs and checks, where it runs; every other setting
@@ -490,8 +495,8 @@ def check_halving(halving: Sequence[int] | None, total: int, style: str = "flag"
     """Halving steps must come before the last step (a halving after it would train nothing)."""
     if halving and halving[-1] >= total:
         name = "halving" if style == "file" else "--halving"
-        raise _fail(f"{where}{name} step {halving[-1]} is not before the last of the run's {total} steps; halving "
-                    f"steps must be < {total}")
+        raise config_error(f"{where}{name} step {halving[-1]} is not before the last of the run's {total} steps; "
+                           f"halving steps must be < {total}")
 
 
 def check_schedule_entry(raw: Any, key: str, style: str = "flag", where: str | Origins = "",
@@ -502,35 +507,37 @@ def check_schedule_entry(raw: Any, key: str, style: str = "flag", where: str | O
         return {"name": "constant"} if fill else None
     entry = {"name": raw} if isinstance(raw, str) else raw
     if not isinstance(entry, dict):
-        raise _fail(f"{_at(where, key)}{key} must be a mapping with a name (or a list of them, one per model), got "
-                    f"{_show(raw)}")
+        raise config_error(f"{_at(where, key)}{key} must be a mapping with a name (or a list of them, one per "
+                           f"model), got {shown(raw)}")
     name = entry.get("name", "constant")
     if name not in SCHEDULES:
-        said = f"{key}.name = {_show(name)}" if style == "file" else f"{key}: unknown schedule {_show(name)};"
-        raise _fail(f"{_at(where, key + '.name')}{said} must be one of: {', '.join(SCHEDULES)}")
+        said = f"{key}.name = {shown(name)}" if style == "file" else f"{key}: unknown schedule {shown(name)};"
+        raise config_error(f"{_at(where, key + '.name')}{said} must be one of: {', '.join(SCHEDULES)}")
     spec = SCHEDULES[name]
     for k in entry:
         if k != "name" and spec.param(k) is None:
             takes = ", ".join(p.name for p in spec.params) or "no parameters"
-            raise _fail(f"{_at(where, f'{key}.{k}', key + '.name')}{key}.{k} does not apply to the {name} schedule; "
-                        f"{name} takes: {takes}")
+            raise config_error(f"{_at(where, f'{key}.{k}', key + '.name')}{key}.{k} does not apply to the {name} "
+                               f"schedule; {name} takes: {takes}")
     out = {"name": name}
     for p in spec.params:
         if p.name in entry:
             at = f"{key}.{p.name}"
             out[p.name] = check_value(p, entry[p.name], at, style, _at(where, at), optional=p.default is None)
         elif p.default is REQUIRED:
-            raise _fail(f"{_at(where, key + '.name')}{key}.{p.name} is missing: '{name}' needs '{p.name}' ({p.flag})")
+            raise config_error(f"{_at(where, key + '.name')}{key}.{p.name} is missing: '{name}' needs '{p.name}' "
+                               f"({p.flag})")
         elif fill and p.default is not None:
             out[p.name] = p.default
     return out if fill or not isinstance(raw, str) else raw
 
 
-def _check_schedule(raw: Any, style: str, where: str | Origins = "", fill: bool = False) -> Any:
+def check_schedule(raw: Any, style: str, where: str | Origins = "", fill: bool = False) -> Any:
     """None / one schedule / a non-empty list of them (one per model)."""
     if isinstance(raw, (list, tuple)):
         if not raw:
-            raise _fail(f"{_at(where, 'schedule')}schedule is an empty list; give one schedule, or one per model")
+            raise config_error(f"{_at(where, 'schedule')}schedule is an empty list; give one schedule, or one per "
+                               "model")
         return [check_schedule_entry(s, f"schedule[{i}]", style, where, fill) for i, s in enumerate(raw)]
     return check_schedule_entry(raw, "schedule", style, where, fill)
 
@@ -598,8 +605,8 @@ def raw_from_flat(flat: Mapping[str, Any], recorded: bool = False) -> dict:
             continue  # a recorded run's loss scale outside fp16 did nothing (runs before that was refused)
         if name == "loss_options":
             if not isinstance(v, Mapping):
-                raise _fail(f"loss_options must be a mapping of {', '.join(p.name for p in LOSS_PARAMS)}, got "
-                            f"{_show(v)}")
+                raise config_error(f"loss_options must be a mapping of {', '.join(p.name for p in LOSS_PARAMS)}, got "
+                                   f"{shown(v)}")
             for option, x in v.items():
                 if x is not None:
                     set_dotted(raw, f"loss.{option}", x)
@@ -611,8 +618,8 @@ def raw_from_flat(flat: Mapping[str, Any], recorded: bool = False) -> dict:
             if not idle:
                 set_dotted(raw, raw_key(name), v)
         else:
-            raise _fail(f"unknown training setting '{name}'; the settings are those of `onnxfuse train --help` "
-                        "(TrainConfig's fields)")
+            raise config_error(f"unknown training setting '{name}'; the settings are those of `onnxfuse train --help` "
+                               "(TrainConfig's fields)")
     return raw
 
 
@@ -654,264 +661,8 @@ def flat_settings(cfg: Mapping) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ config files
-_SECTIONS = ("model", "data", "loss", "optimizer", "grid", "schedule")
-_MODEL_KEYS = ("factory", "args", "count", "seeds", "input_shape", "input_dtype", "per_model_inputs")
-
-
-def _file_keys(section: str) -> tuple[str, ...]:
-    """The keys a config file takes under ``section`` ("" = top level), from the tables."""
-    if section == "":
-        return _SECTIONS + tuple(s.path for s in RUN_SETTINGS if "." not in s.path)
-    if section == "data":
-        return ("train", "eval") + tuple(s.path[5:] for s in RUN_SETTINGS if s.path.startswith("data."))
-    if section == "loss":
-        return ("name",) + tuple(p.name for p in LOSS_PARAMS)
-    if section == "optimizer":
-        return ("name",) + tuple(_all_params(OPTIMIZERS.values()))
-    return _MODEL_KEYS
-
-
-def _section(where: Origins, key: str, v: Any) -> dict:
-    """A mapping whose keys are all known under ``key``."""
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise _fail(f"{where(key)}{key} must be a mapping of settings (key: value), got {_show(v)}")
-    allowed = _file_keys(key)
-    for k in v:
-        if k not in allowed:
-            raise _fail(f"{where(f'{key}.{k}')}unknown key '{key}.{k}'; valid keys under {key}: {', '.join(allowed)}")
-    return v
-
-
-def _resolve(path: Any, base_dir: str | None) -> Any:
-    """A relative file path in the config is relative to the config file's folder."""
-    if base_dir is None or not isinstance(path, str) or is_named(path) or os.path.isabs(path):
-        return path
-    return os.path.normpath(os.path.join(base_dir, path))
-
-
-def resolve_factory(factory: str, base_dir: str | None) -> str:
-    """``MODULE:FACTORY`` with a ``.py`` file's path made relative to ``base_dir`` (the config file's folder)."""
-    module, _, attr = factory.rpartition(":")
-    return f"{_resolve(module, base_dir)}:{attr}" if module.endswith(".py") else factory
-
-
-def _model(at: Origins, raw: Any) -> dict | None:
-    if raw is None:
-        return None
-    m = _section(at, "model", raw)
-    where, base_dir = at("model"), at.base("model")
-    for key in ("factory", "count", "input_shape"):
-        if key not in m:
-            raise _fail(f"{where}model.{key} is missing; the model section needs factory, count and input_shape "
-                        "(or remove the section when the array is fused already)")
-    factory = m["factory"]
-    if not isinstance(factory, str) or ":" not in factory:
-        raise _fail(f"{where}model.factory = {_show(factory)} must be MODULE:FACTORY, e.g. "
-                    "onnxfuse.exporters.zoo:LeNet or my_models.py:make")
-    factory = resolve_factory(factory, base_dir)
-    count = check_value(Param("count", _POS), m["count"], "model.count", "file", where)
-    seeds = m.get("seeds") if m.get("seeds") is not None else list(range(count))
-    if not isinstance(seeds, list) or len(seeds) != count:
-        raise _fail(f"{where}model.seeds = {_show(seeds)} must be a list of model.count = {count} integers")
-    seeds = [check_value(Param("seed", _NONNEG), s, f"model.seeds[{i}]", "file", where) for i, s in enumerate(seeds)]
-    shapes, dtypes = model_inputs(m["input_shape"], m.get("input_dtype"), where)  # as `onnxfuse export` checks them
-    pmi = m.get("per_model_inputs") or []
-    if not isinstance(pmi, list) or not all(isinstance(n, str) and n for n in pmi):
-        raise _fail(f"{where}model.per_model_inputs = {_show(pmi)} must be a list of graph input names")
-    return {"factory": factory, "args": factory_args(m.get("args"), "model.args", where), "count": count,
-            "seeds": seeds, "input_shape": shapes, "input_dtype": dtypes, "per_model_inputs": pmi}
-
-
-def _data_source(at: Origins, key: str, v: Any) -> str | None:
-    if v is None:
-        return None
-    where = at(key)
-    if isinstance(v, str) and is_named(v):
-        if v not in NAMED_DATASETS:
-            raise _fail(f"{where}{key} = {_show(v)} is not a bundled data set; choose one of: "
-                        f"{', '.join(NAMED_DATASETS)}")
-        return v
-    if isinstance(v, str) and is_data_factory(v):  # a function that returns a DataLoader, Dataset or arrays
-        return resolve_factory(v, at.base(key))
-    if not isinstance(v, str) or not v.endswith(".npz"):
-        raise _fail(f"{where}{key} = {_show(v)} must be a .npz file, MODULE:FUNCTION (a function returning a "
-                    f"DataLoader, a Dataset or arrays) or one of: {', '.join(NAMED_DATASETS)}")
-    return _resolve(v, at.base(key))
-
-
-def _setting(where: Origins, raw: dict, s: Setting) -> Any:
-    """The value of run setting ``s`` in a config mapping (null or absent: the default)."""
-    v = get_dotted(raw, s.path)
-    v = s.param.default if v is None else v
-    return None if v is None else check_value(s.param, v, s.path, "file", where(s.path))
-
-
-def per_model_keys(optimizer: str, schedule: Any) -> list[str]:
-    """The dotted keys a grid may vary: the optimizer's per-model hyper-parameters, clip_grad_norm, and the
-    parameters of the schedule when one schedule is given."""
-    keys = [f"optimizer.{p.name}" for p in OPTIMIZERS[optimizer].params if p.per_model]
-    keys += [s.path for s in RUN_SETTINGS if s.param.per_model]
-    if isinstance(schedule, dict):
-        keys += [f"schedule.{p.name}" for p in SCHEDULES[schedule["name"]].params]
-    return keys
-
-
-def check_model_value(key: str, value: Any, label: str, cfg: dict, where: str = "") -> Any:
-    """One model's value of the per-model setting ``key`` (a config grid's, a sweep's search), checked as the
-    setting itself is (``cfg``: the normalized config, for its optimizer and schedule)."""
-    p = replace(_setting_param(key, cfg["optimizer"]["name"], cfg["schedule"]), per_model=False)
-    return check_value(p, value, label, "file", where, optional=p.default is None)
-
-
-def _setting_param(key: str, optimizer: str, schedule: Any) -> Param | None:
-    section, _, leaf = key.partition(".")
-    if section == "optimizer":
-        return OPTIMIZERS[optimizer].param(leaf)
-    if section == "schedule" and isinstance(schedule, dict):
-        return SCHEDULES[schedule["name"]].param(leaf)
-    s = _RUN.get(key)
-    return s.param if s is not None else None
-
-
-def _grid(at: Origins, raw: Any, cfg: dict, explicit: dict) -> dict:
-    """Grid axes ``{dotted key: [values]}``; each value is checked like the setting itself."""
-    if raw is None:
-        return {}
-    where = at("grid")
-    if not isinstance(raw, dict):
-        raise _fail(f"{where}grid must be a mapping of setting: [values], e.g. optimizer.lr: [0.1, 0.01]; got "
-                    f"{_show(raw)}")
-    valid = per_model_keys(cfg["optimizer"]["name"], cfg["schedule"])
-    out = {}
-    for key, values in raw.items():
-        if key not in valid:
-            raise _fail(f"{where}grid key '{key}' is not a per-model setting of this run; valid grid keys: "
-                        f"{', '.join(valid)}")
-        section, _, leaf = key.partition(".")
-        given = explicit.get(section) if leaf else explicit
-        if isinstance(given, dict) and given.get(leaf or key) is not None:
-            raise _fail(f"{at('grid', key)}{key} is set both in grid and as {key}; give its values in one place")
-        if not isinstance(values, list) or not values:
-            raise _fail(f"{where}grid.{key} = {_show(values)} must be a non-empty list of values")
-        out[key] = [check_model_value(key, v, f"grid.{key}[{i}]", cfg, where) for i, v in enumerate(values)]
-    return out
-
-
-def normalize_config(raw: dict, source: str = "config", base_dir: str | None = None,
-                     named: Mapping[str, str] | None = None, with_data: bool = True) -> dict:
-    """Validate a config mapping (as read from a file, flags merged over it: :func:`merge_raw`) and return its
-    normalized form with defaults filled in (see ``config.py``): the one validation of every setting, whichever
-    way it was given. ``source`` starts every message about a value from the file, ``named`` names the values
-    given otherwise (``{"optimizer.lr": "--lr"}``: see :class:`Origins`); ``base_dir``, when given, is the folder
-    the file's relative paths in ``data`` and ``model.factory`` are relative to. ``with_data=False``: the mapping
-    says nothing about the data (``TrainConfig``: the data comes with the run), and the rules about held-out
-    data wait for it (:func:`check_held_out`)."""
-    at = Origins(source, dict(named or {}), base_dir)
-    if not isinstance(raw, dict):
-        raise _fail(f"{at()}the config must be a mapping of settings (key: value), got {type(raw).__name__}")
-    top = _file_keys("")
-    for k in raw:
-        if k not in top:
-            raise _fail(f"{at(k)}unknown key '{k}'; valid keys: {', '.join(top)}")
-    raw = dict(raw)
-    for section in ("loss", "optimizer"):  # a name alone
-        if isinstance(raw.get(section), str):
-            raw[section] = {"name": raw[section]}
-    for section in ("data", "loss", "optimizer"):
-        raw[section] = _section(at, section, raw.get(section))
-    value = {s.name: _setting(at, raw, s) for s in RUN_SETTINGS}
-    data = raw["data"]
-    cfg: dict[str, Any] = {
-        "model": _model(at, raw.get("model")),
-        "data": {"train": _data_source(at, "data.train", data.get("train")),
-                 "eval": _data_source(at, "data.eval", data.get("eval")),
-                 **{s.path[5:]: value[s.name] for s in RUN_SETTINGS if s.path.startswith("data.")}},
-        "loss": {"name": value["loss"], **{p.name: check_value(p, raw["loss"].get(p.name, p.default),
-                                                                f"loss.{p.name}", "file", at(f"loss.{p.name}"))
-                                           for p in LOSS_PARAMS}},
-    }
-    cfg["data"] = {k: cfg["data"][k] for k in _file_keys("data")}  # the documented key order
-    loss = cfg["loss"]
-    if loss["label_smoothing"] and loss["name"] != "cross-entropy":
-        raise _fail(f"{at('loss.label_smoothing', 'loss.name')}loss.label_smoothing applies to cross-entropy only, "
-                    f"not to {loss['name']} (as in torch)")
-    if loss["class_axis"] == 0:
-        raise _fail(f"{at('loss.class_axis')}loss.class_axis = 0 is the batch axis; use 1 ([N, C, ...]) or -1 "
-                    "([N, ..., C])")
-    from onnxfuse.recipe.losses import get_loss
-
-    try:  # the loss's own rules, as a backstop
-        get_loss(loss["name"], **{p.name: loss[p.name] for p in LOSS_PARAMS})
-    except ConfigError as e:
-        raise _fail(f"{at(*(f'loss.{k}' for k in loss))}loss: {e}") from None
-    cfg["optimizer"] = _optimizer(at, raw["optimizer"], value["optimizer"])
-    cfg["schedule"] = _check_schedule(raw.get("schedule"), "file", at, fill=True)
-    cfg["grid"] = _grid(at, raw.get("grid"), cfg, raw)
-    for s in RUN_SETTINGS:
-        if "." not in s.path:
-            cfg[s.path] = value[s.name]
-    cfg["halving"] = cfg["halving"] or []
-    if (cfg["steps"] is None) == (cfg["epochs"] is None):
-        both = "both are set" if cfg["steps"] is not None else "neither is set"
-        raise _fail(f"{at('steps', 'epochs')}give exactly one of steps and epochs ({both})")
-    if with_data:
-        check_held_out(cfg, cfg["data"]["eval"] is not None, at)
-    if cfg["halving"] and cfg["steps"] is not None:
-        check_halving(cfg["halving"], cfg["steps"], "file", at("halving", "steps"))
-    if cfg["precision"] != "fp16":
-        _check_no_loss_scale(raw, cfg, at)
-    return cfg
-
-
-def _check_no_loss_scale(raw: Mapping, cfg: Mapping, at: Origins) -> None:
-    """A loss-scale setting given (not its default) for a run that is not fp16 is refused, as any setting that
-    would do nothing is (an optimizer's hyper-parameter it does not take, a schedule's parameter)."""
-    def given(name: str) -> bool:
-        v, default = get_dotted(raw, _RUN[name].path), _RUN[name].param.default
-        return v is not None and any(x != default for x in (v if isinstance(v, (list, tuple)) else [v]))
-    keys = [_RUN[n].path for n in FP16_ONLY if given(n)] + [k for k in cfg["grid"] if k in FP16_ONLY]
-    if keys:
-        raise _fail(f"{at(*keys, 'precision')}{', '.join(keys)} {'applies' if len(keys) == 1 else 'apply'} to "
-                    f"precision fp16 only (its loss scaling), and this run trains in {cfg['precision']}; remove "
-                    f"{'it' if len(keys) == 1 else 'them'} or train in fp16")
-
-
-def check_held_out(cfg: Mapping, has_eval: bool, where: Origins | str = "") -> None:
-    """The rules about held-out data of a normalized config, for a run that has eval data (``has_eval``) or not:
-    eval data is given one way, and successive halving and best states have some to rank the models by."""
-    eval_fraction = cfg["data"]["eval_fraction"]
-    if has_eval and eval_fraction > 0:
-        raise _fail(f"{_at(where, 'data.eval', 'data.eval_fraction')}data.eval and data.eval_fraction are both "
-                    "set; give held-out data one way")
-    if cfg["halving"] and not has_eval and eval_fraction == 0:
-        raise _fail(f"{_at(where, 'halving')}halving needs eval data to rank the models; set data.eval or "
-                    "data.eval_fraction")
-    if cfg["keep_best"] in EVAL_METRICS and not has_eval and eval_fraction == 0:
-        raise _fail(f"{_at(where, 'keep_best')}keep_best {cfg['keep_best']} needs eval data to pick each model's "
-                    f"best state by; set data.eval or data.eval_fraction, or keep_best {OFF}")
-
-
-def _optimizer(where: Origins, given: dict, name: str) -> dict:
-    """The optimizer section: its name and each of its hyper-parameters (default filled in)."""
-    spec = OPTIMIZERS[name]
-    takes = [p.name for p in spec.params]
-    for k in given:
-        if k != "name" and k not in takes:
-            raise _fail(f"{where(f'optimizer.{k}', 'optimizer.name')}optimizer.{k} does not apply to {name}; "
-                        f"{name} takes: {', '.join(takes)}")
-    out = {"name": name}
-    for p in spec.params:
-        v = given.get(p.name)
-        key = f"optimizer.{p.name}"
-        out[p.name] = check_value(p, p.default if v is None else v, key, "file", where(key))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ the command line
-def _flag_params() -> list[tuple[Param, str, str]]:
+# ------------------------------------------------------------------------------------------------ the flags
+def flag_params() -> list[tuple[Param, str, str]]:
     """(param, flag, the TrainConfig name or "schedule." / "loss_options." + parameter), for every setting that
     has a flag: run settings, the optimizers' hyper-parameters, the loss options and the schedules' parameters."""
     out = [(s.param, s.cli, s.name) for s in RUN_SETTINGS if s.cli]
@@ -922,106 +673,11 @@ def _flag_params() -> list[tuple[Param, str, str]]:
     return out
 
 
-def _dest(name: str) -> str:
-    return "setting_" + name.replace(".", "__")
-
-
-def _help(p: Param, what: str) -> str:
-    said = p.help
-    if p.per_model and p.kind.parse is not None and p.kind.metavar is None:
-        said += "; one value, or one per model (comma-separated)"
-    elif p.per_model and p.kind.parse is None:
-        said += " (per model: --config)"
-    if what.startswith("schedule."):
-        users = [s.name for s in SCHEDULES.values() if s.param(p.name) is not None]
-        said = f"{'/'.join(users)}: {said}"
-    elif what in _all_params(OPTIMIZERS.values()):
-        users = [s.name for s in OPTIMIZERS.values() if s.param(p.name) is not None]
-        if len(users) < len(OPTIMIZERS):
-            said = f"{'/'.join(users)}: {said}"
-        defaults = {s.name: s.param(p.name).default for s in OPTIMIZERS.values() if s.param(p.name) is not None}
-        if len({repr(v) for v in defaults.values()}) > 1:
-            return f"{said} (default: " + ", ".join(f"{k} {v}" for k, v in defaults.items()) + ")"
-    if p.default is not None and p.default is not REQUIRED and p.kind.parse is not None:
-        said += f" (default {p.default})"
-    elif p.kind.parse is None and p.default is True:  # the flag is --no-<name>: it says the non-default
-        said += " (on by default; this flag turns it off)"
-    return said.replace("%", "%%")
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of every setting (``onnxfuse train`` / ``check``), read from the tables and registries now."""
-    for p, flag, what in _flag_params():
-        dest, h = _dest(what), _help(p, what)
-        if p.kind.parse is None:  # a switch: says the non-default
-            if p.default is True:
-                parser.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False, help=h)
-            else:
-                parser.add_argument(flag, dest=dest, action="store_const", const=True, help=h)
-        elif p.kind.choices is not None:
-            parser.add_argument(flag, dest=dest, choices=list(p.kind.choices()), help=h)
-        elif p.per_model or p.kind.metavar:
-            parser.add_argument(flag, dest=dest, metavar=p.kind.metavar or "V[,V...]", help=h)
-        else:
-            metavar = {int: "N", float: "X"}.get(p.kind.parse, p.name.upper())
-            parser.add_argument(flag, dest=dest, type=p.kind.parse, metavar=metavar, help=h)
-    parser.add_argument("--schedule", dest=_dest("schedule"), choices=list(SCHEDULES),
-                        help="learning-rate schedule (torch.optim.lr_scheduler): " + ", ".join(
-                            f"{s.name}{' (' + s.help + ')' if s.help else ''}" for s in SCHEDULES.values()))
-
-
-def _flag_value(p: Param, text: str) -> Any:
-    """A flag's text as a config file would give the value: per-model numbers comma-separated (one value, or one
-    per model), a pair or a list of steps ``a,b``. What is not a number stays the text it is (an empty value
-    ``''`` too), for the validation to name it as it names a file's."""
-    def one(piece: str) -> Any:
-        try:
-            return p.kind.parse(piece)
-        except ValueError:
-            return piece
-    if p.per_model and p.kind.metavar is None:  # a pair (betas) is one value, written a,b
-        values = [one(v.strip()) for v in str(text).split(",")]
-        return values[0] if len(values) == 1 else values
-    try:
-        return p.kind.parse(text)
-    except ValueError:
-        return [v.strip() for v in str(text).split(",")]
-
-
-def flags_to_raw(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
-    """The settings given as flags (only those: they override a config file, or a resumed run's own settings) as
-    a config mapping, the shape of a config file (``{"optimizer": {"name": "adam", "lr": [0.1, 0.01]},
-    "schedule": {...}, "data": {"train": ...}, "batch_size": 16, ...}``), and the flag that gave each dotted key
-    (for messages). ``--data`` and ``--eval-data`` are the command's own flags (``cli/main.py``)."""
-    raw: dict[str, Any] = {}
-    named: dict[str, str] = {}
-    for p, flag, what in _flag_params():
-        v = getattr(args, _dest(what), None)
-        if v is None:
-            continue
-        if isinstance(v, str) and p.kind.choices is None and p.kind.parse is not None and \
-                (p.per_model or p.kind.metavar):
-            v = _flag_value(p, v)
-        key = raw_key(what)
-        set_dotted(raw, key, v)
-        named[key] = flag_of(what)
-    name = getattr(args, _dest("schedule"), None)
-    if name:
-        raw["schedule"] = {"name": name, **raw.get("schedule", {})}
-        named["schedule.name"] = "--schedule"
-    for key, flag, path in (("train", "--data", getattr(args, "data", None)),  # the data flags of the CLI's own
-                            ("eval", "--eval-data", getattr(args, "eval_data", None))):
-        if path is not None:
-            set_dotted(raw, f"data.{key}", os.fspath(path))
-            named[f"data.{key}"] = flag
-    return raw, named
-
-
 def flag_of(name: str) -> str:
     """The flag of the ``TrainConfig`` setting ``name`` (``loss_options.<option>`` for a loss option)."""
     if name == "schedule":
         return "--schedule"
-    for p, flag, what in _flag_params():
+    for p, flag, what in flag_params():
         if what == name:
             return "--no-" + flag[2:] if p.kind.parse is None and p.default is True else flag
     return "--" + name.rpartition(".")[2].replace("_", "-")

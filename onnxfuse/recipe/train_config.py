@@ -1,46 +1,66 @@
-"""``TrainConfig``: every setting of a run, as the Python API gives them; and ``RunPlan``: the same settings
-validated and expanded to the B models of an array, which is all a run reads.
+"""``TrainConfig``: every setting of a run, checked where it is given; and ``RunSettings``: the same settings made
+for one array of B models, on this machine, with its data: the one object a run reads.
 
-A setting is validated once, by ``settings.normalize_config``, whichever way it was given:
+Neither lists a setting: their fields are made from the one declaration (``settings.RUN_SETTINGS`` and the
+registered optimizers' hyper-parameters) by :func:`_declared`. Every way of giving settings goes through the one
+validation, ``config.normalize_config``:
 
-    onnxfuse train --lr 0.1,0.01     argv -> flags_to_raw -> (merged over --config's mapping) -> normalize_config
-    TrainConfig(lr=[0.1, 0.01])      arguments -> raw_from_flat -> normalize_config
-    a resumed run                    its recorded settings, the flags over them -> normalize_config
+    onnxfuse train --lr 0.1,0.01     argv -> the flags as a mapping (cli/train_flags.py), over --config's -> run_config
+    TrainConfig(lr=[0.1, 0.01])      arguments -> settings.raw_from_flat -> normalize_config
+    a resumed run                    its recorded settings, the flags over them -> TrainConfig.resumed
+    a sweep's array                  the spec with the array's values -> TrainConfig.from_config (shipped to the worker)
 
-``TrainConfig.plan(B)`` then gives every per-model value as a tuple of B (``config.expand_per_model``), the device
-as a ``Device`` and "no clipping" as None; a run builds its optimizer, loss and schedules from the plan without
-checking anything again. ``TrainConfig.as_dict()`` is the settings as given, the form a checkpoint records and the
-settings hash reads (unchanged, so that runs written before resume).
-
-The fields below are the run settings of ``settings.RUN_SETTINGS`` and the hyper-parameters of the built-in
-optimizers, with their defaults (``tests/test_settings_once.py`` checks that they are exactly those); an optimizer
-registered later has its hyper-parameters in ``extra`` (read as attributes, ``config.rho``).
+``train_array`` makes the run's ``RunSettings`` once (:meth:`TrainConfig.for_array`, ``training/prepare.py``):
+every per-model value a tuple of B, "no clipping" None, the runtime chosen (``auto`` resolved on the device), the
+metric best states are kept by, and the batch size a DataLoader gives; nothing below checks a setting again.
+``TrainConfig.as_dict()`` is the settings as given: the record run.json, a checkpoint and a sweep's plan hold and
+the settings hash reads (unchanged, so that runs written before resume); ``RunSettings.record`` is the run's.
+An optimizer registered after this module was imported has its hyper-parameters in ``TrainConfig.extra`` (read as
+attributes, ``config.rho``).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
+from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError
 
-from onnxfuse.recipe.config import array_size, expand_per_model, read_config_file
+from onnxfuse.recipe.config import check_held_out, expand_per_model, normalize_config, read_config_file
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config, per_model
+from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.runtimes import LossScale
-from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, check_held_out, flag_of, flat_default, flat_settings,
-                                      get_dotted, hyper_params, merge_raw, normalize_config, raw_from_flat, raw_key)
+from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, flag_of, flat_default, flat_settings, get_dotted,
+                                      hyper_params, merge_raw, raw_from_flat, raw_key)
 
-__all__ = ["TrainConfig", "RunPlan", "run_config", "as_train_config"]
+__all__ = ["TrainConfig", "RunSettings", "run_config", "as_train_config"]
 
 PerModel = Union[Any, Sequence[Any]]  # one value for every model, or a list with one per model
 
 
+def _declared(defaults: bool) -> Callable[[type], type]:
+    """A frozen dataclass of ``cls`` with a field per declared setting before the fields its body declares: each
+    run setting of ``RUN_SETTINGS`` and, with ``defaults`` (the settings as given), each hyper-parameter of the
+    optimizers registered now, with their defaults. The one list of settings is the declaration."""
+    def make(cls: type) -> type:
+        declared = {s.name: s.param.default for s in RUN_SETTINGS}
+        if defaults:
+            declared.update({name: flat_default(name) for name in hyper_params()})
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        cls.__annotations__ = {**{name: Any for name in declared}, **own}
+        for name, default in declared.items() if defaults else ():
+            setattr(cls, name, default)
+        return dataclass(frozen=True, init=not defaults)(cls)
+    return make
+
+
 def _plain(v: Any) -> Any:
-    """numpy values as Python's (what a record holds: JSON)."""
+    """numpy values as Python's, a Device as its text (what a record holds: JSON)."""
     if isinstance(v, np.ndarray):
         return v.tolist()
     if isinstance(v, np.generic):
@@ -50,53 +70,13 @@ def _plain(v: Any) -> Any:
     return v
 
 
-@dataclass(frozen=True, init=False)
+@_declared(defaults=True)
 class TrainConfig:
-    """Everything a run takes (``onnxfuse train --help`` says each): a per-model value is one value for every
-    model or a list with one per model. Checked when made (one ConfigError line naming the argument and the
-    config key, e.g. ``TrainConfig(lr=...): optimizer.lr[1] = -1 must be finite and >= 0``)."""
+    """Everything a run takes (``onnxfuse train --help`` says each; its fields are the declared settings, with their
+    defaults): a per-model value is one value for every model or a list with one per model; ``device`` is a
+    ``Device`` (given as its text). Checked when made (one ConfigError line naming the argument and the config
+    key, e.g. ``TrainConfig(lr=...): optimizer.lr[1] = -1 must be finite and >= 0``)."""
 
-    # the run settings (settings.RUN_SETTINGS, in its order)
-    steps: int | None = None
-    epochs: int | None = None
-    batch_size: int = 32
-    loss: str = "cross-entropy"
-    per_model_labels: bool = False
-    optimizer: str = "sgd"
-    clip_grad_norm: PerModel | None = None  # float > 0 per model; None (or inf): no clipping
-    shuffle: bool = True
-    seed: int = 0
-    data_order: str = "shared"
-    eval_every: int = 0
-    eval_batch_size: int = 256
-    eval_fraction: float = 0.0
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    on_diverge: str = "freeze"
-    keep_best: str | None = None  # eval_loss, eval_accuracy or off; None: eval_loss when the run has eval data
-    halving: Sequence[int] | None = None
-    halving_keep: float = 0.5
-    device: str = "cpu"  # or a Device
-    runtime: str = "auto"
-    threads: int = 0
-    compile: str = "auto"
-    precision: str = "fp32"
-    loss_scale: PerModel = 2.0 ** 16
-    loss_scale_growth: float = 2.0
-    loss_scale_backoff: float = 0.5
-    loss_scale_interval: int = 2000
-    log_every: int = 1
-    verify_steps: int = 1
-    allow_nonfinite_data: bool = False
-    # the built-in optimizers' hyper-parameters, per model (None: each optimizer's own default)
-    lr: PerModel = 1e-3
-    weight_decay: PerModel | None = None
-    momentum: PerModel = 0.0
-    dampening: PerModel = 0.0
-    nesterov: PerModel = False
-    betas: PerModel = (0.9, 0.999)
-    eps: PerModel = 1e-8
-    amsgrad: PerModel = False
     # None, a name, a mapping {name, parameters...}, or a list of those, one per model
     schedule: Any = None
     loss_options: Mapping[str, Any] = field(default_factory=dict)  # label_smoothing, ignore_index, class_axis
@@ -108,7 +88,7 @@ class TrainConfig:
         named = _named(settings, lambda name: f"TrainConfig({name}=...)")
         cfg = normalize_config(raw_from_flat(settings), source="", named=named, with_data=False)
         explicit = {k for k, v in settings.items() if v is not None}
-        self._set(settings, cfg, Origins("", named), None, explicit=explicit)
+        self._set(settings, cfg, Origins("", named), explicit=explicit)
 
     # ---- the other ways to make one
     @classmethod
@@ -116,14 +96,14 @@ class TrainConfig:
         return cls(**d)
 
     @classmethod
-    def from_normalized(cls, cfg: dict, B: int | None = None, where: Origins | None = None,
-                        explicit: Iterable[str] | None = None) -> "TrainConfig":
-        """The settings of a config validated already (``normalize_config``: a file, flags merged over it);
-        ``B``: its per-model values are expanded to B already (``expand_per_model``; a grid needs it). ``where``
-        says where its values came from, for the messages of a later expansion; ``explicit``: the settings the
-        config sets (None: not known, each counts as set; see :meth:`given`)."""
+    def from_config(cls, cfg: dict, where: Origins | None = None, explicit: Iterable[str] | None = None
+                    ) -> "TrainConfig":
+        """The settings of a config validated already (``normalize_config``: a file, flags merged over it), its
+        per-model values perhaps expanded to B already (``expand_per_model``; a grid needs it). ``where`` says
+        where its values came from, for the messages of a later expansion; ``explicit``: the settings the config
+        sets (None: not known, each counts as set; see :meth:`given`)."""
         self = object.__new__(cls)
-        self._set(flat_settings(cfg), cfg, where or Origins(), B, held_out=True, explicit=explicit)
+        self._set(flat_settings(cfg), cfg, where or Origins(), held_out=True, explicit=explicit)
         return self
 
     @classmethod
@@ -140,11 +120,14 @@ class TrainConfig:
                         raw_from_flat(overrides))
         cfg = normalize_config(raw, source=where.source, named=named, with_data=False)
         self = object.__new__(cls)
-        self._set({**own, **overrides}, cfg, where, None, explicit=overrides)
+        self._set({**own, **overrides}, cfg, where, explicit=overrides)
         return self
 
-    def _set(self, given: Mapping[str, Any], cfg: dict, where: Origins, B: int | None,
-             held_out: bool = False, explicit: Iterable[str] | None = None) -> None:
+    def _set(self, given: Mapping[str, Any], cfg: dict, where: Origins, held_out: bool = False,
+             explicit: Iterable[str] | None = None) -> None:
+        """The fields from ``given`` (as given; the device as the one parsed), and what a run's settings are made
+        from: ``cfg`` (normalized), where its values came from, whether the rules about held-out data were checked
+        (a config file says its data), and the settings given (None: not known)."""
         values = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
                   for f in fields(self) if f.name != "extra"}
         extra = {name: flat_default(name) for name in hyper_params() if name not in values}
@@ -153,12 +136,12 @@ class TrainConfig:
                 values[k] = _plain(v)
             else:  # raw_from_flat refused any other name
                 extra[k] = _plain(v)
+        values["device"] = cfg["device"]
         for k, v in values.items():
             object.__setattr__(self, k, v)
         object.__setattr__(self, "extra", extra)
         object.__setattr__(self, "_cfg", cfg)
         object.__setattr__(self, "_where", where)
-        object.__setattr__(self, "_B", B)
         object.__setattr__(self, "_held_out", held_out)
         object.__setattr__(self, "_explicit", None if explicit is None else frozenset(explicit))
 
@@ -168,7 +151,7 @@ class TrainConfig:
             return extra[name]
         raise AttributeError(f"'TrainConfig' object has no attribute '{name}'")
 
-    # ---- what a run reads
+    # ---- what a run is made from
     def given(self, name: str) -> bool:
         """Whether setting ``name`` was given (an argument, a flag, a config file's key, a resumed run's override)
         rather than left at its default: a run whose DataLoader has its own batch size takes that one when
@@ -177,21 +160,31 @@ class TrainConfig:
 
     def as_dict(self) -> dict:
         """Every setting by name, as given (what a checkpoint records and the settings hash reads)."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}, **self.extra}
+        return {**{f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "extra"}, **self.extra}
 
-    def plan(self, B: int, has_eval: bool | None = None) -> "RunPlan":
-        """The run of an array of B models (``has_eval``: whether the run has eval data, for the rules about
-        held-out data; None: not known here)."""
-        cfg = self._cfg if self._B == B else expand_per_model(self._cfg, B, self._where)
+    def for_array(self, B: int, has_eval: bool | None = None, runtime: str | None = None,
+                  batch_size: int | None = None) -> "RunSettings":
+        """The settings of a run of an array of B models: ``has_eval``, whether the run has eval data (the rules
+        about held-out data, and the metric best states are kept by; None: not known, ``keep_best`` as given);
+        ``runtime``, the runtime chosen for it (``runtime.trainers.resolve_runtime``; None: as given);
+        ``batch_size``, its DataLoader's, when that is the run's (None: the setting's)."""
+        cfg = self._cfg if len(self._cfg.get("models", ())) == B else expand_per_model(self._cfg, B, self._where)
         if has_eval is not None and not self._held_out:
             check_held_out(cfg, has_eval, self._where)
-        return RunPlan.of(cfg, B, self.as_dict())
+        keep_best = cfg["keep_best"] if has_eval is None else \
+            kept_metric(cfg["keep_best"], has_eval or cfg["data"]["eval_fraction"] > 0)
+        record = self.as_dict() if batch_size is None else {**self.as_dict(), "batch_size": batch_size}
+        return RunSettings.of(cfg, B, record, runtime=runtime or cfg["runtime"], keep_best=keep_best,
+                              batch_size=batch_size or cfg["batch_size"])
 
-    def optimizer_config(self, B: int) -> OptimizerConfig:
-        return self.plan(B).optimizer_config()
+    def differing(self, B: int) -> dict[str, list]:
+        """The per-model settings whose value differs between the B models (:meth:`RunSettings.differing`)."""
+        return self.for_array(B).differing()
 
     def loss_spec(self) -> LossSpec:
-        return _loss_spec(self._cfg)
+        loss, data = self._cfg["loss"], self._cfg["data"]
+        return get_loss(loss["name"], per_model_labels=data["per_model_labels"] or data["order"] != "shared",
+                        **{k: v for k, v in loss.items() if k != "name"})
 
 
 def as_train_config(config: Any, name: str = "config") -> TrainConfig:
@@ -209,11 +202,13 @@ def as_train_config(config: Any, name: str = "config") -> TrainConfig:
 
 
 def run_config(array_dir: str | os.PathLike, given: Mapping | None = None, named: Mapping[str, str] | None = None,
-               config_file: str | os.PathLike | None = None) -> tuple[TrainConfig, str | None, str | None]:
-    """The settings of ``onnxfuse train``/``check`` on the array in ``array_dir``: ``given`` (a config mapping:
-    the flags, ``settings.flags_to_raw``; ``named`` says which flag gave which key) over ``config_file``'s
-    mapping, validated as one and expanded to the array's B models; and the run's training and eval data. The
-    array is built from the file's ``model`` section when the folder has none yet."""
+               config_file: str | os.PathLike | None = None
+               ) -> tuple[TrainConfig, str | None, str | None, dict | None]:
+    """The run of ``onnxfuse train``/``check`` on the array in ``array_dir``: ``given`` (a config mapping: the
+    flags; ``named`` says which flag gave which key) over ``config_file``'s mapping, validated as one and expanded
+    to the array's B models (a grid needs them); the run's training and eval data; and the file's ``model``
+    section when ``array_dir`` holds no array yet (the caller builds it there: ``exporters.build_array``; its
+    ``count`` is the array's B), else None. Nothing is written."""
     given, named = dict(given or {}), dict(named or {})
     raw, where = given, Origins("", named)
     if config_file is not None:
@@ -225,10 +220,14 @@ def run_config(array_dir: str | os.PathLike, given: Mapping | None = None, named
     if cfg["data"]["train"] is None:  # before an array is built
         raise ConfigError("--data is required (a .npz file, sklearn:<name> or MODULE:FUNCTION returning a "
                           "DataLoader), or data.train in --config")
-    B = array_size(cfg, array_dir)
+    array = ArrayDir(array_dir)
+    build = cfg["model"] if cfg["model"] and not os.path.exists(array.fused_path) else None
+    if build is None:
+        array.check_exists()
+    B = build["count"] if build is not None else array.load_spec().B
     cfg = expand_per_model(cfg, B, where)
     explicit = [s.name for s in RUN_SETTINGS if get_dotted(raw, s.path) is not None]
-    return TrainConfig.from_normalized(cfg, B, where, explicit), cfg["data"]["train"], cfg["data"]["eval"]
+    return TrainConfig.from_config(cfg, where, explicit), cfg["data"]["train"], cfg["data"]["eval"], build
 
 
 def _named(settings: Mapping[str, Any], label) -> dict[str, str]:
@@ -242,68 +241,34 @@ def _named(settings: Mapping[str, Any], label) -> dict[str, str]:
     return out
 
 
-def _loss_spec(cfg: Mapping) -> LossSpec:
-    loss, data = cfg["loss"], cfg["data"]
-    return get_loss(loss["name"], per_model_labels=data["per_model_labels"] or data["order"] != "shared",
-                    **{k: v for k, v in loss.items() if k != "name"})
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """A run of an array of B models, its settings validated and every per-model one a tuple of B: what a run
-    (``training/``) reads. Made by ``TrainConfig.plan(B)``; nothing here is checked again."""
+@_declared(defaults=False)
+class RunSettings:
+    """A run of an array of B models, its settings validated and made for it (:meth:`TrainConfig.for_array`): a
+    field per declared run setting, each per-model one a tuple of B (``clip_grad_norm``: None for a model not
+    clipped; ``loss_scale``: each model's initial fp16 scale), ``halving`` a tuple, ``device`` a ``Device``,
+    ``runtime`` the one chosen, ``keep_best`` the metric best states are kept by (None: none), ``batch_size`` the
+    one the steps train with. What a run (``training/``) reads; nothing here is checked again."""
 
     B: int
-    steps: int | None
-    epochs: int | None
-    batch_size: int
-    loss: str
     loss_options: Mapping[str, Any]
-    per_model_labels: bool
-    optimizer: str
     hyper: Mapping[str, tuple]  # each of the optimizer's hyper-parameters, one value per model
-    clip_grad_norm: tuple[float | None, ...]  # None: that model's gradient is not clipped
     schedules: tuple[Mapping[str, Any], ...]  # each model's schedule, with every parameter
     models: tuple[Mapping[str, Any], ...]  # each model's grid point ({} without a grid)
-    shuffle: bool
-    seed: int
-    data_order: str
-    eval_every: int
-    eval_batch_size: int
-    eval_fraction: float
-    checkpoint_every: int
-    keep_checkpoints: int
-    on_diverge: str
-    keep_best: str | None  # as given; the run's plan (prepare.validate) has the metric kept by, None for none
-    halving: tuple[int, ...]
-    halving_keep: float
-    device: Device
-    runtime: str
-    threads: int
-    compile: str
-    precision: str
-    loss_scale: tuple[float, ...]  # each model's initial loss scale (fp16)
-    loss_scale_growth: float
-    loss_scale_backoff: float
-    loss_scale_interval: int
-    log_every: int
-    verify_steps: int
-    allow_nonfinite_data: bool
-    record: Mapping[str, Any]  # the settings as given (TrainConfig.as_dict())
+    record: Mapping[str, Any]  # the settings as given (TrainConfig.as_dict()), the run's batch size in it
 
     @classmethod
-    def of(cls, cfg: Mapping, B: int, record: Mapping[str, Any]) -> "RunPlan":
-        """The plan of ``cfg``, normalized and expanded to B models (``expand_per_model``)."""
+    def of(cls, cfg: Mapping, B: int, record: Mapping[str, Any], runtime: str, keep_best: str | None,
+           batch_size: int) -> "RunSettings":
+        """The settings of ``cfg``, normalized and expanded to B models (``expand_per_model``)."""
         flat = flat_settings(cfg)
-        run = {s.name: flat[s.name] for s in RUN_SETTINGS
-               if s.name not in ("clip_grad_norm", "halving", "device", "loss_scale")}
+        run = {s.name: flat[s.name] for s in RUN_SETTINGS}
+        run.update(clip_grad_norm=per_model(cfg["clip_grad_norm"]), loss_scale=per_model(cfg["loss_scale"]),
+                   halving=tuple(cfg["halving"]), device=cfg["device"], runtime=runtime, keep_best=keep_best,
+                   batch_size=batch_size)
         opt = cfg["optimizer"]
         return cls(B=B, **run, loss_options={k: v for k, v in cfg["loss"].items() if k != "name"},
                    hyper={k: per_model(v) for k, v in opt.items() if k != "name"},
-                   clip_grad_norm=per_model(cfg["clip_grad_norm"]), loss_scale=per_model(cfg["loss_scale"]),
-                   schedules=tuple(cfg["schedule"]),
-                   models=tuple(cfg["models"]), halving=tuple(cfg["halving"]), device=cfg["device"],
-                   record=dict(record))
+                   schedules=tuple(cfg["schedule"]), models=tuple(cfg["models"]), record=dict(record))
 
     def as_dict(self) -> dict:
         """The settings as given: what a checkpoint records and the settings hash reads."""

@@ -47,7 +47,7 @@ from onnxfuse.core.weights import ArraySpec
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.losses import LossSpec, add_loss
 from onnxfuse.recipe.optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
-from onnxfuse.recipe.runtimes import parameter_names
+from onnxfuse.runtime.protocol import parameter_names
 
 __all__ = ["TrainingArtifacts", "build_artifacts", "ort_failure"]
 
@@ -255,14 +255,17 @@ def _failing_node(text: str, graphs: Sequence[onnx.ModelProto]) -> tuple[str | N
 def _torch_cannot(fused: onnx.ModelProto, device: str) -> str | None:
     """Why the torch runtime cannot train ``fused`` on ``device`` (None: it has a kernel for every op of the graph
     and runs there); the same test the torch runtime makes when it converts a graph (``torch_graph.py``)."""
-    from onnxfuse.recipe.runtimes import RUNTIMES
+    from onnxfuse.recipe.device import Device
     from onnxfuse.runtime.torch.kernels import OPS
 
     missing = op_names({op_key(n) for n in all_nodes(fused.graph) if OPS.lookup(n) is None})
     if missing:
         return (f"op type{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing[:4])} "
                 f"ha{'ve' if len(missing) > 1 else 's'} no torch kernel")
-    why = RUNTIMES["torch"].load().unavailable(device)
+    try:  # the torch runtime runs wherever torch does (TorchTrainer.unavailable)
+        why = Device.of(device).available()
+    except ConfigError as e:
+        why = str(e)
     return f"it cannot run on {device} ({why})" if why else None
 
 

@@ -19,10 +19,10 @@ from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.runtime.ort_artifacts import build_artifacts, ort_failure
 from onnxfuse.recipe.data import Dataset
-from onnxfuse.recipe.device import Device
+from onnxfuse.recipe.device import CPU, Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, StepValues
-from onnxfuse.recipe.runtimes import Observed, check_feeds, evaluate
+from onnxfuse.runtime.protocol import Observed, check_feeds, evaluate
 
 __all__ = ["FusedTrainer", "load_array", "check_device"]
 
@@ -70,7 +70,7 @@ class FusedTrainer:
     ``labels`` (unless the loss is ``model``); per-model inputs and per-model labels are ``[B, N, ...]``."""
 
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
-                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None):
+                 device: Device = CPU, workdir: str | None = None, threads: int | None = None):
         import onnxruntime
         from onnxruntime.training.api import CheckpointState, Module
 
@@ -80,7 +80,7 @@ class FusedTrainer:
         if isinstance(self.loss, PythonLoss):
             raise ConfigError(f"the loss {self.loss.label} is a Python function, which the ort runtime cannot run "
                               "(its training graph is ONNX); train with --runtime torch")
-        self.device = check_device(device)
+        self.device = device  # one it runs on: checked where the runtime was chosen (trainers.resolve_runtime)
         if workdir is None:  # a folder of our own: removed with the trainer
             workdir = tempfile.mkdtemp(prefix="onnxfuse-artifacts-")
             weakref.finalize(self, shutil.rmtree, workdir, True)

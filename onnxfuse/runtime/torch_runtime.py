@@ -28,10 +28,11 @@ from onnxfuse.core.split import to_inference
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.runtime.ort_artifacts import add_loss_pass, inference_loss_pass
 from onnxfuse.recipe.data import Dataset
-from onnxfuse.recipe.device import Device
+from onnxfuse.recipe.device import CPU, Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import STATE_PREFIX, OptimizerConfig, StepValues
-from onnxfuse.recipe.runtimes import LossScale, check_feeds, check_precision, evaluate, parameter_names
+from onnxfuse.recipe.runtimes import LossScale
+from onnxfuse.runtime.protocol import check_feeds, evaluate, parameter_names
 
 __all__ = ["TorchTrainer"]
 
@@ -46,12 +47,14 @@ def _device_available(device: Device | str) -> str | None:
 
 class TorchTrainer:
     """The fused array trained by PyTorch. Same interface and state names as :class:`FusedTrainer`; ``array`` and
-    ``optimizer`` are the FusedArray and ``onnxfuse.optim`` optimizer it trains."""
+    ``optimizer`` are the FusedArray and ``onnxfuse.optim`` optimizer it trains. Its device, precision and compile
+    mode were checked where they were given (``trainers.make_trainer``, a run's ``RunSettings``): none is checked
+    here again."""
 
     name = "torch"
 
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
-                 device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None,
+                 device: Device = CPU, workdir: str | None = None, threads: int | None = None,
                  compile: str = "off", total_steps: int = 0, precision: str = "fp32",
                  loss_scale: LossScale | None = None, seed: int = 0):
         import torch
@@ -59,15 +62,10 @@ class TorchTrainer:
         from onnxfuse.runtime.array_module import FusedArray
         from onnxfuse.runtime.torch_graph import TorchOptions
         from onnxfuse.runtime.torch_optim import from_config
-        from onnxfuse.recipe.runtimes import check_compile
         from onnxfuse.runtime.train_step import TrainStep, batchnorm_outputs, graph_key
 
         if optimizer.B != spec.B:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
-        device = Device.of(device)
-        why = device.available()
-        if why is not None:
-            raise ConfigError(why)
         if not device.is_cuda:
             # One thread unless asked: torch's OpenMP threads wait for each other at every parallel region, and
             # when another process holds one of the cores a step takes 10-50x as long (measured on a 2-core machine:
@@ -96,7 +94,6 @@ class TorchTrainer:
         # train graph: fused + loss; training-mode BatchNorms return their new running statistics (torch's rule,
         # computed by torch's own kernel) as outputs 1 and 2, which the optimizer writes for the models whose step
         # it applies
-        check_precision(precision, where="precision")
         if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
             from onnxfuse.runtime.precision import autocast_graph
 
@@ -129,7 +126,7 @@ class TorchTrainer:
         # the workload whose compile and step times are recorded by every mode that compiles (on, auto), and read
         # by auto (train_step.record_key adds the batch's shapes and this machine)
         key = graph_key(fused.SerializeToString(), self.loss.label if self.python else repr(self.loss), optimizer.kind,
-                        str(device), precision) if check_compile(compile) != "off" else ""
+                        str(device), precision) if compile != "off" else ""
         self.compile, self.precision = compile, precision
         self.stepper = TrainStep(self.optimizer, self._loss_forward, self.stats, compile, key, total_steps,
                                  precision, loss_scale)

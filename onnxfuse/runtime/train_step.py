@@ -49,7 +49,8 @@ import torch
 from onnxfuse.core._io import atomic_write_bytes
 from onnxfuse.recipe.optim import StepValues
 from onnxfuse.core.errors import ConfigError, DataError
-from onnxfuse.recipe.runtimes import LossScale, Observed, check_compile, check_precision
+from onnxfuse.recipe.runtimes import LossScale, check_compile, check_precision
+from onnxfuse.runtime.protocol import Observed
 from onnxfuse.runtime.precision import LossScales, autocast, warn_if_emulated
 
 __all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
@@ -209,15 +210,13 @@ class TrainStep:
                  key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None):
         self.opt, self.array, self.forward = optimizer, optimizer.array, forward
         self.buffers = list(buffers)
-        self.mode = check_compile(compile, "compile")
-        self.key, self.total_steps = key, total_steps
+        self.mode = compile  # and precision, loss_scale: checked where they were given (a run's settings,
+        self.key, self.total_steps = key, total_steps  # train_step's arguments)
         B, device = self.array.B, self.array.device
-        self.precision = check_precision(precision, where="precision")
+        self.precision = precision
         warn_if_emulated(self.precision, device)  # bf16 / fp16 on a CPU that converts every element: once
         if precision == "fp16":
             loss_scale = loss_scale or LossScale((LossScale.INIT,) * B)
-            if len(loss_scale.init) != B:
-                raise ConfigError(f"loss_scale: {len(loss_scale.init)} initial scales for an array of B={B} models")
         self.scaler = LossScales(loss_scale, device) if precision == "fp16" else None
         if device.type == "cpu":
             keep_heap()
@@ -633,12 +632,6 @@ class ArrayStep:
 
         from onnxfuse.runtime.torch_graph import TorchOptions
 
-        from onnxfuse.runtime.array_module import check_array
-
-        check_array(array, "train_step")
-        if getattr(optimizer, "array", None) is not array:
-            raise ConfigError("train_step: the optimizer was not made for this array (give an onnxfuse.optim "
-                              "optimizer made for it: onnxfuse.optim.SGD(arr, ...))")
         self.array, self.loss = array, loss
         train = copy.deepcopy(array._graph)
         if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
@@ -649,12 +642,7 @@ class ArrayStep:
         self.program = array.program(train, outputs=list(array.output_names) + stat_outputs,
                                      options=TorchOptions(update_stats=False))
         self.n_inputs = len(array.input_names)
-        if loss_scale is not None and not isinstance(loss_scale, LossScale):
-            each = loss_scale if isinstance(loss_scale, (list, tuple)) else [loss_scale] * array.B
-            loss_scale = LossScale(tuple(float(v) for v in each))
-        self.step = TrainStep(optimizer, self._forward, stats, check_compile(compile, "train_step(compile=)"),
-                              precision=check_precision(precision, where="train_step(precision=)"),
-                              loss_scale=loss_scale)
+        self.step = TrainStep(optimizer, self._forward, stats, compile, precision=precision, loss_scale=loss_scale)
 
     def _forward(self, weights: dict, batch: dict) -> tuple:
         arr = self.array
@@ -689,5 +677,18 @@ class ArrayStep:
 
 def train_step(array, optimizer, loss: Callable, compile: str = "on", precision: str = "fp32",
                loss_scale=None) -> ArrayStep:
-    """See :class:`ArrayStep`."""
+    """See :class:`ArrayStep`. Its arguments are checked here, the Python API's edge (one ConfigError line)."""
+    from onnxfuse.runtime.array_module import check_array
+
+    check_array(array, "train_step")
+    if getattr(optimizer, "array", None) is not array:
+        raise ConfigError("train_step: the optimizer was not made for this array (give an onnxfuse.optim "
+                          "optimizer made for it: onnxfuse.optim.SGD(arr, ...))")
+    check_compile(compile, "train_step(compile=)")
+    check_precision(precision, where="train_step(precision=)")
+    if loss_scale is not None and not isinstance(loss_scale, LossScale):
+        each = loss_scale if isinstance(loss_scale, (list, tuple)) else [loss_scale] * array.B
+        loss_scale = LossScale(tuple(float(v) for v in each))
+    if precision == "fp16" and loss_scale is not None and len(loss_scale.init) != array.B:
+        raise ConfigError(f"loss_scale: {len(loss_scale.init)} initial scales for an array of B={array.B} models")
     return ArrayStep(array, optimizer, loss, compile, precision, loss_scale)

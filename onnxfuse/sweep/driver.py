@@ -36,11 +36,12 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from onnxfuse.core.errors import (ArrayBusyError, ConfigError, InputFileError, OutOfMemoryError, OutputError,
                                   as_user_error, shell)
 from onnxfuse.recipe.ranking import rank_key
+from onnxfuse.recipe.train_config import TrainConfig
 from onnxfuse.sweep.folder import SweepDir
 from onnxfuse.sweep.planning import PlanStopped, Sizer, plan_sweep
 from onnxfuse.sweep.results import all_arrays, close_rung, collect, failed_result, write_array_result, write_report
@@ -109,7 +110,7 @@ def _array_task(job: dict, models: dict, data, eval_data, attempt: int, segment:
     yield {"result": outcome["result"]}
 
 
-def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
+def _plan_task(model: bytes, settings: TrainConfig, max_B: int) -> tuple[int, str]:
     """The array-sizing planner on a worker: B for the group's model on the device the arrays get."""
     import tempfile
 
@@ -121,9 +122,8 @@ def _plan_task(model: bytes, settings: dict, max_B: int) -> tuple[int, str]:
         path = os.path.join(tmp, "model.onnx")
         with open(path, "wb") as f:
             f.write(model)
-        plan = plan_array(path, runtime=settings.get("runtime", "auto"), device=settings.get("device", "cpu"),
-                          batch=settings["batch_size"], optimizer=settings.get("optimizer", "sgd"),
-                          threads=settings.get("threads", 0), max_B=max_B)
+        plan = plan_array(path, runtime=settings.runtime, device=settings.device, batch=settings.batch_size,
+                          optimizer=settings.optimizer, threads=settings.threads, max_B=max_B)
     return plan.recommended_B, f"planner on {node_of_this_process()['host']}: {plan.reason}"
 
 
@@ -328,7 +328,7 @@ def _next_arrays(spec: SweepSpec, plan: dict, arrays: list[dict], survivors: lis
 
     where = {tid: [a["id"], i] for a in arrays for i, tid in enumerate(a["trials"])}
     trials = {t["id"]: t for t in plan["trials"]}
-    runtime = {tid: a["settings"].get("runtime") for a in arrays for tid in a["trials"]}
+    runtime = {tid: a["settings"].runtime for a in arrays for tid in a["trials"]}
     out = []
     for g in plan["groups"]:
         mine = [tid for tid in g["trials"] if tid in survivors]
@@ -343,11 +343,23 @@ def _next_arrays(spec: SweepSpec, plan: dict, arrays: list[dict], survivors: lis
     return out
 
 
+def _recorded(arrays: list[dict], runtime: Mapping[str, str] | None = None) -> list[dict]:
+    """The arrays of a recorded plan (plan.json, halving.json), each with the settings its worker trains: its
+    record made a ``TrainConfig``, validated here where the sweep folder is read (``runtime``: a resumed sweep's
+    ``--runtime``, by array id, over the record's)."""
+    out = []
+    for a in arrays:
+        over = {"runtime": runtime[a["id"]]} if runtime and a["id"] in runtime else {}
+        out.append({**a, "settings": TrainConfig.from_dict({**a["settings"], **over})})
+    return out
+
+
 def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tuple[list[str], list[str]]:
     """Every array to the end: without halving, the plan's; with it, each rung's (see the module docstring)."""
     rungs = (plan.get("halving") or {}).get("steps", [])
     runner = _Runner(sweep, spec, plan, progress)
     decisions = sweep.read_json(sweep.halving_path, "halving.json") if os.path.exists(sweep.halving_path) else []
+    decisions = [{**d, "arrays": _recorded(d["arrays"])} for d in decisions]
     arrays = plan["arrays"]
     for k in range(len(rungs) + 1):
         until = rungs[k] if k < len(rungs) else None
@@ -598,10 +610,9 @@ def _run(sweep: SweepDir, spec: SweepSpec | None, resume: bool, address: str | N
                 raise
             if planner is not None:
                 sweep.write_json(sweep.plan_path, plan)
-            elif runtime:  # for the arrays not started: one past a rung goes on as it began
-                for a in plan["arrays"]:
-                    if not os.path.exists(sweep.segment_path(a["id"], 0)):
-                        a["settings"]["runtime"] = runtime
+            else:  # the command's --runtime for the arrays not started: one past a rung goes on as it began
+                plan["arrays"] = _recorded(plan["arrays"], {a["id"]: runtime for a in plan["arrays"] if runtime and
+                                                            not os.path.exists(sweep.segment_path(a["id"], 0))})
             with _stops_recorded(sweep):
                 if progress:
                     print(plan_line(plan), flush=True)

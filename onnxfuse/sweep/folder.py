@@ -179,7 +179,9 @@ def _makedirs(folder: str) -> None:
 
 
 def _plain(v):
-    """numpy scalars in records."""
+    """numpy scalars, and settings as their record (``TrainConfig.as_dict()``), in records."""
     if hasattr(v, "item"):
         return v.item()
+    if hasattr(v, "as_dict"):
+        return v.as_dict()
     raise TypeError(f"{type(v).__name__} is not JSON")

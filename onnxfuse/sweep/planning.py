@@ -11,7 +11,8 @@
   4 + 3). B is ``arrays.size``, or with ``auto`` what the array-sizing planner (``onnxfuse/measure/sizing.py``) recommends
   for the group's model, capped by ``arrays.max_size``; the driver runs that planner on a worker.
 * arrays: each array's run settings, its per-model settings one value per trial, checked by
-  ``normalize_config`` before anything trains.
+  ``normalize_config`` before anything trains, as the ``TrainConfig`` its worker trains (plan.json holds its
+  record).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable
 
 from onnxfuse.core._io import atomic_file
 from onnxfuse.core.errors import ConfigError, NotFusibleError
+from onnxfuse.recipe.train_config import TrainConfig
 from onnxfuse.sweep.folder import SweepDir
 from onnxfuse.sweep.spec import SweepSpec
 
@@ -47,7 +49,7 @@ def array_sizes(n: int, B: int) -> list[int]:
 
 def _factory(spec: SweepSpec):
     from onnxfuse.exporters import load_factory
-    from onnxfuse.recipe.settings import resolve_factory
+    from onnxfuse.recipe.config import resolve_factory
 
     return load_factory(resolve_factory(spec.model.factory, spec.base_dir))
 
@@ -108,21 +110,25 @@ def group_trials(trials: list[dict], sweep: SweepDir) -> list[list[dict]]:
     return [members for _, _, members in groups]
 
 
-def array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None) -> tuple[dict, str, str | None]:
-    """(TrainConfig settings, training data, eval data) of one array of ``trials``."""
-    from onnxfuse.recipe.config import settings_from_config
+def array_settings(spec: SweepSpec, trials: list[dict], runtime: str | None
+                   ) -> tuple[TrainConfig, str, str | None]:
+    """(settings, training data, eval data) of one array of ``trials``: the spec's run part with the array's
+    values (each trial's own per-model value; ``runtime``, the command's ``--runtime``; the CPUs Ray gives the
+    array as its threads when the spec sets none), validated once and made the ``TrainConfig`` the array's worker
+    trains (plan.json holds its record, ``as_dict()``)."""
+    from onnxfuse.recipe.config import expand_per_model
+    from onnxfuse.recipe.settings import get_dotted
 
     values = dict(trials[0]["array_values"])
     for key in trials[0]["per_model"]:
         values[key] = [t["per_model"][key] for t in trials]
-    ids = ", ".join(t["id"] for t in trials)
-    cfg = spec.normalized(values, f" (trials {ids})")
-    settings, data, eval_data = settings_from_config(cfg, len(trials))
     if runtime:
-        settings["runtime"] = runtime
-    if not settings.get("threads"):  # the CPUs Ray gives the array
-        settings["threads"] = max(1, int(spec.cpus))
-    return settings, data, eval_data
+        values["runtime"] = runtime
+    if not values.get("threads", get_dotted(spec.run, "threads")):  # the CPUs Ray gives the array
+        values["threads"] = max(1, int(spec.cpus))
+    ids = ", ".join(t["id"] for t in trials)
+    cfg = expand_per_model(spec.normalized(values, f" (trials {ids})"), len(trials))
+    return TrainConfig.from_config(cfg), cfg["data"]["train"], cfg["data"]["eval"]
 
 
 def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Sizer | None, runtime: str | None,
@@ -169,7 +175,7 @@ def plan_sweep(spec: SweepSpec, params: list[dict], sweep: SweepDir, size_of: Si
         a["id"] = f"a{k:0{awidth}d}"
     halving = None
     if spec.halving:
-        steps = {a["settings"]["steps"] for a in arrays}
+        steps = {a["settings"].steps for a in arrays}
         if max(steps) <= spec.halving[-1]:
             raise ConfigError(f"{spec.source}: halving step {spec.halving[-1]} is not before the last of "
                               f"{max(steps)} steps; halving steps must be < steps")

@@ -22,12 +22,12 @@ What a search-space key changes decides where the trials it tells apart can trai
                      never by this label)
     seed             the model's init seed (torch.manual_seed before the factory): only the weights
     per-model keys   the optimizer's per-model hyper-parameters, clip_grad_norm, schedule.<param>: fused, each
-                     model of an array with its own value (settings.per_model_keys)
+                     model of an array with its own value (config.per_model_keys)
     any other key    a run setting every model of an array shares (batch_size, steps, loss.label_smoothing, ...):
                      trials that differ in it train in different arrays
 
 The sweep-only sections are pydantic models (their errors become one ConfigError line naming the key); the run
-part is checked by ``training.settings.normalize_config``, once for every distinct set of array-wide values.
+part is checked by ``recipe.config.normalize_config``, once for every distinct set of array-wide values.
 """
 from __future__ import annotations
 
@@ -263,13 +263,13 @@ class SweepSpec:
     # ---------------------------------------------------------------------------------------------- keys
     @functools.cached_property
     def _per_model_keys(self) -> tuple[str, ...]:
-        from onnxfuse.recipe.settings import per_model_keys
+        from onnxfuse.recipe.config import per_model_keys
 
         cfg = self.normalized()
         return tuple(per_model_keys(cfg["optimizer"]["name"], cfg["schedule"]))
 
     def per_model_keys(self) -> list[str]:
-        """The keys every model of an array may have its own value of (``settings.per_model_keys``)."""
+        """The keys every model of an array may have its own value of (``config.per_model_keys``)."""
         return list(self._per_model_keys)
 
     def kind(self, key: str) -> str:
@@ -282,7 +282,8 @@ class SweepSpec:
 
     def normalized(self, array_values: dict | None = None, what: str = "") -> dict:
         """The run part with ``array_values`` ({dotted key: value}) set, normalized and checked."""
-        from onnxfuse.recipe.settings import normalize_config, set_dotted
+        from onnxfuse.recipe.config import normalize_config
+        from onnxfuse.recipe.settings import set_dotted
 
         raw = copy.deepcopy(self.run)
         for key, value in (array_values or {}).items():
@@ -390,7 +391,7 @@ def _check_search(spec: SweepSpec, search: SearchSection, where: str) -> None:
     before anything runs: a value that would fail a trial later fails the spec now, naming the key. (How the
     trials are drawn, ``search.method``, is checked where they are drawn: ``SweepSpec.trials``.)"""
     spec.check_params({k: None for k in search.space if k != "seed"}, where + "search.space.")
-    from onnxfuse.recipe.settings import check_model_value
+    from onnxfuse.recipe.config import check_model_value
 
     cfg = spec.normalized()
     for key, v in search.space.items():

@@ -120,7 +120,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.core.split import model_steps, split_array
     from onnxfuse.core.errors import TrainingStoppedError
-    from onnxfuse.training.run import TrainConfig, train_array
+    from onnxfuse.training.run import train_array
 
     where = node_of_this_process()
     watch = Stopwatch()
@@ -148,7 +148,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
                 f.write(models[tid])
         seg = segment or {}
         array_dir = os.path.join(tmp, "array")
-        config = TrainConfig.from_dict(job["settings"])
+        config = job["settings"]  # the TrainConfig the driver made (plan.json holds its record)
         go_on = bool(seg.get("sources"))
         if go_on:  # the trials where the last rung left them, re-fused into this array
             _refuse(job, paths, seg, config, array_dir, tmp)

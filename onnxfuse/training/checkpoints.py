@@ -28,7 +28,7 @@ from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.optim import STATE_PREFIX
 from onnxfuse.recipe.settings import RESUMABLE
 from onnxfuse.runtime.ort_runtime import FusedTrainer
-from onnxfuse.recipe.train_config import RunPlan, TrainConfig
+from onnxfuse.recipe.train_config import RunSettings, TrainConfig
 from onnxfuse.training.best import KeptBest, prune_best
 from onnxfuse.training.run_state import RunState
 
@@ -160,7 +160,7 @@ def _trajectory(settings: dict) -> dict:
     return {k: _canon(v) for k, v in settings.items() if k not in RESUMABLE and not k.startswith("_")}
 
 
-def settings_hash(config: TrainConfig | RunPlan) -> str:
+def settings_hash(config: TrainConfig | RunSettings) -> str:
     """A run's settings hash: what its steps compute, not how long it runs or what it logs (``RESUMABLE``)."""
     return hashlib.sha256(json.dumps(_trajectory(config.as_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -184,17 +184,18 @@ def data_hash(*sources) -> str:
     return h.hexdigest()
 
 
-def new_run(identity: dict, plan: RunPlan | None = None, config: dict | None = None) -> dict:
+def new_run(identity: dict, differing: dict | None = None, config: dict | None = None) -> dict:
     """A new run's record (``records.RunRecord``): a fresh id, ``identity`` (its settings and data hashes), when
-    and by whom, the per-model settings that tell its models apart (``plan.differing()``: the columns of its
-    tables) and its recorded ``config`` (settings, data and loss: what a resume from its start trains with)."""
+    and by whom, the per-model settings that tell its models apart (``differing``: ``RunSettings.differing()``,
+    the columns of its tables) and its recorded ``config`` (settings, data and loss: what a resume from its start
+    trains with)."""
     return {"id": time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3), **identity,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(),
-            **({"differing": jsonable(plan.differing())} if plan is not None else {}),
+            **({"differing": jsonable(differing)} if differing is not None else {}),
             **({"config": jsonable(config)} if config is not None else {})}
 
 
-def check_resumable(point: ResumePoint, config: TrainConfig | RunPlan, identity: dict, data) -> None:
+def check_resumable(point: ResumePoint, config: TrainConfig | RunSettings, identity: dict, data) -> None:
     """One clear error unless ``config`` and the data are those of the run ``point`` continues (a run killed
     while its data was read recorded no data hash: it trained on nothing yet)."""
     record = (point.state or {}).get("run") or point.run
@@ -243,7 +244,7 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
     run.status = {int(k): v for k, v in st["status"].items()}
     run.dropped = dropped
     run.schedules.advance(st["step"])
-    run.best = KeptBest.resumed(st.get("best"), run.config.keep_best, st["step"], run.array, path)
+    run.best = KeptBest.resumed(st.get("best"), run.settings.keep_best, st["step"], run.array, path)
     if st.get("last_loss") is not None:
         run.last_loss = np.array(st["last_loss"], dtype=np.float64)
     if st.get("last_eval_step") is not None:
@@ -278,7 +279,7 @@ def write_checkpoint(run: RunState, source: BatchSource, elapsed: float, metrics
             "run": run.run_record, "best": run.best.record(), "last_loss": [float(v) for v in run.last_loss],
             "last_eval": _last_eval(run), "last_eval_step": run.last_eval_step if run.last_eval_step >= 0 else None,
             "metrics_rows": metrics_rows}))
-    run.array.prune_checkpoints(run.config.keep_checkpoints)
+    run.array.prune_checkpoints(run.settings.keep_checkpoints)
     prune_best(run.array, run.best)
     log.info("checkpoint at step %d: %s", run.step, path)
 
@@ -325,7 +326,7 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
     weights = fused_initial_weights(fused)
     opt_state = {k: np.stack([o[k] for o in optimizer]) for k in optimizer[0]} if optimizer and optimizer[0] else {}
     record = new_run({"settings_hash": settings_hash(config), "data_hash": template["run"]["data_hash"]},
-                     config.plan(spec.B), config.as_dict())
+                     config.differing(spec.B), config.as_dict())
     kept = template.get("best")
     if kept:  # each model's best state, under its place in this array
         models = {}

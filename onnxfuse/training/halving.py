@@ -17,7 +17,7 @@ log = logging.getLogger("onnxfuse.train")
 def halve(run: RunState, ev: dict) -> list[int]:
     """Successive halving: keep the best ``halving_keep`` of the models by eval loss (diverged ones last)."""
     loss = np.where(np.isfinite(ev["loss"]) & np.array(run.active), ev["loss"], np.inf)
-    k = max(1, math.ceil(len(run.models) * run.config.halving_keep))
+    k = max(1, math.ceil(len(run.models) * run.settings.halving_keep))
     order = sorted(range(len(run.models)), key=lambda i: (loss[i], i))
     keep = sorted(order[:k])
     dropped = [run.models[i] for i in range(len(run.models)) if i not in keep]

@@ -10,7 +10,7 @@ from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import as_user_error
 from onnxfuse.core.records import METRICS_HEADER
 from onnxfuse.recipe.data import Dataset
-from onnxfuse.recipe.runtimes import evaluate as evaluate_batches
+from onnxfuse.runtime.protocol import evaluate as evaluate_batches
 from onnxfuse.training.run_state import RunState, model_view
 
 __all__ = ["METRICS_HEADER", "Metrics", "evaluate", "fmt"]
@@ -68,7 +68,7 @@ def evaluate(run: RunState, data, metrics: Metrics, elapsed: float) -> dict:
     if data is None:
         return {}
     if isinstance(data, Dataset):
-        ev = run.trainer.evaluate(model_view(data, run), run.config.eval_batch_size)
+        ev = run.trainer.evaluate(model_view(data, run), run.settings.eval_batch_size)
     else:
         ev = evaluate_batches(run.trainer, data.each(run.models))
     lrs = run.schedules.values(run.active).lr

@@ -1,11 +1,12 @@
-"""A run's inputs, checked before anything is read or written: the settings against the array (one clear line per
-problem), the data loaded, held out, sharded and checked (or a DataLoader opened and its first batches checked),
-and the number of steps."""
+"""A run's inputs, checked before anything is written: the run's settings made for the array and its data, once
+(``TrainConfig.for_array``: the runtime chosen, the metric best states are kept by, a DataLoader's batch size; one
+clear line per problem), the data loaded, held out, sharded and checked (or a DataLoader opened and its first
+batches checked), and the number of steps. What this returns (:class:`Prepared`) is all a run reads."""
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,10 +17,9 @@ from onnxfuse.recipe.batches import ArrayBatches, BatchSource
 from onnxfuse.recipe.data import BatchSampler, Dataset, check_finite, load_npz, make_dataset, resolved_label_dtype
 from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import AS_GIVEN, LABELS, LossSpec, PythonLoss, python_loss
-from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.settings import check_halving
-from onnxfuse.recipe.runtimes import resolve_runtime
-from onnxfuse.recipe.train_config import RunPlan, TrainConfig, as_train_config
+from onnxfuse.runtime.trainers import resolve_runtime
+from onnxfuse.recipe.train_config import RunSettings, TrainConfig, as_train_config
 
 if TYPE_CHECKING:  # torch is imported when a DataLoader is given
     from onnxfuse.recipe.loader import LoaderBatches
@@ -28,18 +28,13 @@ if TYPE_CHECKING:  # torch is imported when a DataLoader is given
 log = logging.getLogger("onnxfuse.train")
 
 
-def validate(config: TrainConfig, spec: ArraySpec, has_eval: bool) -> RunPlan:
-    """The run's plan for the array (every value was checked when ``config`` was made; here what needs the array:
-    B, the shared inputs, the runtime on the device), before anything is read or written: one clear line per
-    problem."""
-    plan = config.plan(spec.B, has_eval)
-    if plan.data_order != "shared":
+def _check_shared_inputs(config: TrainConfig, spec: ArraySpec) -> None:
+    """A data order that gives every model other samples needs the graph's inputs per model."""
+    if config.data_order != "shared":
         shared = [i["name"] for i in spec.inputs if not i.get("per_model")]
         if shared:
-            raise ConfigError(f"--data-order {plan.data_order} gives every model other samples, but graph input "
+            raise ConfigError(f"--data-order {config.data_order} gives every model other samples, but graph input "
                               f"'{shared[0]}' is shared: fuse with --per-model-inputs {','.join(shared)}")
-    return replace(plan, runtime=resolve_runtime(plan.runtime, plan.device, plan.precision),
-                   keep_best=kept_metric(plan.keep_best, has_eval or plan.eval_fraction > 0))
 
 
 def _load_source(data, spec: ArraySpec, what: str) -> tuple[dict | Any, str]:
@@ -111,8 +106,8 @@ def _call_factory(text: str, what: str) -> Any:
     return made
 
 
-def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_source: str | None, config: RunPlan,
-              spec: ArraySpec, loss: LossSpec) -> tuple[Dataset | None, Dataset | None]:
+def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_source: str | None,
+              config: RunSettings, spec: ArraySpec, loss: LossSpec) -> tuple[Dataset | None, Dataset | None]:
     """The arrays of the training and evaluation data (None where a DataLoader gives them) as Datasets: checked
     for NaN and inf, sharded and held out as the settings say, and checked against the graph."""
     arrays, eval_arrays = train, evaluation
@@ -156,8 +151,10 @@ def _datasets(train: dict | None, source: str, evaluation: dict | None, eval_sou
             None if eval_arrays is None else build(eval_arrays, eval_source, sharded))
 
 
-def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: LossSpec) -> LoaderBatches:
-    """A DataLoader as the run's batches (``recipe/loader.py``), its first batch checked as arrays are."""
+def _loader_batches(loader, name: str, spec: ArraySpec, loss: LossSpec, tensors: bool,
+                    check_nonfinite: bool) -> LoaderBatches:
+    """A DataLoader as the run's batches (``recipe/loader.py``), its first batch checked as arrays are; ``tensors``:
+    its batches stay torch tensors (the torch runtime's)."""
     from onnxfuse.recipe.loader import LoaderBatches
 
     out_shape = spec.outputs[0]["shape"]
@@ -171,42 +168,31 @@ def _loader_batches(loader, name: str, config: RunPlan, spec: ArraySpec, loss: L
                           B=spec.B, per_model_labels=loss.per_model_labels)
         _check_labels(ds, loss, out_shape, where)
 
-    return LoaderBatches(loader, wanted, spec.B, name, check_first, tensors=config.runtime == "torch",
-                         check_nonfinite=not config.allow_nonfinite_data)
+    return LoaderBatches(loader, wanted, spec.B, name, check_first, tensors=tensors, check_nonfinite=check_nonfinite)
 
 
-def _check_batch_size(train: LoaderBatches, config: RunPlan, given: bool) -> RunPlan:
-    """The run's batch size is the training DataLoader's: a different one given is one line; none given, the
-    loader's is the run's (and what its record says)."""
+def _loader_batch_size(train: LoaderBatches, config: TrainConfig) -> int | None:
+    """The run's batch size when it is the training DataLoader's (None: the settings' is): a different one given is
+    one line; none given, the loader's is the run's (and what its record says)."""
     N = train.batch_size if train.batch_size is not None else train.samples(train.peek(1)[0])
     if N == config.batch_size:
-        return config
-    if given:
+        return None
+    if config.given("batch_size"):
         raise ConfigError(f"{train.name} has batch size {N} but the run's batch size (--batch-size, batch_size) is "
                           f"{config.batch_size}: a step trains on the loader's batches; set batch_size={N} "
                           f"(--batch-size {N}), or give the DataLoader batch_size={config.batch_size}")
-    return replace(config, batch_size=N, record={**config.record, "batch_size": N})
+    return N
 
 
-def _loss(config: RunPlan, given) -> LossSpec:
+def _loss(config: TrainConfig, runtime: str, given) -> LossSpec:
     """The run's loss: the settings', or ``given`` (a Python function, or a LossSpec) in its place."""
     if given is None:
         return config.loss_spec()
     loss = given if isinstance(given, LossSpec) else python_loss(given, config.loss_spec().per_model_labels)
-    if isinstance(loss, PythonLoss) and config.runtime != "torch":
+    if isinstance(loss, PythonLoss) and runtime != "torch":
         raise ConfigError(f"the loss {loss.label} is a Python function, which only the torch runtime runs; train "
-                          f"with runtime='torch' (--runtime torch), not {config.runtime}")
+                          f"with runtime='torch' (--runtime torch), not {runtime}")
     return loss
-
-
-def _check_compile(config: RunPlan) -> None:
-    from onnxfuse.recipe.runtimes import RUNTIMES
-
-    info = RUNTIMES.get(config.runtime)
-    if config.compile == "on" and info is not None and not info.compiles:
-        capable = ", ".join(r.name for r in RUNTIMES.values() if r.compiles)
-        raise ConfigError(f"--compile on: the {config.runtime} runtime does not compile its step; train with "
-                          f"--runtime {capable}, or --compile auto / off")
 
 
 def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
@@ -224,7 +210,7 @@ def _check_labels(ds: Dataset, loss: LossSpec, out_shape, source: str) -> None:
 class Prepared:
     """A run's inputs, validated: nothing is written before this exists."""
 
-    config: RunPlan
+    settings: RunSettings  # the run's settings, made once for this array, machine and data
     loss: LossSpec
     train: BatchSource  # the batches the steps train on
     eval: Dataset | LoaderBatches | None  # evaluation data; a DataLoader's is evaluated by one pass over it
@@ -233,20 +219,16 @@ class Prepared:
 
 def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resuming: bool = False,
             loss=None) -> Prepared:
-    """Validate the settings against the array, load (or open) the data, check it, and count the run's steps.
-    A DataLoader's first batches (those a fresh run verifies) are drawn and checked here; ``resuming``: not here,
-    the resumed position's are (``LoaderBatches.load_state_dict``). ``loss``: a Python function (``PythonLoss``)
-    instead of the settings' loss, for the torch runtime."""
+    """The run's settings made for the array (the runtime chosen on the device, once), the data loaded (or opened)
+    and checked, and the run's steps counted. A DataLoader's first batches (those a fresh run verifies) are drawn
+    and checked here; ``resuming``: not here, the resumed position's are (``LoaderBatches.load_state_dict``).
+    ``loss``: a Python function (``PythonLoss``) instead of the settings' loss, for the torch runtime."""
     config = as_train_config(config)  # a dict or a path is refused in one line, not an AttributeError later
     if len(spec.outputs) != 1:
         raise ConfigError(f"the array has {len(spec.outputs)} outputs; training needs exactly one")
-    batch_size_given = config.given("batch_size")
-    config = validate(config, spec, eval_data is not None)
-    loss = _loss(config, loss)
-    if config.keep_best == "eval_accuracy" and not loss.classification:
-        raise ConfigError(f"--keep-best eval_accuracy: the loss {loss.label if isinstance(loss, PythonLoss) else loss.name} has no "
-                          "accuracy (cross-entropy and nll have one); keep the best states by eval_loss")
-    _check_compile(config)
+    _check_shared_inputs(config, spec)
+    runtime = resolve_runtime(config.runtime, config.device, config.precision, config.compile, then="train with")
+    loss = _loss(config, runtime, loss)
     train, source = _load_source(data, spec, "training")
     evaluation, eval_source = (None, None) if eval_data is None else _load_source(eval_data, spec, "evaluation")
     loader = next((name for d, name in ((train, source), (evaluation, eval_source)) if _is_loader(d)), None)
@@ -257,30 +239,45 @@ def prepare(spec: ArraySpec, config: TrainConfig | None, data, eval_data, resumi
     if _is_loader(train) and config.eval_fraction > 0:
         raise ConfigError(f"--eval-fraction holds out part of arrays, but {source} cannot be split; give evaluation "
                           "data instead (eval_data=, --eval-data: a DataLoader or arrays)")
-    train_ds, eval_ds = _datasets(None if _is_loader(train) else train, source,
-                                  None if _is_loader(evaluation) else evaluation, eval_source, config, spec, loss)
-    if _is_loader(evaluation):
-        eval_ds = _loader_batches(evaluation, eval_source, config, spec, loss)
-        eval_ds.check()
-    if _is_loader(train):
-        batches = _loader_batches(train, source, config, spec, loss)
-        config = _check_batch_size(batches, config, batch_size_given)
+    opened = {what: _loader_batches(d, name, spec, loss, runtime == "torch", not config.allow_nonfinite_data)
+              for what, d, name in (("train", train, source), ("eval", evaluation, eval_source)) if _is_loader(d)}
+    if "eval" in opened:
+        opened["eval"].check()
+    settings = config.for_array(spec.B, eval_data is not None, runtime,
+                                _loader_batch_size(opened["train"], config) if "train" in opened else None)
+    if settings.keep_best == "eval_accuracy" and not loss.classification:
+        name = loss.label if isinstance(loss, PythonLoss) else loss.name
+        raise ConfigError(f"--keep-best eval_accuracy: the loss {name} has no accuracy (cross-entropy and nll have "
+                          "one); keep the best states by eval_loss")
+    return _counted(spec, settings, loss, train, source, evaluation, eval_source, opened, resuming)
+
+
+def _counted(spec: ArraySpec, settings: RunSettings, loss: LossSpec, train, source: str, evaluation,
+             eval_source: str | None, opened: dict[str, LoaderBatches], resuming: bool) -> Prepared:
+    """The run's batches and evaluation data from the sources loaded (``opened``: those that are DataLoaders, as
+    the run's batches), and its number of steps."""
+    train_ds, eval_ds = _datasets(None if "train" in opened else train, source,
+                                  None if "eval" in opened else evaluation, eval_source, settings, spec, loss)
+    if "eval" in opened:
+        eval_ds = opened["eval"]
+    if "train" in opened:
+        batches = opened["train"]
         per_epoch = batches.batches_per_epoch
-        if config.steps is None and per_epoch is None:
+        if settings.steps is None and per_epoch is None:
             raise ConfigError(f"{source} has no length (an iterable-style dataset), so --epochs cannot say how many "
                               "steps to train: give --steps (steps=...) instead")
     else:
-        sampler = BatchSampler(len(train_ds), config.batch_size, config.shuffle, config.seed,
-                               per_model=spec.B if config.data_order == "per-model" else None)
+        sampler = BatchSampler(len(train_ds), settings.batch_size, settings.shuffle, settings.seed,
+                               per_model=spec.B if settings.data_order == "per-model" else None)
         batches = ArrayBatches(train_ds, sampler, spec.B, source)
         per_epoch = sampler.batches_per_epoch
-    total = config.steps if config.steps is not None else config.epochs * per_epoch
-    check_halving(config.halving, total)
+    total = settings.steps if settings.steps is not None else settings.epochs * per_epoch
+    check_halving(settings.halving, total)
     log.debug("data: %s (%s), %s; %d steps of %d samples per model (%s), data order %s", source,
-              "a DataLoader" if _is_loader(train) else f"{len(train_ds)} samples",
+              "a DataLoader" if "train" in opened else f"{len(train_ds)} samples",
               f"eval {eval_source}" if eval_source else "no eval data" if eval_ds is None else "eval held out",
-              total, config.batch_size, f"{config.epochs} epochs" if config.steps is None else "--steps",
-              config.data_order)
-    if _is_loader(train) and not resuming:  # the verified first steps' batches, drawn and checked now
-        batches.peek(max(1, min(config.verify_steps, total)))
-    return Prepared(config, loss, batches, eval_ds, total)
+              total, settings.batch_size, f"{settings.epochs} epochs" if settings.steps is None else "--steps",
+              settings.data_order)
+    if "train" in opened and not resuming:  # the verified first steps' batches, drawn and checked now
+        batches.peek(max(1, min(settings.verify_steps, total)))
+    return Prepared(settings, loss, batches, eval_ds, total)

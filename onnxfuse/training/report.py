@@ -135,7 +135,7 @@ def summarize(logs: dict[int, ModelLog], kept: dict | None = None, differing: di
     ``ArrayDir.kept_best``) and the value of its kept best state, else by eval loss (train loss without
     evaluations) and its final value; its ``state`` says which (best or final: ``split --which`` writes it).
     ``differing``: the per-model settings that differ between the models, one value per original model
-    (``RunPlan.differing``), shown per model as ``hparams``."""
+    (``RunSettings.differing``), shown per model as ``hparams``."""
     models = [_model_summary(log) for log in logs.values()]
     metric = kept["metric"] if kept else default_metric(any(log.eval_loss for log in logs.values()))
     scores = {}

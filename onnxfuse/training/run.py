@@ -57,10 +57,10 @@ from onnxfuse.recipe.batches import BatchSource
 from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import LossSpec, PythonLoss
 from onnxfuse.recipe.optim import StepValues
-from onnxfuse.recipe.runtimes import Runtime, make_trainer
+from onnxfuse.runtime.protocol import Runtime
+from onnxfuse.runtime.trainers import build_trainer
 from onnxfuse.recipe.settings import RESUMABLE
-from onnxfuse.recipe.train_config import RunPlan, TrainConfig, as_train_config
-from onnxfuse.runtime.ort_runtime import load_array
+from onnxfuse.recipe.train_config import RunSettings, TrainConfig, as_train_config
 from onnxfuse.training.best import keep_best, prune_best
 from onnxfuse.training.checkpoints import (CheckpointModels, ResumePoint, check_resumable, checkpoint_folders,
                                            checkpoint_models, data_hash, jsonable, new_run, restore, resume_point,
@@ -103,7 +103,7 @@ class TrainResult:
                 f"({self.samples_per_s:,.0f} samples/s); metrics in {self.metrics_path}")
 
 
-def _first_steps(source: BatchSource, config: RunPlan, B: int, total: int, K: int
+def _first_steps(source: BatchSource, config: RunSettings, B: int, total: int, K: int
                  ) -> tuple[list[dict[str, np.ndarray]], list[StepValues]]:
     """The batches and per-model step values of a fresh run's first K steps, without moving ``source``: the
     steps then train on these same batches (a DataLoader's are drawn once, and kept)."""
@@ -117,7 +117,7 @@ def _first_steps(source: BatchSource, config: RunPlan, B: int, total: int, K: in
 
 
 def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Runtime | None, source: BatchSource,
-            config: RunPlan, total: int, K: int, loss: LossSpec) -> VerifyReport:
+            config: RunSettings, total: int, K: int, loss: LossSpec) -> VerifyReport:
     """Check the first K steps of the array ``fused`` against every model trained alone in a one-model array
     fused from ``sources/model_0.onnx`` with model 0's weights (see ``verify.py``). ``trainer``: the run's trainer
     of ``fused`` at step 0 (left as it was), or None to build one for the check. An array with random Dropout is
@@ -130,9 +130,9 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     dropout_off = has_random_dropout(fused)
     if trainer is None or dropout_off or config.precision != "fp32":
         opt, _ = optimizer_and_schedules(config, spec.B, total)
-        trainer = make_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
-                               loss, opt, config.device, threads=config.threads or None,
-                               compile=config.compile if trainer is None else "off", total_steps=K)
+        trainer = build_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
+                                loss, opt, config.device, threads=config.threads or None,
+                                compile=config.compile if trainer is None else "off", total_steps=K)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(source, config, spec.B, total, K)
     report = verify_steps(trainer, (without_dropout(model) if dropout_off else model, one_spec), batches, values)
@@ -147,12 +147,12 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
     with the run's data, batches, loss and hyper-parameters. Nothing is written to ``array_dir``; the report says
     per model what was compared (``report.ok``, ``report.table()``, ``report.error()``)."""
     array_dir = os.fspath(array_dir)
-    fused, spec = load_array(array_dir)
+    fused, spec = ArrayDir(array_dir).load()
     with ArrayDir(array_dir).locked("check"):
         p = prepare(spec, config, data, eval_data, loss=loss)
-        if p.config.verify_steps < 1:
+        if p.settings.verify_steps < 1:
             raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
-        return _verify(array_dir, fused, spec, None, p.train, p.config, p.total, min(p.config.verify_steps, p.total),
+        return _verify(array_dir, fused, spec, None, p.train, p.settings, p.total, min(p.settings.verify_steps, p.total),
                        p.loss)
 
 
@@ -181,7 +181,7 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     ``loss``: a Python function ``(output [B, N, ...], batch) -> [B]`` in place of the settings' loss (the torch
     runtime; see ``onnxfuse.recipe.losses.PythonLoss``); a run trained with one resumes only given it again."""
     array_dir = os.fspath(array_dir)
-    fused, spec = load_array(array_dir)
+    fused, spec = ArrayDir(array_dir).load()
     with ArrayDir(array_dir).locked("train"):
         return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step,
                       stop_at, loss)
@@ -211,17 +211,17 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                     loss=loss)
         if point is not None and point.complete:
             _check_resumed_loss(point.config, p.loss)
-        identity = {"settings_hash": settings_hash(p.config), "data_hash": data_hash(p.train, p.eval)}
-        config_record = _config_record(p.config, data, eval_data, p.loss)
+        identity = {"settings_hash": settings_hash(p.settings), "data_hash": data_hash(p.train, p.eval)}
+        config_record = _config_record(p.settings, data, eval_data, p.loss)
         if point is not None:
-            check_resumable(point, p.config, identity, data)
+            check_resumable(point, p.settings, identity, data)
             done = _finished(array, point, record, p.total, spec.B)
             if done is not None:  # done.summary() says so
                 return done
             _say_resumed(point)
         record = {**record, **identity}  # what the run is (equal to what it recorded: checked above)
         if not own:  # the record as run.json will hold it, once the run has trained its first step
-            record = {**record, "differing": jsonable(p.config.differing()), "config": config_record}
+            record = {**record, "differing": jsonable(p.settings.differing()), "config": config_record}
             if point is None:
                 array.write_started(record)
         return _run(array, fused, spec, p, point if point is not None and point.checkpoint else None, record,
@@ -232,7 +232,7 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
         raise
 
 
-def _config_record(config: TrainConfig | RunPlan, data, eval_data, loss: LossSpec | None) -> dict:
+def _config_record(config: TrainConfig | RunSettings, data, eval_data, loss: LossSpec | None) -> dict:
     """The run's settings, data (a path or a data set's name; None when given in memory) and Python loss, as its
     records hold them: what a resume needs to continue it by itself."""
     return jsonable({**config.as_dict(),
@@ -248,13 +248,13 @@ def _run(array: ArrayDir, fused: onnx.ModelProto, spec: ArraySpec, p: Prepared, 
     run's already (a resume)."""
     trained = array.trained_path
     with atomic_dir(trained, overwrite=True, command="train") as tmp:  # removed again if anything below fails
-        run = RunState(array.path, p.config, fused, spec, p.loss, p.total, ArrayDir.scratch_path(tmp))
+        run = RunState(array.path, p.settings, fused, spec, p.loss, p.total, ArrayDir.scratch_path(tmp))
         run.run_record = {k: record[k] for k in ("id", "settings_hash", "data_hash")}
         run.config_record = config_record
         elapsed0 = restore(run, point.checkpoint, point.state, p.train) if point is not None else 0.0
-        if point is None and p.config.verify_steps:  # before anything is written
-            report = _verify(array.path, fused, spec, run.trainer, p.train, p.config, p.total,
-                             min(p.config.verify_steps, p.total), p.loss)
+        if point is None and p.settings.verify_steps:  # before anything is written
+            report = _verify(array.path, fused, spec, run.trainer, p.train, p.settings, p.total,
+                             min(p.settings.verify_steps, p.total), p.loss)
             log.info("%s", report.summary())
             if not report.ok:
                 raise report.error()
@@ -398,7 +398,7 @@ class _Loop:
         where something uses them: every ``log_every`` steps, before an evaluation, a halving rung or a
         checkpoint, at the last step, and at every step with --on-diverge stop. A divergence found there is
         recorded at the step it happened (its metrics row too: the steps between reads are remembered)."""
-        run, config, source = self.run, self.p.config, self.p.train
+        run, config, source = self.run, self.p.settings, self.p.train
         run.step += 1
         self.trained += 1
         values = run.schedules.values(run.active)

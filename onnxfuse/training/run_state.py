@@ -17,8 +17,9 @@ from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.losses import LossSpec
 from onnxfuse.recipe.optim import OptimizerConfig
 from onnxfuse.recipe.schedules import PerModelSchedules
-from onnxfuse.recipe.runtimes import Observed, Runtime, make_trainer
-from onnxfuse.recipe.train_config import RunPlan
+from onnxfuse.recipe.train_config import RunSettings
+from onnxfuse.runtime.protocol import Observed, Runtime
+from onnxfuse.runtime.trainers import build_trainer
 from onnxfuse.training.best import KeptBest
 
 
@@ -28,9 +29,9 @@ log = logging.getLogger("onnxfuse.train")
 class RunState:
     """The mutable state of one run: the current (possibly shrunk) array and everything needed to checkpoint it."""
 
-    def __init__(self, array_dir: str, config: RunPlan, fused: onnx.ModelProto, spec: ArraySpec,
+    def __init__(self, array_dir: str, settings: RunSettings, fused: onnx.ModelProto, spec: ArraySpec,
                  loss: LossSpec, total_steps: int, workdir: str):
-        self.array_dir, self.config, self.loss, self.total = array_dir, config, loss, total_steps
+        self.array_dir, self.settings, self.loss, self.total = array_dir, settings, loss, total_steps
         self.array = ArrayDir(array_dir)
         self.workdir = workdir
         self.spec0 = spec  # the original array (all B models)
@@ -38,8 +39,8 @@ class RunState:
         self.status: dict[int, dict] = {}  # original model -> {"status": ..., "step": ...}
         self.active = [True] * spec.B
         self.dropped: dict[int, dict[str, np.ndarray]] = {}  # original model -> its state_dict when dropped
-        self.opt0, self.schedules = optimizer_and_schedules(config, spec.B, total_steps)
-        self.loss_scale = config.loss_scale_config()  # fp16: the current array's models' initial scales
+        self.opt0, self.schedules = optimizer_and_schedules(settings, spec.B, total_steps)
+        self.loss_scale = settings.loss_scale_config()  # fp16: the current array's models' initial scales
         self.opt = self.opt0
         self.fused, self.spec = fused, spec
         self.trainer = self._trainer()
@@ -47,17 +48,18 @@ class RunState:
         self.last_loss = np.full(spec.B, np.nan)
         self.last_eval: dict = {}
         self.last_eval_step = -1
-        self.config_record: dict = config.as_dict()
+        self.config_record: dict = settings.as_dict()
         self.run_record: dict = {}  # the run's id, settings hash and data hash (written with every state)
-        self.best = KeptBest(config.keep_best)  # each model's best state so far (--keep-best)
+        self.best = KeptBest(settings.keep_best)  # each model's best state so far (--keep-best)
 
     def _trainer(self) -> Runtime:
         os.makedirs(self.workdir, exist_ok=True)
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
-        return make_trainer(self.config.runtime, self.fused, self.spec, self.loss, self.opt, self.config.device,
-                            workdir=folder, threads=self.config.threads or None, compile=self.config.compile,
-                            total_steps=self.total, precision=self.config.precision,
-                            loss_scale=self.loss_scale, seed=self.config.seed)
+        settings = self.settings
+        return build_trainer(settings.runtime, self.fused, self.spec, self.loss, self.opt, settings.device,
+                             workdir=folder, threads=settings.threads or None, compile=settings.compile,
+                             total_steps=self.total, precision=settings.precision, loss_scale=self.loss_scale,
+                             seed=settings.seed)
 
     # ---- state
     def state(self) -> dict:
@@ -84,7 +86,7 @@ class RunState:
     def keep_decision(self, compiled: bool | None) -> None:
         """A run with ``--compile auto`` keeps the decision it made (a resumed run, a re-fused array): compiled and
         eager steps round differently, and a resumed run goes on as the uninterrupted one would."""
-        if compiled is not None and self.config.compile == "auto":
+        if compiled is not None and self.settings.compile == "auto":
             self.trainer.compiled = compiled
 
     def load(self, weights: dict, opt_state: dict) -> None:
@@ -120,11 +122,11 @@ class RunState:
         self.last_loss = self.last_loss[positions]
 
 
-def optimizer_and_schedules(config: RunPlan, B: int, total_steps: int
-                             ) -> tuple[OptimizerConfig, PerModelSchedules]:
+def optimizer_and_schedules(settings: RunSettings, B: int, total_steps: int
+                            ) -> tuple[OptimizerConfig, PerModelSchedules]:
     """The array's optimizer configuration and its per-model schedules at step 0."""
-    opt = config.optimizer_config()
-    schedules = PerModelSchedules(config.schedules, opt, total_steps)
+    opt = settings.optimizer_config()
+    schedules = PerModelSchedules(settings.schedules, opt, total_steps)
     opt.momentum_varies = schedules.moves_momentum  # one-cycle moves SGD's momentum: keep a momentum buffer
     return opt, schedules
 

@@ -100,7 +100,7 @@ from onnxfuse.core.weights import ArraySpec, pack_weights, unpack_weight
 
 from onnxfuse.recipe.losses import LABELS
 from onnxfuse.recipe.optim import STATE_PREFIX, Optimizer, OptimizerConfig, StepValues
-from onnxfuse.recipe.runtimes import Runtime
+from onnxfuse.runtime.protocol import Runtime
 
 log = logging.getLogger("onnxfuse.train")
 
