@@ -17,7 +17,9 @@ from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedErr
 from onnxfuse.core.split import WHICH
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIME_CHOICES
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "add_export_parser", "add_fuse_parser", "add_train_parser", "add_check_parser",
+           "add_split_parser", "add_report_parser", "add_demo_parser", "add_bench_parser", "add_plan_parser",
+           "add_sweep_parser"]
 
 
 # A MODULE:FUNCTION is imported and called: whoever wrote it runs code as you (docs/guarantees.md, "What runs
@@ -303,9 +305,220 @@ def _array_arg(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("array", metavar="ARRAY_DIR", help=f"an array folder, as `onnxfuse fuse -o` writes it{more}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from onnxfuse.core._version import __version__
+def add_export_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `export` subcommand."""
     from onnxfuse.exporters.factory import DEFAULT_OPSET, INPUT_DTYPES
+
+    p = subparsers.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make; "
+                   f"{runs_code('it')}")
+    p.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
+                   help="the factory's keyword arguments, KEY=VALUE pairs separated by spaces or commas, each value "
+                   "read as YAML (16, 0.1, 1e-3, true, [16, 32], text), e.g. --args vocab_size=128 dropout=0 or "
+                   "--args width=8,p=0.1 (a run config's and a sweep spec's model.args)")
+    p.add_argument("--count", type=at_least(1), required=True, help="number of models B")
+    p.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1): torch.manual_seed(seed) "
+                   "before each model is built")
+    p.add_argument("--input-shape", action="append", required=True, metavar="[NAME=]D,D,...",
+                   help="an example input's shape, batch axis first (it stays dynamic), e.g. 32,3,32,32; once per "
+                   "argument of the forward when it takes several, each named (the graph inputs' names, in the "
+                   "forward's order): --input-shape input_ids=8,16 --input-shape mask=8,16 (one unnamed input is "
+                   "'input')")
+    p.add_argument("--input-dtype", metavar="DTYPE|NAME=DTYPE,...",
+                   help=f"the example inputs' dtype, one of {', '.join(INPUT_DTYPES)} (default float32; int64 for "
+                   "token ids), or one per input by name: input_ids=int64,mask=bool. Integers are traced as zeros, "
+                   "bools as True")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="the ONNX opset torch's TorchScript exporter "
+                   f"writes (default {DEFAULT_OPSET})")
+    p.add_argument("-o", "--output", required=True, metavar="JOBS_DIR",
+                   help="the folder for model_0.onnx .. model_{B-1}.onnx and jobs.json (a new folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace JOBS_DIR")
+    p.set_defaults(func=cmd_export)
+    return p
+
+
+def add_fuse_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `fuse` subcommand."""
+    from onnxfuse.measure.forms import STRATEGY_CHOICES
+
+    p = subparsers.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
+    p.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
+    p.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR",
+                   help="the array folder to write (fused.onnx, array.json, sources/; a new folder)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail on a node without a fusion rule instead of running it once per model")
+    p.add_argument("--per-model-inputs", metavar="NAME,...",
+                   help="graph inputs that differ per model (the fused input gains a leading model axis)")
+    p.add_argument("--padding-rows", metavar="TABLE=ROW,...",
+                   help="for plain torch.onnx.export files: embedding rows whose lookups pass no gradient, as "
+                   "nn.Embedding(padding_idx=ROW) keeps them (onnxfuse export records these itself)")
+    p.add_argument("--frozen", metavar="NAME,...",
+                   help="for plain torch.onnx.export files: weights (names or glob patterns, e.g. 'encoder.*') "
+                   "that are not trained, as requires_grad=False keeps them (onnxfuse export records these itself)")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
+                   help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model; "
+                   "LSTM, GRU, RNN: batched, per-model or block-diagonal): "
+                   "default (each rule's first), a form for every such node, or auto: per node, the form measured "
+                   "fastest on --runtime/--device at --batch samples per model (measured once per device, cached)")
+    p.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="the runtime auto measures on")
+    p.add_argument("--device", default="cpu", help="the device auto measures on (cpu, cuda, cuda:N)")
+    p.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step auto measures with")
+    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads auto measures with (0: the runtime's "
+                   "default)")
+    p.add_argument("--compile", choices=("off", "on"), default="off",
+                   help="auto measures the forms' compiled steps (for arrays trained with --compile on)")
+    p.add_argument("--overwrite", action="store_true", help="replace ARRAY_DIR")
+    p.set_defaults(func=cmd_fuse)
+    return p
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `train` subcommand."""
+    p = subparsers.add_parser("train", help="train a fused array, each model with its own hyper-parameters",
+                              epilog=TRUST_NOTE)
+    _array_arg(p, " (--config's model section builds one where there is none)")
+    _add_run_flags(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue the folder's current run from its newest checkpoint (with its settings and data; "
+                   "flags may change only steps/epochs, logging, evaluation, checkpoints and the device)")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def add_check_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `check` subcommand."""
+    p = subparsers.add_parser("check", help="check the first training step(s) of every model of an array against the "
+                              "model trained alone, without training (the check `train` makes; writes nothing)",
+                              epilog=TRUST_NOTE)
+    _array_arg(p)
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_check)
+    return p
+
+
+def add_split_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `split` subcommand."""
+    p = subparsers.add_parser("split", help="write one ONNX model and one safetensors state_dict per model",
+                              epilog=TRUST_NOTE)
+    _array_arg(p, ", trained by `onnxfuse train`")
+    p.add_argument("-o", "--output", required=True, metavar="MODELS_DIR",
+                   help="the folder for model_b.onnx and model_b.safetensors (a new folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace MODELS_DIR (never the array or a folder "
+                   "holding it)")
+    p.add_argument("--initial", action="store_true",
+                   help="split the weights the array was fused with (an untrained array is refused without it)")
+    p.add_argument("--which", choices=WHICH, default="final",
+                   help="each model's final state, or its best one by the run's --keep-best metric (default final); "
+                   "each file's metadata says which, from which step (and by which metric value)")
+    p.add_argument("--like", metavar="MODULE:FACTORY",
+                   help="the models' torch module (path.py:make, as export takes it): write the keys a plain "
+                        "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked); "
+                        f"{runs_code('the factory')}")
+    p.set_defaults(func=cmd_split)
+    return p
+
+
+def add_report_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `report` subcommand."""
+    p = subparsers.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
+    _array_arg(p, ", trained by `onnxfuse train` (its metrics.csv)")
+    p.add_argument("-o", "--output", metavar="PNG", help="where to write the plot (default ARRAY_DIR/report.png)")
+    p.set_defaults(func=cmd_report)
+    return p
+
+
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `demo` subcommand."""
+    p = subparsers.add_parser("demo", help="train 8 small CNNs with 8 learning rates on scikit-learn's digits")
+    p.add_argument("-o", "--output", default="onnxfuse-demo",
+                   help="the demo's folder: the data, the jobs, the array and the split models (default "
+                   "onnxfuse-demo)")
+    p.add_argument("--models", type=at_least(1), default=8, help="how many CNNs, with learning rates from 0.001 to 1 "
+                   "(default 8)")
+    p.add_argument("--steps", type=at_least(1), default=300, help="training steps (default 300)")
+    p.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="train in fp32, or bf16 / fp16 under autocast (the torch runtime)")
+    p.set_defaults(func=cmd_demo)
+    return p
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `bench` subcommand."""
+    from onnxfuse.measure.bench import BASELINE, MODE_TITLES, MODES
+    from onnxfuse.measure.forms import STRATEGY_CHOICES
+
+    p = subparsers.add_parser("bench", help="the fused array vs every way to train the same models, each in its best "
+                              "form: PyTorch one after another, B processes at once, onnxruntime-training one after "
+                              "another, a torch.func ensemble, an HFTA-style hand-fused model, one model at batch B*N, "
+                              "eager and compiled")
+    p.add_argument("--models", default="lenet,resnet18,transformer_lm",
+                   help="zoo models or .onnx files (one data input, one output), comma-separated")
+    p.add_argument("--B", default="1,8,16", help="array sizes to measure, e.g. 1,8,16,32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the ort modes run on the CPU only)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated, default all (the compiled ones add their compile time to the run, not to "
+                   "their samples/s): " + ", ".join(f"{m} ({t}{': always measured' if m == BASELINE else ''})"
+                                                    for m, t in MODE_TITLES.items()))
+    p.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step")
+    p.add_argument("--steps", type=at_least(1), default=10, help="timed steps per round")
+    p.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the modes; medians reported")
+    p.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps per mode before the rounds")
+    p.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
+    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads of every mode, both runtimes (0: each "
+                   "one's default: 1 for the torch runtime, onnxruntime's own)")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
+                   help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
+    p.add_argument("--precision", default="fp32",
+                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default fp32): every mode in each, the forward "
+                   "and loss under torch.autocast for bf16 / fp16, fp16 with GradScaler loss scaling (the ort modes: "
+                   "fp32 only); ratios within one precision")
+    p.add_argument("-o", "--output", default="onnxfuse-bench",
+                   help="folder for bench.json, bench.csv, bench.md, bench.png")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `plan` subcommand."""
+    p = subparsers.add_parser("plan", help="predict a fused training step's time and memory per B from a few small "
+                              "arrays really trained, and recommend B (onnxfuse/measure/sizing.py)")
+    p.add_argument("model", metavar="MODEL", help="a zoo model (e.g. lenet) or an ONNX file with one data input")
+    p.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step")
+    p.add_argument("--memory-budget", metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes (default: 0.9 x the GPU's "
+                   "memory, 0.8 x the RAM available)")
+    p.add_argument("--max-B", type=at_least(1), default=1024, help="largest array size considered")
+    p.add_argument("--probe", default="1,2,4", help="array sizes really trained to fit the predictions")
+    p.add_argument("--optimizer", default="adamw", help="the optimizer whose state the arrays hold")
+    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: the runtime's default)")
+    p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `sweep` subcommand."""
+    p = subparsers.add_parser("sweep", help="run a hyper-parameter sweep: trials grouped into fused arrays by graph "
+                              "identity, trained on Ray (a local one by default); see docs/sweep.example.yaml",
+                              epilog=TRUST_NOTE)
+    p.add_argument("spec", nargs="?", metavar="SPEC.yaml", help="the sweep spec")
+    p.add_argument("-o", "--output", metavar="SWEEP_DIR", help="where the sweep's files go (a new or empty folder)")
+    p.add_argument("--resume", metavar="SWEEP_DIR", help="continue the sweep in SWEEP_DIR: run only the arrays "
+                   "with no result (or a failed one)")
+    p.add_argument("--address", help="a running Ray cluster (e.g. HEAD_IP:6379, or auto); default: start a "
+                   "local Ray on this machine")
+    p.add_argument("--cpus", type=at_least(1), help="CPUs of the local Ray (default: all of this machine's)")
+    p.add_argument("--runtime", choices=RUNTIME_CHOICES, help="what trains the arrays (default: the spec's)")
+    p.add_argument("--top", type=at_least(1), default=20, help="trials shown in the table (all are in results.csv)")
+    p.set_defaults(func=cmd_sweep)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from onnxfuse.cli.place import add_place_parser
+    from onnxfuse.core._version import __version__
 
     p = _Parser(prog="onnxfuse", description="Fuse B same-architecture training jobs into one "
                                 "ONNX graph and train them together (PyTorch or ONNX Runtime).")
@@ -314,173 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common_flags(p, False)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser, metavar="COMMAND",
                            help="`onnxfuse COMMAND --help` says more")
-
-    e = sub.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
-    e.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make; "
-                   f"{runs_code('it')}")
-    e.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
-                   help="the factory's keyword arguments, KEY=VALUE pairs separated by spaces or commas, each value "
-                   "read as YAML (16, 0.1, 1e-3, true, [16, 32], text), e.g. --args vocab_size=128 dropout=0 or "
-                   "--args width=8,p=0.1 (a run config's and a sweep spec's model.args)")
-    e.add_argument("--count", type=at_least(1), required=True, help="number of models B")
-    e.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1): torch.manual_seed(seed) "
-                   "before each model is built")
-    e.add_argument("--input-shape", action="append", required=True, metavar="[NAME=]D,D,...",
-                   help="an example input's shape, batch axis first (it stays dynamic), e.g. 32,3,32,32; once per "
-                   "argument of the forward when it takes several, each named (the graph inputs' names, in the "
-                   "forward's order): --input-shape input_ids=8,16 --input-shape mask=8,16 (one unnamed input is "
-                   "'input')")
-    e.add_argument("--input-dtype", metavar="DTYPE|NAME=DTYPE,...",
-                   help=f"the example inputs' dtype, one of {', '.join(INPUT_DTYPES)} (default float32; int64 for "
-                   "token ids), or one per input by name: input_ids=int64,mask=bool. Integers are traced as zeros, "
-                   "bools as True")
-    e.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="the ONNX opset torch's TorchScript exporter "
-                   f"writes (default {DEFAULT_OPSET})")
-    e.add_argument("-o", "--output", required=True, metavar="JOBS_DIR",
-                   help="the folder for model_0.onnx .. model_{B-1}.onnx and jobs.json (a new folder)")
-    e.add_argument("--overwrite", action="store_true", help="replace JOBS_DIR")
-    e.set_defaults(func=cmd_export)
-
-    f = sub.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
-    f.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
-    f.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR",
-                   help="the array folder to write (fused.onnx, array.json, sources/; a new folder)")
-    f.add_argument("--strict", action="store_true",
-                   help="fail on a node without a fusion rule instead of running it once per model")
-    f.add_argument("--per-model-inputs", metavar="NAME,...",
-                   help="graph inputs that differ per model (the fused input gains a leading model axis)")
-    f.add_argument("--padding-rows", metavar="TABLE=ROW,...",
-                   help="for plain torch.onnx.export files: embedding rows whose lookups pass no gradient, as "
-                   "nn.Embedding(padding_idx=ROW) keeps them (onnxfuse export records these itself)")
-    f.add_argument("--frozen", metavar="NAME,...",
-                   help="for plain torch.onnx.export files: weights (names or glob patterns, e.g. 'encoder.*') "
-                   "that are not trained, as requires_grad=False keeps them (onnxfuse export records these itself)")
-    from onnxfuse.measure.forms import STRATEGY_CHOICES
-    f.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
-                   help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model; "
-                   "LSTM, GRU, RNN: batched, per-model or block-diagonal): "
-                   "default (each rule's first), a form for every such node, or auto: per node, the form measured "
-                   "fastest on --runtime/--device at --batch samples per model (measured once per device, cached)")
-    f.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="the runtime auto measures on")
-    f.add_argument("--device", default="cpu", help="the device auto measures on (cpu, cuda, cuda:N)")
-    f.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step auto measures with")
-    f.add_argument("--threads", type=at_least(0), default=0, help="CPU threads auto measures with (0: the runtime's "
-                   "default)")
-    f.add_argument("--compile", choices=("off", "on"), default="off",
-                   help="auto measures the forms' compiled steps (for arrays trained with --compile on)")
-    f.add_argument("--overwrite", action="store_true", help="replace ARRAY_DIR")
-    f.set_defaults(func=cmd_fuse)
-
-    t = sub.add_parser("train", help="train a fused array, each model with its own hyper-parameters",
-                       epilog=TRUST_NOTE)
-    _array_arg(t, " (--config's model section builds one where there is none)")
-    _add_run_flags(t)
-    t.add_argument("--resume", action="store_true",
-                   help="continue the folder's current run from its newest checkpoint (with its settings and data; "
-                   "flags may change only steps/epochs, logging, evaluation, checkpoints and the device)")
-    t.set_defaults(func=cmd_train)
-
-    c = sub.add_parser("check", help="check the first training step(s) of every model of an array against the "
-                       "model trained alone, without training (the check `train` makes; writes nothing)",
-                       epilog=TRUST_NOTE)
-    _array_arg(c)
-    _add_run_flags(c)
-    c.set_defaults(func=cmd_check)
-
-    s = sub.add_parser("split", help="write one ONNX model and one safetensors state_dict per model",
-                       epilog=TRUST_NOTE)
-    _array_arg(s, ", trained by `onnxfuse train`")
-    s.add_argument("-o", "--output", required=True, metavar="MODELS_DIR",
-                   help="the folder for model_b.onnx and model_b.safetensors (a new folder)")
-    s.add_argument("--overwrite", action="store_true", help="replace MODELS_DIR (never the array or a folder "
-                   "holding it)")
-    s.add_argument("--initial", action="store_true",
-                   help="split the weights the array was fused with (an untrained array is refused without it)")
-    s.add_argument("--which", choices=WHICH, default="final",
-                   help="each model's final state, or its best one by the run's --keep-best metric (default final); "
-                   "each file's metadata says which, from which step (and by which metric value)")
-    s.add_argument("--like", metavar="MODULE:FACTORY",
-                   help="the models' torch module (path.py:make, as export takes it): write the keys a plain "
-                        "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked); "
-                        f"{runs_code('the factory')}")
-    s.set_defaults(func=cmd_split)
-
-    r = sub.add_parser("report", help="summarize an array's metrics.csv: a table, report.png and report.json")
-    _array_arg(r, ", trained by `onnxfuse train` (its metrics.csv)")
-    r.add_argument("-o", "--output", metavar="PNG", help="where to write the plot (default ARRAY_DIR/report.png)")
-    r.set_defaults(func=cmd_report)
-
-    d = sub.add_parser("demo", help="train 8 small CNNs with 8 learning rates on scikit-learn's digits")
-    d.add_argument("-o", "--output", default="onnxfuse-demo",
-                   help="the demo's folder: the data, the jobs, the array and the split models (default "
-                   "onnxfuse-demo)")
-    d.add_argument("--models", type=at_least(1), default=8, help="how many CNNs, with learning rates from 0.001 to 1 "
-                   "(default 8)")
-    d.add_argument("--steps", type=at_least(1), default=300, help="training steps (default 300)")
-    d.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array (default: auto)")
-    d.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="train in fp32, or bf16 / fp16 under autocast (the torch runtime)")
-    d.set_defaults(func=cmd_demo)
-
-    b = sub.add_parser("bench", help="the fused array vs every way to train the same models, each in its best "
-                       "form: PyTorch one after another, B processes at once, onnxruntime-training one after "
-                       "another, a torch.func ensemble, an HFTA-style hand-fused model, one model at batch B*N, "
-                       "eager and compiled")
-    b.add_argument("--models", default="lenet,resnet18,transformer_lm",
-                   help="zoo models or .onnx files (one data input, one output), comma-separated")
-    b.add_argument("--B", default="1,8,16", help="array sizes to measure, e.g. 1,8,16,32")
-    b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the ort modes run on the CPU only)")
-    from onnxfuse.measure.bench import BASELINE, MODE_TITLES, MODES
-    b.add_argument("--modes", default=",".join(MODES),
-                   help="comma-separated, default all (the compiled ones add their compile time to the run, not to "
-                   "their samples/s): " + ", ".join(f"{m} ({t}{': always measured' if m == BASELINE else ''})"
-                                                    for m, t in MODE_TITLES.items()))
-    b.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step")
-    b.add_argument("--steps", type=at_least(1), default=10, help="timed steps per round")
-    b.add_argument("--rounds", type=at_least(1), default=3, help="rounds alternating the modes; medians reported")
-    b.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps per mode before the rounds")
-    b.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this many seconds")
-    b.add_argument("--threads", type=at_least(0), default=0, help="CPU threads of every mode, both runtimes (0: each "
-                   "one's default: 1 for the torch runtime, onnxruntime's own)")
-    b.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
-                   help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
-    b.add_argument("--precision", default="fp32",
-                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default fp32): every mode in each, the forward "
-                   "and loss under torch.autocast for bf16 / fp16, fp16 with GradScaler loss scaling (the ort modes: "
-                   "fp32 only); ratios within one precision")
-    b.add_argument("-o", "--output", default="onnxfuse-bench",
-                   help="folder for bench.json, bench.csv, bench.md, bench.png")
-    b.set_defaults(func=cmd_bench)
-
-    pl = sub.add_parser("plan", help="predict a fused training step's time and memory per B from a few small "
-                        "arrays really trained, and recommend B (onnxfuse/measure/sizing.py)")
-    pl.add_argument("model", metavar="MODEL", help="a zoo model (e.g. lenet) or an ONNX file with one data input")
-    pl.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help="what trains the array")
-    pl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    pl.add_argument("--batch", type=at_least(1), default=32, help="samples per model per step")
-    pl.add_argument("--memory-budget", metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes (default: 0.9 x the GPU's "
-                    "memory, 0.8 x the RAM available)")
-    pl.add_argument("--max-B", type=at_least(1), default=1024, help="largest array size considered")
-    pl.add_argument("--probe", default="1,2,4", help="array sizes really trained to fit the predictions")
-    pl.add_argument("--optimizer", default="adamw", help="the optimizer whose state the arrays hold")
-    pl.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: the runtime's default)")
-    pl.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan as JSON")
-    pl.set_defaults(func=cmd_plan)
-    sw = sub.add_parser("sweep", help="run a hyper-parameter sweep: trials grouped into fused arrays by graph "
-                        "identity, trained on Ray (a local one by default); see docs/sweep.example.yaml",
-                        epilog=TRUST_NOTE)
-    sw.add_argument("spec", nargs="?", metavar="SPEC.yaml", help="the sweep spec")
-    sw.add_argument("-o", "--output", metavar="SWEEP_DIR", help="where the sweep's files go (a new or empty folder)")
-    sw.add_argument("--resume", metavar="SWEEP_DIR", help="continue the sweep in SWEEP_DIR: run only the arrays "
-                    "with no result (or a failed one)")
-    sw.add_argument("--address", help="a running Ray cluster (e.g. HEAD_IP:6379, or auto); default: start a "
-                    "local Ray on this machine")
-    sw.add_argument("--cpus", type=at_least(1), help="CPUs of the local Ray (default: all of this machine's)")
-    sw.add_argument("--runtime", choices=RUNTIME_CHOICES, help="what trains the arrays (default: the spec's)")
-    sw.add_argument("--top", type=at_least(1), default=20, help="trials shown in the table (all are in results.csv)")
-    sw.set_defaults(func=cmd_sweep)
-    from onnxfuse.cli.place import add_place_parser
-    add_place_parser(sub)
+    for add in (add_export_parser, add_fuse_parser, add_train_parser, add_check_parser, add_split_parser,
+                add_report_parser, add_demo_parser, add_bench_parser, add_plan_parser, add_sweep_parser,
+                add_place_parser):
+        add(sub)
     return p
 
 
