@@ -107,6 +107,45 @@ def _refuse(job: dict, paths: list[str], seg: dict, config, array_dir: str, tmp:
     seed_run(array_dir, config, optimizer, status, template, best)
 
 
+def _trial_results(array_dir: str, trials: list[str], stopped: str, tmp: str) -> tuple[int, str, dict]:
+    """What the array trained in ``array_dir`` gives back: its steps, its metrics.csv, and per trial (the array's
+    models, in order) its status, metrics and files (each model split out of the array into ``tmp``)."""
+    from onnxfuse.core.split import model_steps, split_array
+
+    array = ArrayDir(array_dir)
+    state = array.trained()
+    split_dirs = {which: os.path.join(tmp, f"split_{which}") for which in ("final", "best")
+                  if which == "final" or state.best}
+    for which, folder in split_dirs.items():
+        split_array(array_dir, folder, which=which)
+    with open(array.metrics_path, encoding="utf-8") as f:
+        metrics_csv = f.read()
+    rows = list(csv.DictReader(io.StringIO(metrics_csv)))
+    out = {}
+    for b, tid in enumerate(trials):
+        mine = [r for r in rows if r["model"] == str(b)]
+        train = [number(r["loss"]) for r in mine if r["split"] == "train" and math.isfinite(number(r["loss"]))]
+        evals = [r for r in mine if r["split"] == "eval"]
+        st = state.status.get(str(b))
+        status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
+            ("stopped" if stopped else "finished")
+        files = {}
+        for which, folder in split_dirs.items():
+            for name, src in zip(TRIAL_FILES[which], (model_file(b), model_weights_file(b))):
+                with open(os.path.join(folder, src), "rb") as f:
+                    files[name] = f.read()
+        best = ((state.best or {}).get("models") or {}).get(str(b))
+        out[tid] = {
+            "status": status, "steps": model_steps(st, state.steps),
+            "train_loss": train[-1] if train else math.nan,
+            "eval_loss": number(evals[-1]["loss"]) if evals else math.nan,
+            "eval_accuracy": number(evals[-1]["accuracy"]) if evals else math.nan,
+            "best": {"metric": state.best["metric"], "step": best["step"], "value": best["value"]} if best else None,
+            "metrics": [{k: r[k] for k in TRIAL_METRICS} for r in mine],
+            "files": files}
+    return state.steps, metrics_csv, out
+
+
 def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Report | None = None,
               attempt: int = 1, segment: dict | None = None) -> dict:
     """Train one planned array (``job``: an entry of plan.json's arrays) from its trials' exported models
@@ -117,9 +156,8 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
     "sources": {trial: [array, place]} and "states": {array: its folder as the previous rung's segment returned
     it}: where each trial of this array was at the last rung (no sources: fuse the exported models afresh)}. A
     segment that stops at a rung returns the array folder as ``state``."""
-    from onnxfuse.core.passes import fuse_models, save_array
-    from onnxfuse.core.split import model_steps, split_array
     from onnxfuse.core.errors import TrainingStoppedError
+    from onnxfuse.core.passes import fuse_models, save_array
     from onnxfuse.training.run import train_array
 
     where = node_of_this_process()
@@ -160,38 +198,9 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
                         stop_at=seg.get("until"))
         except TrainingStoppedError as e:
             stopped = str(e)
-        array = ArrayDir(array_dir)
-        state = array.trained()
-        split_dirs = {which: os.path.join(tmp, f"split_{which}") for which in ("final", "best")
-                      if which == "final" or state.best}
-        for which, folder in split_dirs.items():
-            split_array(array_dir, folder, which=which)
-        with open(array.metrics_path, encoding="utf-8") as f:
-            metrics_csv = f.read()
-        rows = list(csv.DictReader(io.StringIO(metrics_csv)))
-        out = {"array": job["id"], "attempt": attempt, **where, "steps": state.steps, "stopped": stopped,
-               "metrics_csv": metrics_csv, "trials": {}}
-        for b, tid in enumerate(trials):
-            mine = [r for r in rows if r["model"] == str(b)]
-            train = [number(r["loss"]) for r in mine if r["split"] == "train" and math.isfinite(number(r["loss"]))]
-            evals = [r for r in mine if r["split"] == "eval"]
-            st = state.status.get(str(b))
-            status = ("diverged" if st["status"] == "diverged" else "stopped") if st else \
-                ("stopped" if stopped else "finished")
-            files = {}
-            for which, folder in split_dirs.items():
-                for name, src in zip(TRIAL_FILES[which], (model_file(b), model_weights_file(b))):
-                    with open(os.path.join(folder, src), "rb") as f:
-                        files[name] = f.read()
-            best = ((state.best or {}).get("models") or {}).get(str(b))
-            out["trials"][tid] = {
-                "status": status, "steps": model_steps(st, state.steps),
-                "train_loss": train[-1] if train else math.nan,
-                "eval_loss": number(evals[-1]["loss"]) if evals else math.nan,
-                "eval_accuracy": number(evals[-1]["accuracy"]) if evals else math.nan,
-                "best": {"metric": state.best["metric"], "step": best["step"], "value": best["value"]} if best else None,
-                "metrics": [{k: r[k] for k in TRIAL_METRICS} for r in mine],
-                "files": files}
+        steps, metrics_csv, results = _trial_results(array_dir, trials, stopped, tmp)
+        out = {"array": job["id"], "attempt": attempt, **where, "steps": steps, "stopped": stopped,
+               "metrics_csv": metrics_csv, "trials": results}
         if seg.get("until") is not None:
             out["state"] = _pack(array_dir)
     out.update(elapsed_s=watch.seconds, started_at=started_at, first_step_at=first_step_at[0])
