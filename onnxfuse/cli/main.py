@@ -134,10 +134,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from onnxfuse.core.array import ArrayDir
+    from onnxfuse.core.array import load_array
     from onnxfuse.training.run import verify_array
 
-    ArrayDir(args.array).load()  # check writes nothing: the array is there, not built from --config's model section
+    load_array(args.array)  # check writes nothing: the array is there, not built from --config's model section
     config, _, data, eval_data = _run_config(args, build=False)
     report = verify_array(args.array, data, config, eval_data=eval_data)
     print(report.table())

@@ -65,7 +65,7 @@ from onnxfuse.core.records import (CheckpointRecord, RunRecord, TrainStateRecord
                                    read_record, record_json)
 from onnxfuse.core.weights import ArraySpec
 
-__all__ = ["ArrayDir", "TrainedState", "check_output_location", "model_file", "model_weights_file"]
+__all__ = ["ArrayDir", "TrainedState", "load_array", "check_output_location", "model_file", "model_weights_file"]
 
 # the array
 FUSED, SPEC, SOURCES = "fused.onnx", "array.json", "sources"
@@ -655,6 +655,11 @@ class ArrayDir:
         where = f"; its newest checkpoint is at step {self.checkpoint_step(steps[-1])}" if steps else \
             " and left no checkpoint"
         return f"its run {record['id']} (started {record['started'] or '?'}) did not finish{where}"
+
+
+def load_array(array_dir: str | os.PathLike) -> tuple[onnx.ModelProto, ArraySpec]:
+    """The fused model and spec of the array in ``array_dir`` (:meth:`ArrayDir.load`)."""
+    return ArrayDir(array_dir).load()
 
 
 def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -13,7 +13,6 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ORT_CUDA_FIX, ConfigError
 from onnxfuse.core.weights import ArraySpec
 
@@ -24,7 +23,7 @@ from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, StepValues
 from onnxfuse.runtime.protocol import Observed, check_feeds, evaluate
 
-__all__ = ["FusedTrainer", "load_array", "check_device"]
+__all__ = ["FusedTrainer", "check_device"]
 
 
 def check_device(device: Device | str) -> Device:
@@ -47,11 +46,6 @@ def _ort_unavailable(device: Device) -> str | None:
         return (f"--device {device}: this onnxruntime-training build has no CUDA support; {ORT_CUDA_FIX}, or "
                 "use --device cpu")
     return None
-
-
-def load_array(array_dir: str | os.PathLike) -> tuple[onnx.ModelProto, ArraySpec]:
-    """The fused model and spec of the array in ``array_dir`` (see :meth:`onnxfuse.core.array.ArrayDir.load`)."""
-    return ArrayDir(array_dir).load()
 
 
 def _readable(path: str) -> list[onnx.ModelProto]:

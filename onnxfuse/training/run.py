@@ -47,7 +47,7 @@ import onnx
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_dir
-from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.array import ArrayDir, load_array
 from onnxfuse.core.errors import (ConfigError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError,
                                   TrainingStoppedError, as_user_error, shell)
 from onnxfuse.core.passes import fuse_models
@@ -147,7 +147,7 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
     with the run's data, batches, loss and hyper-parameters. Nothing is written to ``array_dir``; the report says
     per model what was compared (``report.ok``, ``report.table()``, ``report.error()``)."""
     array_dir = os.fspath(array_dir)
-    fused, spec = ArrayDir(array_dir).load()
+    fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("check"):
         p = prepare(spec, config, data, eval_data, loss=loss)
         if p.settings.verify_steps < 1:
@@ -181,7 +181,7 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     ``loss``: a Python function ``(output [B, N, ...], batch) -> [B]`` in place of the settings' loss (the torch
     runtime; see ``onnxfuse.recipe.losses.PythonLoss``); a run trained with one resumes only given it again."""
     array_dir = os.fspath(array_dir)
-    fused, spec = ArrayDir(array_dir).load()
+    fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("train"):
         return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step,
                       stop_at, loss)
