@@ -407,11 +407,13 @@ def per_model(values: Sequence) -> tuple:
     return tuple(tuple(x) if isinstance(x, list) else x for x in values)
 
 
-def optimizer_config(kind: str, hyper: Mapping[str, tuple], clip: Sequence[float | None]) -> OptimizerConfig:
-    """The optimizer of an array from validated per-model values (a run's plan, whose tuples it keeps): ``hyper``
-    each hyper-parameter of ``kind`` as :func:`per_model` gives it, ``clip`` each model's clip_grad_norm (None: not
-    clipped). Nothing is checked again here."""
-    return OptimizerConfig(kind, dict(hyper), max_norm=[math.inf if c is None else float(c) for c in clip])
+def optimizer_config(kind: str, hyper: Mapping[str, tuple], clip: Sequence[float | None],
+                     momentum_varies: bool = False) -> OptimizerConfig:
+    """The optimizer of an array from validated per-model values (a run's settings, whose tuples it keeps):
+    ``hyper`` each hyper-parameter of ``kind`` as :func:`per_model` gives it, ``clip`` each model's clip_grad_norm
+    (None: not clipped), ``momentum_varies``: a schedule moves the cycled value. Nothing is checked again here."""
+    return OptimizerConfig(kind, dict(hyper), max_norm=[math.inf if c is None else float(c) for c in clip],
+                           momentum_varies=momentum_varies)
 
 
 def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_optimizer", **hyper) -> OptimizerConfig:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from onnxfuse.core.errors import ConfigError
 
@@ -148,6 +148,12 @@ def _stand_in_optimizer() -> type:
     return type("ScheduleStandIn", (torch.optim.Optimizer,), {"add_param_group": add_param_group})
 
 
+def moves_momentum(specs: Sequence[Mapping]) -> bool:
+    """Whether a schedule of ``specs`` (one per model) moves the optimizer's cycled hyper-parameter (one-cycle's
+    momentum): the update then keeps its state for every model (``OptimizerConfig.momentum_varies``)."""
+    return any(s["name"] == "onecycle" and s.get("cycle_momentum", True) for s in specs)
+
+
 class PerModelSchedules:
     """B torch schedulers; ``values(active)`` is this step's per-model lr and cycled value (the hyper-parameter
     the optimizer's registration lets a schedule move, ``cycles``: SGD's momentum, Adam's beta1), ``advance()``
@@ -184,7 +190,7 @@ class PerModelSchedules:
 
     @property
     def moves_momentum(self) -> bool:
-        return any(s["name"] == "onecycle" and s.get("cycle_momentum", True) for s in self.specs)
+        return moves_momentum(self.specs)
 
     def values(self, active: Sequence[bool]) -> StepValues:
         lr, second = self._ahead[0] if self._ahead else self._now()

@@ -35,6 +35,7 @@ from onnxfuse.recipe.losses import LossSpec, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config, per_model
 from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.runtimes import LossScale
+from onnxfuse.recipe.schedules import moves_momentum
 from onnxfuse.recipe.settings import (RUN_SETTINGS, Origins, flag_of, flat_default, flat_settings, get_dotted,
                                       hyper_params, merge_raw, raw_from_flat, raw_key)
 
@@ -288,7 +289,9 @@ class RunSettings:
         return {k: v for k, v in plain.items() if any(x != v[0] for x in v)}
 
     def optimizer_config(self) -> OptimizerConfig:
-        return optimizer_config(self.optimizer, self.hyper, self.clip_grad_norm)
+        """The array's optimizer: each model's hyper-parameters and clipping; its state kept for every model when a
+        schedule moves the cycled value (one-cycle's momentum)."""
+        return optimizer_config(self.optimizer, self.hyper, self.clip_grad_norm, moves_momentum(self.schedules))
 
     def loss_scale_config(self) -> LossScale | None:
         """fp16's per-model loss scaling (None in another precision)."""

@@ -126,9 +126,7 @@ def optimizer_and_schedules(settings: RunSettings, B: int, total_steps: int
                             ) -> tuple[OptimizerConfig, PerModelSchedules]:
     """The array's optimizer configuration and its per-model schedules at step 0."""
     opt = settings.optimizer_config()
-    schedules = PerModelSchedules(settings.schedules, opt, total_steps)
-    opt.momentum_varies = schedules.moves_momentum  # one-cycle moves SGD's momentum: keep a momentum buffer
-    return opt, schedules
+    return opt, PerModelSchedules(settings.schedules, opt, total_steps)
 
 
 def model_view(data: Dataset, run: RunState) -> Dataset:
