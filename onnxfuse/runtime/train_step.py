@@ -210,10 +210,10 @@ class TrainStep:
                  key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None):
         self.opt, self.array, self.forward = optimizer, optimizer.array, forward
         self.buffers = list(buffers)
-        self.mode = compile  # and precision, loss_scale: checked where they were given (a run's settings,
-        self.key, self.total_steps = key, total_steps  # train_step's arguments)
+        # compile, precision and loss_scale were checked where they were given: a run's settings, train_step()
+        self.mode, self.precision = compile, precision
+        self.key, self.total_steps = key, total_steps
         B, device = self.array.B, self.array.device
-        self.precision = precision
         warn_if_emulated(self.precision, device)  # bf16 / fp16 on a CPU that converts every element: once
         if precision == "fp16":
             loss_scale = loss_scale or LossScale((LossScale.INIT,) * B)
