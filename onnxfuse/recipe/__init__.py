@@ -1,6 +1,7 @@
 """What a run is made of (the layer above the exporters): every setting declared once (``settings.py``), config
-files (``config.py``), data and named datasets, losses, optimizers (``optim.py``), schedules, and the runtime
-protocol with its table (``runtimes.py``).
+files and the one validation of settings (``config.py``), ``TrainConfig`` and the ``RunSettings`` a run reads
+(``train_config.py``), data and named datasets, losses, optimizers (``optim.py``), schedules, and the runtimes a
+run may choose (``runtimes.py``).
 
 Importing the layer fills the settings' registries: ``optim.py`` and ``schedules.py`` register their optimizers
 and schedules into ``settings.OPTIMIZERS`` / ``settings.SCHEDULES``.
