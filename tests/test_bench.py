@@ -171,7 +171,7 @@ def test_a_concurrent_process_that_fails_is_one_error_naming_it_and_every_proces
         _pool([("zoo", "lenet", 0), ("zoo", "no_such_model", 1)])
     message = str(e.value)
     assert "\n" not in message and "model 1's process failed while starting" in message
-    assert "no_such_model" in message and "--modes" in message
+    assert "no_such_model" in message and "modes=" in message
     assert not _concurrent_processes()
 
 

@@ -257,7 +257,7 @@ def test_a_language_model_exports_fuses_and_trains_from_the_command_line(tmp_pat
     (["--input-shape", "8,16", "--input-shape", "8,16"], "a model with several inputs needs each named"),
     (["--input-shape", "8,16", "--input-dtype", "int63"], "--input-dtype: 'int63' is not a dtype; give one of"),
     (["--input-shape", "x=8,16", "--input-dtype", "y=int64"], "--input-dtype: 'y' is not an input; the inputs are: x"),
-    (["--input-shape", "8,0"], "--input-shape '8,0' is not [NAME=]D,D,... of positive integers"),
+    (["--input-shape", "8,0"], "--input-shape: '8,0' is not [NAME=]D,D,... of positive integers"),
     (["--input-shape", "8,64", "--args", "hidden"], "--args: 'hidden' is not KEY=VALUE"),
     (["--input-shape", "8,64", "--args", "hiden=3"], "MLP takes no argument 'hiden'"),
 ])

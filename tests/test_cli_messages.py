@@ -107,7 +107,7 @@ def test_the_python_api_names_the_factory_too(models):
     from onnxfuse import ConfigError
     from onnxfuse.exporters import export_array
 
-    with pytest.raises(ConfigError, match=r"--count is -3; give the number of models, at least 1"):
+    with pytest.raises(ConfigError, match=r"count=-3: give the number of models, at least 1"):
         export_array("mymodels:boom", models / "jobs", -3, [4, 1, 7, 7])  # was "--seeds has 0 values"
     with pytest.raises(ConfigError, match=r"the factory mymodels:boom\(\) raised ValueError: kaput"):
         export_array("mymodels:boom", models / "jobs", 2, [4, 1, 7, 7])

@@ -236,8 +236,8 @@ def test_model_that_cannot_fit_names_the_smallest_memory():
     with pytest.raises(PlacementError) as e:
         place(g, cost_table(g, devs), "heft")
     msg = str(e.value)
-    assert "does not fit on 2 device(s)" in msg and "smallest memory per device" in msg and "--memory" in msg
-    need = msg.split("--memory ")[1].split(" ")[0]
+    assert "does not fit on 2 device(s)" in msg and "smallest memory per device" in msg and "memory=" in msg
+    need = msg.split("memory=")[1].split(" ")[0].strip("'")
     ok = make_devices(2, memory=need, flops="1GFLOP/s")
     p = place(g, cost_table(g, ok), "heft")
     assert max(placement_memory(g, p.device_of, 2)) <= parse_size(need)
@@ -268,7 +268,7 @@ def test_device_spec_yaml(tmp_path):
     assert [d.name for d in devs] == ["gpu0", "small", "cpu0", "cpu1"]
     assert devs[1].memory == 2 ** 30 and devs[0].memory == 8 * 2 ** 30 and devs[2].threads == 2
     assert devs[0].latency == pytest.approx(1e-5) and devs[3].bandwidth == 1.2e10
-    with pytest.raises(ConfigError, match="--devices 3 but device spec"):
+    with pytest.raises(ConfigError, match="count=3 but device spec"):
         load_device_spec(f, count=3)
     f.write_text("devices:\n  - {name: a, colour: red}\n")
     with pytest.raises(ConfigError, match="unknown device field 'colour'"):

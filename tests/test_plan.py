@@ -54,9 +54,9 @@ def test_max_B_caps_B_and_a_last_size_that_is_no_doubling_is_judged_per_doubling
     assert choose_B([32, 48], [1.0, 1.0 * 48 / 32 / 1.2], [0, 0], batch=1, budget=1)[0] == 48
 
 
-def test_a_budget_below_the_smallest_array_is_an_error_naming_the_flag():
+def test_a_budget_below_the_smallest_array_is_an_error_naming_the_parameter():
     Bs = candidate_sizes(8)
-    with pytest.raises(ConfigError, match=r"--memory-budget .* below the 1.0 MiB predicted for B=1"):
+    with pytest.raises(ConfigError, match=r"memory_budget: .* below the 1.0 MiB predicted for B=1"):
         choose_B(Bs, *_linear(1.0, 0.1, Bs), batch=32, budget=MiB / 2)
 
 
@@ -64,7 +64,7 @@ def test_fit_line():
     assert fit_line([1, 2, 4], [3, 5, 9]) == pytest.approx((1.0, 2.0))
     a, b = fit_line([1, 2, 4], [1.0, 3.0, 7.0], nonnegative_intercept=True)  # -1 + 2B: through the origin instead
     assert a == 0.0 and b == pytest.approx(np.dot([1, 2, 4], [1, 3, 7]) / 21)
-    with pytest.raises(ConfigError, match="--probe"):
+    with pytest.raises(ConfigError, match="probe: "):
         fit_line([2, 2], [1.0, 1.0])
 
 
@@ -76,7 +76,7 @@ def test_parse_memory(text, size):
 
 @pytest.mark.parametrize("text", ["8bananas", "GiB", "-1GiB", "0", "", "inf"])
 def test_parse_memory_rejects(text):
-    with pytest.raises(ConfigError, match="--memory-budget"):
+    with pytest.raises(ConfigError, match="memory_budget: "):
         parse_memory(text)
 
 
@@ -111,7 +111,7 @@ def test_a_tiny_budget_caps_the_recommended_B(lenet_plan):
 
 
 def test_a_budget_below_one_model_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"--memory-budget 1.0 KiB is below the .* predicted for B=1; raise"):
+    with pytest.raises(ConfigError, match=r"memory_budget: 1.0 KiB is below the .* predicted for B=1; raise"):
         plan_array("lenet", memory_budget="1KiB", **SMALL)
 
 

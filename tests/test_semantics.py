@@ -179,9 +179,9 @@ def test_plain_export_is_warned_about_and_takes_the_facts_as_options(tmp_path):
         told = fuse_models(paths, padding_rows={"emb.weight": [0]}, frozen=["body.*"])
     assert told.spec.weights["emb.weight"].extra["padding_rows"] == [[0], [0]]
     assert told.spec.weights["body.weight"].role == "frozen" and told.spec.weights["body.bias"].role == "frozen"
-    with pytest.raises(ConfigError, match="--frozen: 'nothing.*' matches no weight"):
+    with pytest.raises(ConfigError, match="frozen: 'nothing.*' matches no weight"):
         fuse_models(paths, frozen=["nothing.*"])
-    with pytest.raises(ConfigError, match="--padding-rows: 'norm.weight' is of shape \\[8\\], not an embedding"):
+    with pytest.raises(ConfigError, match="padding_rows: 'norm.weight' is of shape \\[8\\], not an embedding"):
         fuse_models(paths, padding_rows={"norm.weight": [0]})
 
 

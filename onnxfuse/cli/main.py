@@ -10,6 +10,7 @@ import traceback
 import warnings
 
 from onnxfuse.cli._args import at_least
+from onnxfuse.cli._flags import FlagFormatter, one_line
 from onnxfuse.cli.train_flags import add_train_flags
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedError, VerificationError, as_user_error,
@@ -91,7 +92,7 @@ def _fuse(args) -> int:
                          padding_rows=parse_padding_rows(args.padding_rows),
                          frozen=[n for n in (args.frozen or "").split(",") if n])
     for w in caught:
-        print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+        print(f"onnxfuse: warning: {one_line(w.message, args.command)}", file=sys.stderr)
     save_array(fa, args.output, overwrite=args.overwrite)
     s, fused = fa.spec.summary, ArrayDir(args.output).fused_path
     print(f"fused {fa.B} model{'s' if fa.B != 1 else ''} into {fused}: {summary_line(fa.spec)}")
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.setLevel(level)
     if not logger.handlers:
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("onnxfuse: %(message)s"))
+        handler.setFormatter(FlagFormatter("onnxfuse: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
     watch = Stopwatch()
@@ -566,17 +567,17 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("%s done in %.1f s", args.command, watch.seconds)
         return code
     except TrainingStoppedError as e:  # a run stopped on purpose (--on-diverge stop): its state is saved
-        print(f"onnxfuse: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"onnxfuse: {one_line(e, args.command)}", file=sys.stderr)
         return 3
     except VerificationError as e:  # the array would train a model wrongly: neither bad input nor a crash
         if args.verbose:
             traceback.print_exc()
-        print(f"onnxfuse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"onnxfuse: error: {one_line(e, args.command)}", file=sys.stderr)
         return 4
     except OnnxFuseError as e:
         if args.verbose:
             traceback.print_exc()
-        print(f"onnxfuse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"onnxfuse: error: {one_line(e, args.command)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("onnxfuse: interrupted", file=sys.stderr)
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         user = as_user_error(e)  # a full disk, a read-only folder, out of memory: the user's to fix
         if user is not None:
-            print(f"onnxfuse: error: {' '.join(str(user).split())}", file=sys.stderr)
+            print(f"onnxfuse: error: {one_line(user, args.command)}", file=sys.stderr)
             return 2
         # a bug: still one line unless --verbose
         print(f"onnxfuse: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "

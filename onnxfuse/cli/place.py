@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from onnxfuse.cli._args import at_least
+from onnxfuse.cli._flags import one_line
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.placement.orders import ORDER_NAMES
 from onnxfuse.placement.placers import PLACER_NAMES, PLACERS
@@ -173,7 +174,7 @@ def _place_and_save(args) -> int:
                              warmup=args.warmup, progress=not args.quiet)
     for w in caught:  # placement's own warnings as one line each; any other as Python shows it
         if issubclass(w.category, PlacementWarning):
-            print(f"onnxfuse: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+            print(f"onnxfuse: warning: {one_line(w.message, 'place')}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     report.save(args.output, args.overwrite)

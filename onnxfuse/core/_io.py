@@ -60,7 +60,7 @@ def check_output_dir(path: str, overwrite: bool) -> None:
             raise InputFileError(f"output '{path}' exists and is not a folder; choose another path")
         if not overwrite and not _only_marks(path):
             raise InputFileError(f"output folder '{path}' already exists and is not empty; "
-                                 "pass --overwrite to replace it or choose another folder")
+                                 "pass overwrite=True to replace it or choose another folder")
 
 
 def _check_parent(path: str) -> None:

@@ -51,4 +51,4 @@ def check_opset_supported(model: onnx.ModelProto, label: str) -> None:
         if o.domain in DEFAULT_DOMAINS and not MIN_OPSET <= o.version <= MAX_OPSET:
             raise InputFileError(f"{label} imports ONNX opset {o.version}, which onnxfuse does not read: it reads "
                                  f"opsets {MIN_OPSET} to {MAX_OPSET}; re-export the model with an opset in that "
-                                 "range (onnxfuse export --opset, torch.onnx.export(..., opset_version=...))")
+                                 "range (opset= when onnxfuse exports it, torch.onnx.export(..., opset_version=...) otherwise)")

@@ -269,7 +269,7 @@ class ArrayDir:
         """The folder is there (a file or nothing there is an InputFileError saying which)."""
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InputFileError(f"'{self.path}' is a file, not an array folder; give the folder `onnxfuse fuse` "
-                                 "wrote (data files go to --data)")
+                                 "wrote (a data file is given as data=)")
         if not os.path.isdir(self.path):
             raise InputFileError(f"array folder '{self.path}' does not exist; create it with `onnxfuse fuse`")
 
@@ -346,10 +346,10 @@ class ArrayDir:
             if unfinished:
                 raise InputFileError(f"'{self.path}' has no trained weights: {unfinished}; continue it with "
                                      f"`{shell('onnxfuse', 'train', self.path, '--resume')}` (or train again), or "
-                                     "pass --initial to split the initial weights")
+                                     "pass initial=True to split the initial weights")
             raise InputFileError(f"'{self.path}' has not been trained (no {TRAINED}/): train it with `onnxfuse "
-                                 "train` first, or pass --initial to split the initial weights")
-        fix = "train the array again (or resume its run), or pass --initial to split the initial weights"
+                                 "train` first, or pass initial=True to split the initial weights")
+        fix = "train the array again (or resume its run), or pass initial=True to split the initial weights"
         state_file = os.path.join(trained, TRAIN_STATE)
         spec = ArraySpec.load(os.path.join(trained, SPEC)) if os.path.exists(os.path.join(trained, SPEC)) else None
         holds = spec or self.load_spec()  # the array trained/ holds: the surviving one, or the folder's
@@ -555,7 +555,7 @@ class ArrayDir:
         """The record of the last run started while it has not trained its first step (None: no such run; the
         last run started is the current one, run.json)."""
         return self._read_run_record(self.started_path, "it names the run started last: remove it to let "
-                                                         "--resume continue the folder's current run")
+                                                         "resume=True continue the folder's current run")
 
     def write_started(self, record: Mapping) -> bytes | None:
         """Record a run that starts, written whole before it changes anything in the folder; returns the record

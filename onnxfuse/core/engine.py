@@ -638,7 +638,7 @@ def check_layouts(st: FusionState, model: onnx.ModelProto) -> None:
             node = producer.get(orig)
             where = f"node '{node_label(node)}' ({node.op_type})" if node is not None else f"tensor '{orig}'"
             raise NotFusibleError(f"internal error: {where}: fused tensor '{name}' should be {layout} {want} but "
-                                  f"has shape {got}; report it with the model (fuse --strict names the rule)")
+                                  f"has shape {got}; report it with the model; strict=True names the rule")
 
 
 def _assemble(st: FusionState) -> onnx.ModelProto:

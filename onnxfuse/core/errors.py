@@ -119,7 +119,7 @@ _TEXT = [("no space left on device", errno.ENOSPC), ("os error 28", errno.ENOSPC
          ("read-only file system", errno.EROFS), ("os error 30", errno.EROFS),
          ("permission denied", errno.EACCES), ("os error 13", errno.EACCES)]
 _OOM_TEXT = ("failed to allocate memory", "bad_alloc", "out of memory", "cannot allocate memory")
-OOM_FIX = "use a smaller --batch-size, or fewer models per array (fuse fewer, or train them in several arrays)"
+OOM_FIX = "use a smaller batch_size=, or fewer models per array (fuse fewer, or train them in several arrays)"
 # How to get CUDA, said the same way by every message about a build without it (README, "Install": onnxfuse is
 # installed from its checkout, not from PyPI)
 TORCH_CUDA_FIX = ("install the torch build for your CUDA (pip install torch --index-url "

@@ -42,7 +42,7 @@ FORMS: tuple[str, ...] = tuple(dict.fromkeys(f for r in RULES.values() for f in 
 def fixed_strategy(form: str) -> Strategy:
     """The strategy that emits ``form`` wherever a rule offers it, and each rule's default elsewhere."""
     if form not in FORMS:
-        raise ConfigError(f"--strategy: unknown form '{form}'; the rules offer: {', '.join(FORMS)}")
+        raise ConfigError(f"strategy: unknown form '{form}'; the rules offer: {', '.join(FORMS)}")
     return lambda g, forms: form if form in forms else forms[0]
 
 
@@ -128,7 +128,7 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
     names = {vi.name for vi in sources[0].inputs}
     unknown = [n for n in per_model_inputs if n not in names]
     if unknown:
-        raise ConfigError(f"--per-model-inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
+        raise ConfigError(f"per_model_inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
                           f"(its inputs: {', '.join(sorted(names))})")
     with Stopwatch() as watch:
         aligned = check_identical(sources)
@@ -141,7 +141,7 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
               result.summary["fused"], result.summary["per_model"], result.summary["shared"])
     for node, form in result.summary.get("forms", {}).items():
         log.debug("form of node '%s': %s (%s)", node, form, "the strategy's choice" if strategy else "the rule's "
-                  "first, --strategy default")
+                  "first, strategy='default'")
     for message in dynamo_file_warnings(sources[0].dynamo, sources[0].label):  # what torch's dynamo export lost
         warnings.warn(message, stacklevel=2)
     metas = [s.meta for s in sources]

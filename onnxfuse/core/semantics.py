@@ -84,7 +84,7 @@ def parse_padding_rows(text: str | None) -> dict[str, list[int]]:
         except ValueError:
             value = None
         if not sep or not name or value is None:
-            raise ConfigError(f"--padding-rows: '{item.strip()}' is not NAME=ROW (e.g. "
+            raise ConfigError(f"padding_rows: '{item.strip()}' is not NAME=ROW (e.g. "
                               "'embeddings.word_embeddings.weight=0')")
         out.setdefault(name, []).append(value)
     return out
@@ -104,14 +104,14 @@ def apply_options(weights: Mapping[str, FusedWeight], metas: Sequence[dict],
             what = "not a weight of the models" if fw is None or fw.role == "buffer" else \
                 f"of shape {list(fw.orig_shape)}, not an embedding table"
             tables = sorted(n for n, w in by_source.items() if len(w.orig_shape) == 2)[:5]
-            raise ConfigError(f"--padding-rows: '{table}' is {what}; name an embedding table [V, D] (the tables "
+            raise ConfigError(f"padding_rows: '{table}' is {what}; name an embedding table [V, D] (the tables "
                               f"here: {', '.join(tables)})")
         for m, src in zip(metas, fw.sources):
             m.setdefault(PADDING_ROWS, {}).setdefault(src, []).extend(int(r) for r in rows)
     for pattern in frozen:
         hits = [fw for name, fw in by_source.items() if fnmatch.fnmatchcase(name, pattern) and fw.role != "buffer"]
         if not hits:
-            raise ConfigError(f"--frozen: '{pattern}' matches no weight of the models; give initializer names or "
+            raise ConfigError(f"frozen: '{pattern}' matches no weight of the models; give initializer names or "
                               "glob patterns (e.g. 'encoder.*')")
         for fw in hits:
             for m, src in zip(metas, fw.sources):

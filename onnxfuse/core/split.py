@@ -119,13 +119,13 @@ def split_states(array_dir: str | os.PathLike, spec: ArraySpec, which: str = "fi
     :func:`split_array` writes into its files (``onnxfuse.state``: best, final or initial; ``onnxfuse.step``,
     ``onnxfuse.run``; for a best state ``onnxfuse.metric`` and ``onnxfuse.value``)."""
     if which not in WHICH + ("initial",):
-        raise ConfigError(f"--which {which!r}: split writes the {' or the '.join(WHICH)} state of each model")
+        raise ConfigError(f"which={which!r}: split writes the {' or the '.join(WHICH)} state of each model")
     array = ArrayDir(array_dir)
     trained = array.trained(which == "initial")
     if which == "best" and trained.best is None:
         raise ConfigError(f"'{array.path}' kept no best states (run {trained.run or '?'} had no eval data or "
-                          "--keep-best off); train with eval data (--eval-data or --eval-fraction) to keep them, or "
-                          "split its final states (--which final)")
+                          "keep_best='off'); train with eval data, eval_data= or eval_fraction=, to keep them, or "
+                          "split its final states, which='final'")
     current = trained.spec or spec
     missing = [n for n in current.weights if n not in trained.weights]
     if missing:
@@ -175,7 +175,7 @@ def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
     array.check_exists()
     check_output_location(out_dir, [array.path])
     if initial and which != "final":
-        raise ConfigError(f"--initial and --which {which}: split writes one state of each model; give one of them")
+        raise ConfigError(f"initial=True and which={which!r}: split writes one state of each model; give one of them")
     with array.locked("split"):
         return _split_locked(array, out_dir, overwrite, "initial" if initial else which, like)
 

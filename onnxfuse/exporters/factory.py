@@ -123,8 +123,8 @@ def call_factory(factory: str | Callable, args: Mapping[str, Any] | None = None,
         given = ", ".join(f"{k}={v!r}" for k, v in args.items())
         hint = "; ".join(_mismatched_args(factory, args))
         raise ConfigError(f"{where}the factory {name}({given}) raised {_exception_line(e)}; "
-                          + (f"{hint}: give a value of that type (--args, model.args)" if hint else
-                             "fix the factory or its arguments (--args, model.args); --verbose shows the traceback")
+                          + (f"{hint}: give a value of that type (factory_args=, model.args)" if hint else
+                             "fix the factory or its arguments (factory_args=, model.args); --verbose shows the traceback")
                           ) from e
 
 
@@ -214,13 +214,13 @@ def check_factory_args(factory: Callable, args: Mapping, name: str, where: str =
     except TypeError:
         unknown = [k for k in args if k not in takes]
         takes_text = ", ".join(takes) or "no keyword arguments"
-        raise ConfigError(f"{where}{name} takes no argument '{(unknown or list(args))[0]}' (--args, model.args or "
+        raise ConfigError(f"{where}{name} takes no argument '{(unknown or list(args))[0]}' (factory_args=, model.args or "
                           f"a search key model.<name>); it takes: {takes_text}") from None
     missing = [p.name for p in signature.parameters.values()
                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in args]
     if missing:
         raise ConfigError(f"{where}{name} requires the argument '{missing[0]}', which is not given; give it as "
-                          f"--args {missing[0]}=VALUE (model.args in a config or sweep spec)")
+                          f"factory_args={{{missing[0]!r}: VALUE}} (model.args in a config or sweep spec)")
 
 
 # ------------------------------------------------------------------------------------------ example inputs
@@ -279,17 +279,17 @@ def inputs_from_flags(shapes: Sequence[str], dtype: str | None) -> tuple[Any, An
         except ValueError:
             shape = []
         if not shape or any(d < 1 for d in shape) or (sep and not name.strip()):
-            raise ConfigError(f"--input-shape '{text}' is not [NAME=]D,D,... of positive integers, e.g. 32,3,32,32 "
+            raise ConfigError(f"input_shape: '{text}' is not [NAME=]D,D,... of positive integers, e.g. 32,3,32,32 "
                               "or input_ids=8,16")
         if not sep:
             unnamed.append(shape)
         elif name.strip() in named:
-            raise ConfigError(f"--input-shape: input '{name.strip()}' is given twice; give each input once")
+            raise ConfigError(f"input_shape: input '{name.strip()}' is given twice; give each input once")
         else:
             named[name.strip()] = shape
     if unnamed and (named or len(unnamed) > 1):
-        raise ConfigError("--input-shape: a model with several inputs needs each named, in the forward's order: "
-                          "--input-shape input_ids=8,16 --input-shape mask=8,16")
+        raise ConfigError("input_shape: a model with several inputs needs each named, in the forward's order, "
+                          "e.g. input_ids=8,16 and mask=8,16")
     raw_shape = unnamed[0] if unnamed else named
     if dtype is None or "=" not in dtype:
         return raw_shape, dtype
@@ -297,7 +297,7 @@ def inputs_from_flags(shapes: Sequence[str], dtype: str | None) -> tuple[Any, An
     for item in dtype.split(","):
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
-            raise ConfigError(f"--input-dtype '{dtype}' is not DTYPE or NAME=DTYPE,... (e.g. int64, or "
+            raise ConfigError(f"input_dtype: '{dtype}' is not DTYPE or NAME=DTYPE,... (e.g. int64, or "
                               "input_ids=int64,mask=bool)")
         raw_dtype[name.strip()] = value.strip()
     return raw_shape, raw_dtype

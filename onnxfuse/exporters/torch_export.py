@@ -44,7 +44,7 @@ def check_opset(opset) -> int:
     """``opset`` if onnxfuse reads it and the TorchScript exporter writes it; else one ConfigError line."""
     top = min(_max_opset(), MAX_OPSET)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= top:
-        raise ConfigError(f"--opset {opset} is not supported: torch's TorchScript exporter writes opsets up to "
+        raise ConfigError(f"opset={opset!r} is not supported: torch's TorchScript exporter writes opsets up to "
                           f"{_max_opset()} and onnxfuse reads opsets {MIN_OPSET} to {MAX_OPSET}; give one in "
                           f"{MIN_OPSET}..{top} "
                           f"(default {DEFAULT_OPSET})")
@@ -154,7 +154,7 @@ def example_error(module: torch.nn.Module, example_inputs: tuple, e: Exception, 
     first = " ".join(str(e).split())[:300]
     return ConfigError(f"torch could not {what} {type(module).__name__} with input shape(s) {shapes} "
                        f"({', '.join(dtypes)}): {first}; give inputs of the shapes and dtypes the model takes, batch "
-                       "axis first (--input-shape and --input-dtype, or onnxfuse.fuse's example_inputs; token ids: "
+                       "axis first (input_shape= and input_dtype=, or onnxfuse.fuse's example_inputs; token ids: "
                        "int64)")
 
 
@@ -286,10 +286,10 @@ def export_array(
     ``out_dir/model_{b}.onnx`` (example inputs from ``input_shape`` and ``input_dtype``: :func:`trace_inputs`).
     Returns the file paths."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ConfigError(f"--count is {count!r}; give the number of models, at least 1")
+        raise ConfigError(f"count={count!r}: give the number of models, at least 1")
     seeds = list(range(count)) if seeds is None else list(seeds)
     if len(seeds) != count:
-        raise ConfigError(f"--seeds has {len(seeds)} values but --count is {count}; give one seed per model")
+        raise ConfigError(f"seeds: {len(seeds)} values but count={count}; give one seed per model")
     name = factory if isinstance(factory, str) else factory_name(factory)
     factory = load_factory(factory) if isinstance(factory, str) else factory
     check_opset(export_kwargs.get("opset", DEFAULT_OPSET))

@@ -527,12 +527,12 @@ class _Concurrent:
                     raise torch.OutOfMemoryError(f"concurrent: model {b}'s process: {value}")
                 if got == "error":
                     raise ConcurrentWorkerError(f"concurrent mode: model {b}'s process failed while {doing}: {value}; "
-                                                "leave concurrent out of --modes, or run --modes seq-torch to see "
+                                                "leave 'concurrent' out of modes=, or run modes=['seq-torch'] to see "
                                                 "the same model fail in this process")
                 raise ConcurrentWorkerError(f"concurrent mode: model {b}'s process exited (exit code "
                                             f"{proc.exitcode}) while {doing}; a negative code is the "
                                             "signal that killed it (-9: often out of memory): measure a smaller B "
-                                            "or leave concurrent out of --modes")
+                                            "or leave 'concurrent' out of modes=")
         return [replies[b] for b in range(len(self.procs))]
 
     def close(self) -> None:
@@ -699,21 +699,21 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
 
     for name in models:
         if name not in ZOO and not is_onnx_file(name):
-            raise ConfigError(f"--models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}, or give the path "
+            raise ConfigError(f"models: unknown zoo model '{name}'; choose from: {', '.join(ZOO)}, or give the path "
                               "of an .onnx file")
     for mode in modes:
         if mode not in MODES:
-            raise ConfigError(f"--modes: unknown mode '{mode}'; choose from: {', '.join(MODES)}")
+            raise ConfigError(f"modes: unknown mode '{mode}'; choose from: {', '.join(MODES)}")
     if not precisions:
-        raise ConfigError(f"--precision: give one or more of {', '.join(PRECISIONS)}, comma-separated (e.g. fp32,bf16)")
+        raise ConfigError(f"precisions: give one or more of {', '.join(PRECISIONS)}, comma-separated (e.g. fp32,bf16)")
     for precision in precisions:
-        check_precision(precision, where="--precision")
+        check_precision(precision, where="precisions:")
     if not Bs or any(isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1 for B in Bs):
-        raise ConfigError(f"--B: array sizes must be integers >= 1, e.g. 1,8,16; got {list(Bs)}")
-    for flag, v, least in (("--batch", batch, 1), ("--steps", steps, 1), ("--rounds", rounds, 1),
-                           ("--warmup", warmup, 0)):
+        raise ConfigError(f"B: array sizes must be integers >= 1, e.g. [1, 8, 16]; got {list(Bs)}")
+    for name, v, least in (("batch", batch, 1), ("steps", steps, 1), ("rounds", rounds, 1),
+                           ("warmup", warmup, 0)):
         if v < least:
-            raise ConfigError(f"{flag} must be at least {least}, got {v}")
+            raise ConfigError(f"{name}: must be at least {least}, got {v}")
 
 
 def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequence[str], batch: int, steps: int,
@@ -989,7 +989,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
     models, Bs = list(models), list(B)
     modes, precisions = list(dict.fromkeys(modes)), list(dict.fromkeys(precisions))
     _check(models, Bs, modes, batch, steps, rounds, warmup, precisions)
-    where = Device.of(device, "--device: ")
+    where = Device.of(device, "device: ")
     out = os.fspath(out)
     with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
         cmd = command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy,

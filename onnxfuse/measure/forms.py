@@ -195,8 +195,8 @@ def measured_strategy(runtime: str = "auto", device: Device | str = "cpu", batch
     from onnxfuse.runtime.trainers import resolve_runtime
 
     if batch < 1:
-        raise ConfigError(f"--batch must be at least 1 for the auto strategy, got {batch}")
-    device = Device.of(device, "--device: ")
+        raise ConfigError(f"batch: must be at least 1 for the auto strategy, got {batch}")
+    device = Device.of(device, "device: ")
     runtime = resolve_runtime(runtime, device)
     key = _device_key(runtime, device, threads) + (" compiled" if compile == "on" and runtime == "torch" else "")
     path = cache_path()
@@ -233,7 +233,7 @@ def make_strategy(name: str, runtime: str = "auto", device: Device | str = "cpu"
     """What ``--strategy NAME`` means: ``auto`` measures (:func:`measured_strategy`; ``compile="on"``: the forms'
     compiled steps); ``default`` or a form name is passed to ``fuse_models`` as it is."""
     if name not in STRATEGY_CHOICES:
-        raise ConfigError(f"--strategy: unknown strategy '{name}'; choose one of: {', '.join(STRATEGY_CHOICES)}")
+        raise ConfigError(f"strategy: unknown strategy '{name}'; choose one of: {', '.join(STRATEGY_CHOICES)}")
     if name == "auto":
         return measured_strategy(runtime, device, batch, threads, progress=progress, compile=compile)
     return name

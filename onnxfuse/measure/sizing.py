@@ -69,16 +69,16 @@ _VIEW_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", 
 
 
 # ------------------------------------------------------------------------------------------------- the budget
-def parse_memory(value: str | int | float, flag: str = "--memory-budget") -> int:
+def parse_memory(value: str | int | float, name: str = "memory_budget") -> int:
     """'8GiB' -> 8589934592; '512MiB', '2GB' (powers of 1000), '1e9' or an int: bytes (``onnxfuse.core._units``, the
     units placement's ``--memory`` takes)."""
     how = "give bytes or a number with a unit, e.g. 8GiB, 512MiB, 2GB"
     try:
         size = parse_size(value if value is not None else "")
     except ConfigError as e:
-        raise ConfigError(f"{flag}: {e}; {how}") from None
+        raise ConfigError(f"{name}: {e}; {how}") from None
     if not math.isfinite(size) or size < 1:
-        raise ConfigError(f"{flag} must be a positive size, got '{value}'; {how}")
+        raise ConfigError(f"{name}: must be a positive size, got '{value}'; {how}")
     return int(size)
 
 
@@ -113,7 +113,7 @@ def default_memory_budget(device: Device | str) -> tuple[int, str]:
         return int(total * SAFETY["cuda"]), f"{SAFETY['cuda']:g} x {device}'s {_size(total)}"
     ram = _available_ram()
     if ram is None:
-        raise ConfigError("cannot read the available RAM on this system; give --memory-budget, e.g. 8GiB")
+        raise ConfigError("cannot read the available RAM on this system; give memory_budget= (e.g. 8GiB)")
     return int(ram * SAFETY["cpu"]), f"{SAFETY['cpu']:g} x the {_size(ram)} of RAM available"
 
 
@@ -131,7 +131,7 @@ def fit_line(x: Sequence[float], y: Sequence[float], nonnegative_intercept: bool
     intercept becomes 0 and the slope is refitted through the origin."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if len(set(x.tolist())) < 2:
-        raise ConfigError(f"--probe needs at least two different array sizes to fit a line, got {sorted(set(x))}")
+        raise ConfigError(f"probe: needs at least two different array sizes to fit a line, got {sorted(set(x))}")
     slope, intercept = np.polyfit(x, y, 1)
     if nonnegative_intercept and intercept < 0:
         intercept, slope = 0.0, float(x @ y / (x @ x))
@@ -156,8 +156,8 @@ def choose_B(Bs: Sequence[int], step_s: Sequence[float], memory: Sequence[float]
     if not len(Bs) == len(step_s) == len(memory):
         raise ValueError("Bs, step_s and memory must have one value per candidate")
     if memory[0] > budget:
-        raise ConfigError(f"--memory-budget {_size(budget)} is below the {_size(memory[0])} predicted for B={Bs[0]}; "
-                          f"raise --memory-budget to at least {math.ceil(memory[0] / 2 ** 20)}MiB or lower --batch")
+        raise ConfigError(f"memory_budget: {_size(budget)} is below the {_size(memory[0])} predicted for B={Bs[0]}; "
+                          f"raise memory_budget= to at least {math.ceil(memory[0] / 2 ** 20)}MiB or lower batch=")
     samples = [B * batch / t for B, t in zip(Bs, step_s)]
     for i, B in enumerate(Bs):
         if i + 1 == len(Bs):
@@ -203,7 +203,7 @@ def _file_proto(path: str, batch: int) -> tuple[onnx.ModelProto, np.ndarray]:
 
     f = load_onnx_file(path, batch, flag="MODEL")
     if f.fixed_batch and f.input_shape[0] != batch:
-        raise ConfigError(f"MODEL '{path}': its batch axis is fixed at {f.input_shape[0]}; pass --batch "
+        raise ConfigError(f"MODEL '{path}': its batch axis is fixed at {f.input_shape[0]}; pass batch="
                           f"{f.input_shape[0]} or export it with a dynamic batch")
     return f.proto, file_batch(f, torch.device("cpu"))[0].numpy()
 
@@ -519,9 +519,9 @@ class ArrayPlan:
         atomic_write_bytes(path, (json.dumps(self.to_json(), indent=1) + "\n").encode())
 
 
-def _check_int(flag: str, value, least: int = 1) -> int:
+def _check_int(name: str, value, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ConfigError(f"{flag} must be an integer >= {least}, got {value!r}")
+        raise ConfigError(f"{name}: must be an integer >= {least}, got {value!r}")
     return int(value)
 
 
@@ -537,15 +537,15 @@ def plan_array(model: str, runtime: str = "auto", device: Device | str = "cpu", 
     ``probe``: the array sizes really trained. Bad input is a one-line ConfigError naming the setting."""
     from onnxfuse.runtime.trainers import resolve_runtime
 
-    batch = _check_int("--batch", batch)
-    max_B = _check_int("--max-B", max_B)
-    for flag, v, least in (("--warmup", warmup, 0), ("--steps", steps, 1), ("--rounds", rounds, 1),
-                           ("--threads", threads, 0)):
-        _check_int(flag, v, least)
-    probe = sorted({_check_int("--probe", B) for B in probe})
+    batch = _check_int("batch", batch)
+    max_B = _check_int("max_B", max_B)
+    for name, v, least in (("warmup", warmup, 0), ("steps", steps, 1), ("rounds", rounds, 1),
+                           ("threads", threads, 0)):
+        _check_int(name, v, least)
+    probe = sorted({_check_int("probe", B) for B in probe})
     if len(probe) < 2:
-        raise ConfigError(f"--probe needs at least two different array sizes to fit a line, e.g. 1,2,4; got {probe}")
-    device = Device.of(device, "--device: ")
+        raise ConfigError(f"probe: needs at least two different array sizes to fit a line, e.g. [1, 2, 4]; got {probe}")
+    device = Device.of(device, "device: ")
     runtime = resolve_runtime(runtime, device)
     if memory_budget is None:
         budget, budget_source = default_memory_budget(device)

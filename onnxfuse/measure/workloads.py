@@ -164,7 +164,7 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def load_onnx_file(path: str, batch: int, flag: str = "--models") -> OnnxFile:
+def load_onnx_file(path: str, batch: int, flag: str = "models") -> OnnxFile:
     """Read and check an ONNX file to measure (``flag``: where it was given): one data input (float, or int64 ids
     that index an embedding initializer), one output whose last axis holds classes, torch eager runs it, B = 2
     perturbed copies fuse. Every failure is one ConfigError naming the file."""

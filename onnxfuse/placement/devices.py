@@ -99,7 +99,7 @@ def _device_fields(entry: dict, where: str) -> dict:
 def make_devices(count: int, **fields: Any) -> list[Device]:
     """``count`` equal devices named cpu0.. (or cuda0.. for kind 'cuda', with device ids 0..count-1)."""
     if count < 1:
-        raise ConfigError(f"--devices must be at least 1, got {count}")
+        raise ConfigError(f"devices: must be at least 1, got {count}")
     f = _device_fields(fields, "device flags")
     kind = f.get("kind", "cpu")
     return [Device(**{**f, "name": f"{kind}{d}", **({"device_id": d} if kind == "cuda" else {})})
@@ -143,8 +143,8 @@ def load_device_spec(path: str | os.PathLike, count: int | None = None) -> list[
                 name = f"{name}{r}" if "name" in fields else name
             devices.append(Device(**{**fields, "name": name}))
     if count is not None and count != len(devices):
-        raise ConfigError(f"--devices {count} but device spec '{path}' describes {len(devices)} devices; "
-                          "drop --devices or make them agree")
+        raise ConfigError(f"count={count} but device spec '{path}' describes {len(devices)} devices; "
+                          "drop count= or make them agree")
     names = [d.name for d in devices]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:

@@ -77,7 +77,7 @@ def optimizer_state_slots(optimizer: str | int) -> int:
 
         return len(make_optimizer("sgd", 1, momentum=0.9).state_names())
     if optimizer not in registry:
-        raise ConfigError(f"--optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(optimizer_names())}, "
+        raise ConfigError(f"optimizer: unknown optimizer '{optimizer}'; choose from {', '.join(optimizer_names())}, "
                           "or give its number of state buffers per weight")
     return registry[optimizer].state_slots()
 
@@ -189,7 +189,7 @@ def bind_dims(model: onnx.ModelProto, batch_size: int | None = None,
             elif first_free and batch_size is not None:  # [N, ...], or [B, N, ...] for a per-model input
                 value = batch_size
             else:
-                hint = f"--dims {param}=VALUE" if param else "--batch-size N" if first_free else "--dims"
+                hint = f"dims={{{param!r}: VALUE}}" if param else "batch_size=N" if first_free else "dims="
                 raise ConfigError(f"graph input '{vi.name}' has a free dimension "
                                   f"{repr(param) if param else '(unnamed)'} on axis {axis}; give its size with {hint}")
             first_free = False
@@ -236,7 +236,7 @@ def example_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
             continue
         shape = _static_shape(vi.type)
         if shape is None:
-            raise ConfigError(f"graph input '{vi.name}' has no static shape; bind it with --batch-size / --dims")
+            raise ConfigError(f"graph input '{vi.name}' has no static shape; bind it with batch_size= or dims=")
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
         if dtype.kind == "f":
             feeds[vi.name] = rng.standard_normal(shape).astype(dtype)

@@ -141,7 +141,7 @@ def check_memory(graph: PlacementGraph, device_of: Sequence[int], devices: Seque
     for dev, u in zip(devices, used):
         if u > dev.memory:
             raise PlacementError(f"{graph.label}: the placement holds {format_bytes(u)} on device '{dev.name}', "
-                                 f"which has {format_bytes(dev.memory)}; give --memory {size_flag(u)} "
+                                 f"which has {format_bytes(dev.memory)}; give memory={size_flag(u)!r} "
                                  "or more, or more devices")
 
 
@@ -319,4 +319,4 @@ def place(graph: PlacementGraph, costs: CostTable, placer: str, order: str | Non
         raise PlacementError(
             f"{graph.label} does not fit on {len(costs.devices)} device(s) with {format_bytes(biggest)} each "
             f"({label}: {e}); the smallest memory per device that works for this placer is about "
-            f"{format_bytes(m)}: give --memory {size_flag(m)} or more devices") from e
+            f"{format_bytes(m)}: give memory={size_flag(m)!r} or more devices") from e

@@ -111,7 +111,7 @@ def check_placers(placers: Sequence[str]) -> None:
     """A ConfigError naming the first of ``placers`` that the placer table does not have."""
     unknown = [p for p in placers if p not in PLACERS]
     if unknown:
-        raise ConfigError(f"--placer: unknown placer '{unknown[0]}'; choose from {', '.join(PLACER_NAMES)} or all")
+        raise ConfigError(f"placers: unknown placer '{unknown[0]}'; choose from {', '.join(PLACER_NAMES)} or all")
 
 
 def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: Sequence[str] = PLACER_NAMES,

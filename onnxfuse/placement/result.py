@@ -168,12 +168,12 @@ def place_model(model: str | os.PathLike, devices: Sequence[Device] | int = 2, *
     placers = list(PLACER_NAMES) if placers == "all" else list(placers)
     for o in orders:
         if o not in ORDER_NAMES:
-            raise ConfigError(f"--order: unknown traversal order '{o}'; choose from {', '.join(ORDER_NAMES)} or all")
+            raise ConfigError(f"orders: unknown traversal order '{o}'; choose from {', '.join(ORDER_NAMES)} or all")
     check_placers(placers)
     if costs not in ("auto", "profile", "estimate"):
-        raise ConfigError(f"--costs: '{costs}' is not auto, profile or estimate")
+        raise ConfigError(f"costs: '{costs}' is not auto, profile or estimate")
     if repeats < 1 or warmup < 0:
-        raise ConfigError("--repeats must be at least 1 and --warmup at least 0")
+        raise ConfigError("repeats= must be at least 1 and warmup= at least 0")
     devices = make_devices(devices) if isinstance(devices, int) else list(devices)
     array = ArrayDir.holding(model)
     with array.locked("place") if array is not None else contextlib.nullcontext():
@@ -241,7 +241,7 @@ def _place(path, devices, placers, orders, costs, calibrate, batch_size, dims, f
     calibration = None
     if calibrate if calibrate is not None else (run and profiled):
         if not profiled:
-            raise ConfigError("--calibrate needs profiled costs (--costs profile): the model could not be profiled")
+            raise ConfigError("calibrate=True needs profiled costs, costs='profile': the model could not be profiled")
         from onnxfuse.placement.profile import calibrate as fit_overheads
 
         calibration = fit_overheads(graph, devices, feeds, progress=progress)
@@ -266,11 +266,11 @@ def _dims_from_feeds(model, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
         if vi.name in inits:
             continue
         if vi.name not in feeds:
-            raise ConfigError(f"--inputs has no array '{vi.name}' (it holds {', '.join(sorted(feeds)) or 'nothing'})")
+            raise ConfigError(f"feeds: no array for graph input '{vi.name}' (it holds {', '.join(sorted(feeds)) or 'nothing'})")
         shape = feeds[vi.name].shape
         spec = vi.type.tensor_type.shape.dim
         if len(shape) != len(spec):
-            raise ConfigError(f"--inputs: '{vi.name}' has shape {list(shape)} but the graph input has rank {len(spec)}")
+            raise ConfigError(f"feeds: '{vi.name}' has shape {list(shape)} but the graph input has rank {len(spec)}")
         for d, n in zip(spec, shape):
             if d.HasField("dim_param") and d.dim_param:
                 dims[d.dim_param] = int(n)
@@ -292,8 +292,8 @@ def _maybe_profile(costs: str, graph, feeds, extra, progress: bool) -> bool:
     except (ImportError, OnnxFuseError, RuntimeError, ValueError) as e:
         why = " ".join(str(e).split())[:200]
         if costs == "profile":
-            raise ConfigError(f"--costs profile: the model could not be profiled here ({why}); "
-                              "use --costs estimate") from e
+            raise ConfigError(f"costs='profile': the model could not be profiled here ({why}); "
+                              "use costs='estimate'") from e
         warnings.warn(f"profiling failed ({why}); using FLOP/byte estimates", PlacementWarning, stacklevel=3)
         return False
 

@@ -38,7 +38,7 @@ def _check(node: onnx.NodeProto, ctx: Context, ins: list[str], model_axes: int =
     lens = ctx.constant(ins[4]) if ins[4] else None
     if ins[4] and (lens is None or bool((lens != T).any())):
         raise ctx.error(node, "it has sequence_lens, which its reverse direction cannot be rewritten with",
-                        "pad the sequences to one length without sequence_lens, or train it with --runtime torch")
+                        "pad the sequences to one length without sequence_lens, or train it with runtime='torch'")
     return T
 
 

@@ -47,7 +47,7 @@ _X, _W, _R, _B, _LENS, _H0, _C0, _P = range(8)
 def _per_model_lens(g: "NodeGroup") -> None:
     if not g.is_shared(_LENS):
         g.fail("its sequence_lens differ per model, which only the per-model form reads; fuse it with "
-               "--strategy per-model")
+               "strategy='per-model'")
 
 
 def _batched(g: "NodeGroup") -> None:
