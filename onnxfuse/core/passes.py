@@ -21,7 +21,7 @@ from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._dynamo_file import dynamo_file_warnings
 from onnxfuse.core._graph import cleanup_pass, toposort_pass
 from onnxfuse.core.array import ArrayDir
-from onnxfuse.core.engine import NODE_ORIGINS, Strategy, fuse_aligned
+from onnxfuse.core.engine import NODE_ORIGINS, FusionResult, Strategy, fuse_aligned
 from onnxfuse.core.errors import ConfigError, NotFusibleError
 from onnxfuse.core.identity import check_identical
 from onnxfuse.core.rules import RULES
@@ -113,7 +113,30 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
     """
     if isinstance(strategy, str):
         strategy = None if strategy == "default" else fixed_strategy(strategy)
-    models = model_files(models)
+    sources = _load_sources(model_files(models), labels, per_model_inputs)
+    with Stopwatch() as watch:
+        aligned = check_identical(sources)
+    if len(sources) > 1:
+        log.debug("identity check: the %d models are one graph up to weights (%.2f s)", len(sources), watch.seconds)
+    with Stopwatch() as watch:
+        result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs),
+                              strategy=strategy, model_ids=model_ids)
+    log.debug("fused by the rules in %.2f s (%d fused, %d run per model, %d shared)", watch.seconds,
+              result.summary["fused"], result.summary["per_model"], result.summary["shared"])
+    for node, form in result.summary.get("forms", {}).items():
+        log.debug("form of node '%s': %s (%s)", node, form, "the strategy's choice" if strategy else "the rule's "
+                  "first, strategy='default'")
+    _training_semantics(result, sources, padding_rows, frozen)
+    with Stopwatch() as watch:
+        model = check_pass(toposort_pass(cleanup_pass(result.model)), sources)
+    log.debug("clean-up, topological sort and onnx.checker: %d -> %d nodes in %.2f s", len(result.model.graph.node),
+              len(model.graph.node), watch.seconds)
+    return FusedGraph(model=model, spec=_array_spec(model, result, sources, per_model_inputs), sources=sources)
+
+
+def _load_sources(models: list, labels: Sequence[str] | None, per_model_inputs: Sequence[str]) -> list[SourceModel]:
+    """Each model read and loaded (:func:`~onnxfuse.core.source.load_source`); ``per_model_inputs`` checked
+    against the graph's inputs."""
     for k, m in enumerate(models):
         if not isinstance(m, (str, os.PathLike, onnx.ModelProto)):
             module = hasattr(m, "state_dict") and hasattr(m, "forward")  # a torch module, without importing torch
@@ -130,37 +153,33 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
     if unknown:
         raise ConfigError(f"per_model_inputs: '{unknown[0]}' is not a graph input of {sources[0].label} "
                           f"(its inputs: {', '.join(sorted(names))})")
-    with Stopwatch() as watch:
-        aligned = check_identical(sources)
-    if len(sources) > 1:
-        log.debug("identity check: the %d models are one graph up to weights (%.2f s)", len(sources), watch.seconds)
-    with Stopwatch() as watch:
-        result = fuse_aligned(aligned, RULES, strict=strict, per_model_inputs=set(per_model_inputs),
-                              strategy=strategy, model_ids=model_ids)
-    log.debug("fused by the rules in %.2f s (%d fused, %d run per model, %d shared)", watch.seconds,
-              result.summary["fused"], result.summary["per_model"], result.summary["shared"])
-    for node, form in result.summary.get("forms", {}).items():
-        log.debug("form of node '%s': %s (%s)", node, form, "the strategy's choice" if strategy else "the rule's "
-                  "first, strategy='default'")
+    return sources
+
+
+def _training_semantics(result: FusionResult, sources: list[SourceModel],
+                        padding_rows: Mapping[str, Sequence[int]] | None, frozen: Sequence[str]) -> None:
+    """What the fused weights need besides the graph (padding rows, frozen weights: recorded in them), and the
+    warnings for what the files lost or the rules could not fuse. Warns at fuse_models' caller."""
     for message in dynamo_file_warnings(sources[0].dynamo, sources[0].label):  # what torch's dynamo export lost
-        warnings.warn(message, stacklevel=2)
+        warnings.warn(message, stacklevel=3)
     metas = [s.meta for s in sources]
     if padding_rows or frozen:
         apply_options(result.weights, metas, padding_rows, frozen)
     elif not sources[0].meta:  # a plain export, and nothing said about it
         for message in plain_export_warnings(sources[0].model, sources[0].weight_names):
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, stacklevel=3)
     record_semantics(result.weights, metas)
     if result.summary["unfused"]:
         listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
         more = len(result.summary["unfused"]) - 10
         warnings.warn(f"{len(result.summary['unfused'])} node(s) run once per model instead of fused: {listed}"
                       + (f" and {more} more" if more > 0 else "") + "; see array.json summary.unfused for why",
-                      stacklevel=2)
-    with Stopwatch() as watch:
-        model = check_pass(toposort_pass(cleanup_pass(result.model)), sources)
-    log.debug("clean-up, topological sort and onnx.checker: %d -> %d nodes in %.2f s", len(result.model.graph.node),
-              len(model.graph.node), watch.seconds)
+                      stacklevel=3)
+
+
+def _array_spec(model: onnx.ModelProto, result: FusionResult, sources: list[SourceModel],
+                per_model_inputs: Sequence[str]) -> ArraySpec:
+    """The weight mapping and record of the fused ``model``: array.json."""
     src = sources[0]
 
     def io(vis, per_model=()):
@@ -173,7 +192,7 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
     # the fused nodes the clean-up kept, by what emitted them: they add up to fused_nodes (docs/cli.md, "fuse")
     kept = [result.origins.get(n.name, "rules") for n in model.graph.node]
     summary["fused_nodes_from"] = {origin: kept.count(origin) for origin in NODE_ORIGINS}
-    spec = ArraySpec(
+    return ArraySpec(
         B=len(sources),
         sources=[s.label for s in sources],
         inputs=io(src.inputs, set(per_model_inputs)),
@@ -182,7 +201,6 @@ def fuse_models(models: str | os.PathLike | Sequence[str | os.PathLike | onnx.Mo
         extra_state=[_extra_state(s) for s in sources],
         summary=summary,
     )
-    return FusedGraph(model=model, spec=spec, sources=sources)
 
 
 # a state_dict key: dotted module path and name (an export's own constants are "onnx::Reshape_3", "/Constant_output_0")

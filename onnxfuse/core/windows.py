@@ -110,60 +110,79 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("Conv", "MaxPool", "AveragePool"):
             continue
-        x_shape = shapes.get(node.input[0])
-        if not x_shape or len(x_shape) < 3 or not all(isinstance(d, int) and d > 0 for d in x_shape[2:]):
-            continue
-        attrs = _attrs(node)
-        S = len(x_shape) - 2
-        kernel = attrs.get("kernel_shape")
-        if kernel is None and node.op_type == "Conv":
-            w = shapes.get(node.input[1])
-            kernel = list(w[2:]) if w and all(isinstance(d, int) for d in w[2:]) else None
-        if kernel is None:
-            continue
-        strides = attrs.get("strides", [1] * S)
-        dil = attrs.get("dilations", [1] * S)
-        auto_pad, ceil = attrs.get("auto_pad", "NOTSET"), int(attrs.get("ceil_mode", 0))
-        if auto_pad == "NOTSET" and not ceil:
-            continue
-        pads = list(attrs.get("pads", [0] * (2 * S)))
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            sp = [same_pads(x_shape[2 + a], kernel[a], strides[a], dil[a], auto_pad == "SAME_UPPER") for a in range(S)]
-            pads = [p[0] for p in sp] + [p[1] for p in sp]
-        elif auto_pad == "VALID":
-            pads = [0] * (2 * S)
-        attrs.pop("auto_pad", None)
-        divisor_ratio = None
-        if ceil:
-            L = x_shape[2:]
-            n = [output_length(L[a], kernel[a], strides[a], pads[a], pads[S + a], dil[a], True) for a in range(S)]
-            new_end = [floor_mode_end_pad(L[a], kernel[a], strides[a], pads[a], pads[S + a], dil[a], n[a])
-                       for a in range(S)]
-            if node.op_type == "AveragePool" and int(attrs.get("count_include_pad", 0)):
-                torch_div = _outer([average_divisors(L[a], kernel[a], strides[a], pads[a], pads[S + a], n[a], True)
-                                    for a in range(S)])
-                valid = _outer([average_divisors(L[a], kernel[a], strides[a], pads[a], new_end[a], n[a], False)
-                                for a in range(S)])
-                attrs["count_include_pad"] = 0
-                if not np.array_equal(valid, torch_div):
-                    divisor_ratio = (valid / torch_div).astype(np.float32)
-            pads = pads[:S] + new_end
-            attrs["ceil_mode"] = 0
-        attrs["pads"] = pads
-        _set_attrs(node, attrs)
-        changed.add(node.output[0])
-        if divisor_ratio is not None:  # y = AveragePool(x) * ratio, under the node's original output name
-            y = node.output[0]
-            node.output[0] = names.fresh(f"{y}/valid_mean")
-            ratio = names.fresh(f"{node.name or y}/divisor_ratio")
-            g.initializer.append(numpy_helper.from_array(divisor_ratio.reshape(1, 1, *divisor_ratio.shape), ratio))
-            nodes.append(helper.make_node("Mul", [node.output[0], ratio], [y], name=names.fresh(f"{node.name}/divisor")))
+        y = node.output[0]  # its name before an AveragePool's divisor ratio takes it
+        extra = _explicit_window(node, shapes, names, g)
+        if extra is not None:
+            nodes.extend(extra)
+            changed.add(y)
     if not changed:
         return model
     del g.node[:]
     g.node.extend(nodes)
-    # The exporter declared the shapes its runtime computes, downstream of every changed node too: forget them and
-    # infer them again from the new attributes.
+    _infer_changed_shapes(out, changed)
+    return out
+
+
+def _explicit_window(node: onnx.NodeProto, shapes: dict, names: Names, g: onnx.GraphProto
+                     ) -> list[onnx.NodeProto] | None:
+    """Rewrite one Conv / MaxPool / AveragePool in place to explicit pads and ``ceil_mode = 0`` (see
+    :func:`explicit_windows_pass`); the nodes to add after it (AveragePool's divisor ratio), or None when it is
+    left as it is (its spatial dims or kernel unknown, nothing implicit)."""
+    x_shape = shapes.get(node.input[0])
+    if not x_shape or len(x_shape) < 3 or not all(isinstance(d, int) and d > 0 for d in x_shape[2:]):
+        return None
+    attrs = _attrs(node)
+    S = len(x_shape) - 2
+    kernel = attrs.get("kernel_shape")
+    if kernel is None and node.op_type == "Conv":
+        w = shapes.get(node.input[1])
+        kernel = list(w[2:]) if w and all(isinstance(d, int) for d in w[2:]) else None
+    if kernel is None:
+        return None
+    strides = attrs.get("strides", [1] * S)
+    dil = attrs.get("dilations", [1] * S)
+    auto_pad, ceil = attrs.get("auto_pad", "NOTSET"), int(attrs.get("ceil_mode", 0))
+    if auto_pad == "NOTSET" and not ceil:
+        return None
+    pads = list(attrs.get("pads", [0] * (2 * S)))
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        sp = [same_pads(x_shape[2 + a], kernel[a], strides[a], dil[a], auto_pad == "SAME_UPPER") for a in range(S)]
+        pads = [p[0] for p in sp] + [p[1] for p in sp]
+    elif auto_pad == "VALID":
+        pads = [0] * (2 * S)
+    attrs.pop("auto_pad", None)
+    divisor_ratio = None
+    if ceil:
+        L = x_shape[2:]
+        n = [output_length(L[a], kernel[a], strides[a], pads[a], pads[S + a], dil[a], True) for a in range(S)]
+        new_end = [floor_mode_end_pad(L[a], kernel[a], strides[a], pads[a], pads[S + a], dil[a], n[a])
+                   for a in range(S)]
+        if node.op_type == "AveragePool" and int(attrs.get("count_include_pad", 0)):
+            torch_div = _outer([average_divisors(L[a], kernel[a], strides[a], pads[a], pads[S + a], n[a], True)
+                                for a in range(S)])
+            valid = _outer([average_divisors(L[a], kernel[a], strides[a], pads[a], new_end[a], n[a], False)
+                            for a in range(S)])
+            attrs["count_include_pad"] = 0
+            if not np.array_equal(valid, torch_div):
+                divisor_ratio = (valid / torch_div).astype(np.float32)
+        pads = pads[:S] + new_end
+        attrs["ceil_mode"] = 0
+    attrs["pads"] = pads
+    _set_attrs(node, attrs)
+    if divisor_ratio is None:
+        return []
+    # y = AveragePool(x) * ratio, under the node's original output name
+    y = node.output[0]
+    node.output[0] = names.fresh(f"{y}/valid_mean")
+    ratio = names.fresh(f"{node.name or y}/divisor_ratio")
+    g.initializer.append(numpy_helper.from_array(divisor_ratio.reshape(1, 1, *divisor_ratio.shape), ratio))
+    return [helper.make_node("Mul", [node.output[0], ratio], [y], name=names.fresh(f"{node.name}/divisor"))]
+
+
+def _infer_changed_shapes(out: onnx.ModelProto, changed: set[str]) -> None:
+    """The exporter declared the shapes its runtime computes, downstream of every changed node too: forget them
+    and infer them again from the new attributes."""
+    g = out.graph
     stale = set(changed)
     for node in g.node:  # topological order: a consumer comes after its producers
         if any(i in stale for i in node.input):
@@ -180,7 +199,6 @@ def explicit_windows_pass(model: onnx.ModelProto) -> onnx.ModelProto:
         for o in outs:  # as inferred now; where inference cannot say (after an If), as the file declared it
             inferred = again[o.name].type
             o.type.CopyFrom(inferred if inferred.tensor_type.HasField("shape") else declared[o.name])
-    return out
 
 
 def _rewritable(node: onnx.NodeProto) -> bool:

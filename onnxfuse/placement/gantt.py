@@ -14,6 +14,7 @@ __all__ = ["gantt_png", "gantt_figure"]
 
 SHOWN_OPS = 9  # op types with a colour of their own (those taking the most time; tab10 but its grey); the rest grey
 MS = 1e3
+OTHER = "#c8c8c8"  # the op types without a colour of their own
 
 
 def gantt_png(graph: PlacementGraph, result: SimResult, devices: Sequence[Device], path: str, title: str = "",
@@ -33,41 +34,67 @@ def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Dev
     follow it); ``measured``: the (device, stage, start, end) of each session call of a measured step, seconds
     from the step's start; ``measured_step``: the measured step time to quote (the median), when given. Rows per
     device that has nodes: simulated compute, measured calls, the outgoing link (when it sends anything)."""
-    from matplotlib import colormaps
-    from matplotlib.patches import Patch
-
     from onnxfuse.core._plot import figure, legend_below
 
-    D = len(devices)
-    links = sorted({t.src for t in result.transfers})
     measured = list(measured or [])
+    rows, used, links = _rows(result, devices, measured)
+    ops, colour = _op_colours(graph, result)
+    fig = figure(11, 0.9 + 0.5 * len(rows))
+    ax = fig.subplots()
+    calls = _draw_bars(ax, graph, result, measured, {(kind, d): k for k, (_, kind, d) in enumerate(rows)}, colour)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, _, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first device on top
+    ax.set_xlim(left=0)
+    ax.set_xlabel("time from the start of the step (ms)")
+    ax.grid(True, axis="x", alpha=0.3)
+    step = f"simulated step {result.step_time * MS:.3f} ms"
+    if measured_step is not None:
+        step += f", measured {measured_step * MS:.3f} ms (median)"
+    ax.set_title(f"{title or graph.label}: {step}", fontsize=10)
+    handles, labels = _legend_entries(ops, colour, calls, measured, result, devices)
+    legend_below(fig, handles, labels, fontsize=8, note=_note(measured, links, used, len(devices)) + ".")
+    return fig
+
+
+def _rows(result: SimResult, devices: Sequence[Device], measured: list
+          ) -> tuple[list[tuple[str, str, int]], list[int], list[int]]:
+    """The chart's rows (label, kind, device), the devices with a row, and those whose link sends anything."""
+    links = sorted({t.src for t in result.transfers})
     used = sorted(set(result.device_of) | {m[0] for m in measured})  # a device with nothing placed: no row
-    rows: list[tuple[str, str, int]] = []  # (label, kind, device)
+    rows: list[tuple[str, str, int]] = []
     for d in used:
         rows.append((f"{devices[d].name}\nsimulated", "sim", d))
         if any(m[0] == d for m in measured):
             rows.append((f"{devices[d].name}\nmeasured", "measured", d))
         if d in links:
             rows.append((f"{devices[d].name} link\nsimulated", "link", d))
-    y = {(kind, d): k for k, (_, kind, d) in enumerate(rows)}
+    return rows, used, links
 
-    n = len(graph)
+
+def _op_colours(graph: PlacementGraph, result: SimResult) -> tuple[list[str], dict[str, tuple]]:
+    """Every op type by the time it takes (most first), and a colour for the ``SHOWN_OPS`` that take the most."""
+    from matplotlib import colormaps
+
     time_of = {}
-    for i in range(n):
+    for i in range(len(graph)):
         time_of[graph.op_types[i]] = time_of.get(graph.op_types[i], 0.0) + result.end[i] - result.start[i]
     ops = sorted(time_of, key=lambda op: -time_of[op])
     named = ops if len(ops) <= SHOWN_OPS + 1 else ops[:SHOWN_OPS]
     palette = [colormaps["tab10"](k) for k in (0, 1, 2, 3, 4, 5, 6, 8, 9)]
-    colour = {op: palette[k % len(palette)] for k, op in enumerate(named)}
-    other = "#c8c8c8"
+    return ops, {op: palette[k % len(palette)] for k, op in enumerate(named)}
 
-    fig = figure(11, 0.9 + 0.5 * len(rows))
-    ax = fig.subplots()
-    shown = [i for i in range(n) if result.end[i] > result.start[i]]
+
+def _draw_bars(ax, graph: PlacementGraph, result: SimResult, measured: list, y: dict, colour: dict
+               ) -> list[tuple[int, float, float]]:
+    """The bars: nodes, session-call overheads, transfers, measured calls; returns the overheads drawn."""
+    from matplotlib import colormaps
+
+    shown = [i for i in range(len(graph)) if result.end[i] > result.start[i]]
     if shown:  # one call per artist kind: a training graph has thousands of bars
         ax.barh([y["sim", result.device_of[i]] for i in shown], [(result.end[i] - result.start[i]) * MS for i in shown],
                 left=[result.start[i] * MS for i in shown], height=0.7,
-                color=[colour.get(graph.op_types[i], other) for i in shown], linewidth=0)
+                color=[colour.get(graph.op_types[i], OTHER) for i in shown], linewidth=0)
     calls = _call_overheads(result)
     if calls:
         ax.barh([y["sim", d] for d, _, _ in calls], [(e - s) * MS for _, s, e in calls],
@@ -85,18 +112,16 @@ def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Dev
         if several:  # more than one stage on a device: say which call is which
             for d, stage, s, e in measured:
                 ax.text((s + e) / 2 * MS, y["measured", d], f"stage {stage}", ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([label for label, _, _ in rows], fontsize=8)
-    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first device on top
-    ax.set_xlim(left=0)
-    ax.set_xlabel("time from the start of the step (ms)")
-    ax.grid(True, axis="x", alpha=0.3)
-    step = f"simulated step {result.step_time * MS:.3f} ms"
-    if measured_step is not None:
-        step += f", measured {measured_step * MS:.3f} ms (median)"
-    ax.set_title(f"{title or graph.label}: {step}", fontsize=10)
+    return calls
 
-    handles = [Patch(color=colour[op]) for op in named] + ([Patch(color=other)] if len(named) < len(ops) else [])
+
+def _legend_entries(ops: list[str], colour: dict, calls: list, measured: list, result: SimResult,
+                    devices: Sequence[Device]) -> tuple[list, list[str]]:
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    named = list(colour)
+    handles = [Patch(color=colour[op]) for op in named] + ([Patch(color=OTHER)] if len(named) < len(ops) else [])
     labels = list(named) + ([f"{len(ops) - len(named)} other op types"] if len(named) < len(ops) else [])
     if calls:
         handles.append(Patch(facecolor="white", edgecolor="0.45", hatch="////"))
@@ -107,6 +132,11 @@ def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Dev
     for dst in sorted({t.dst for t in result.transfers}):
         handles.append(Patch(facecolor=colormaps["Set2"](dst % 8), edgecolor="black"))
         labels.append(f"transfer to {devices[dst].name}")
+    return handles, labels
+
+
+def _note(measured: list, links: list[int], used: list[int], D: int) -> str:
+    """What the rows show, below the legend."""
     note = ("simulated rows: the placement's step as the simulator predicts it, each stage one session call "
             "(its overhead first, then its nodes); ")
     note += ("measured rows: each session call of the last timed step, from the step's start (a call begins when "
@@ -119,8 +149,7 @@ def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Dev
         idle = D - len(used)
         note += (f"; {idle} of the {D} devices {'has' if idle == 1 else 'have'} nothing placed on "
                  f"{'it' if idle == 1 else 'them'}")
-    legend_below(fig, handles, labels, fontsize=8, note=note + ".")
-    return fig
+    return note
 
 
 def _call_overheads(result: SimResult) -> list[tuple[int, float, float]]:

@@ -150,142 +150,162 @@ def simulate(graph: PlacementGraph, costs: CostTable, placement: Placement | Seq
     if len(device_of) != len(graph) or any(not 0 <= d < D for d in device_of):
         raise PlacementError(f"{graph.label}: the placement must give every one of its {len(graph)} nodes a device "
                              f"index between 0 and {D - 1}")
-    units = _units(graph, device_of, granularity)
-    unit_of = {i: k for k, u in enumerate(units) for i in u.nodes}
-    waiting: dict[tuple[str, int], list[int]] = defaultdict(list)
-    for k, u in enumerate(units):
-        for w in u.waits:
-            waiting[w].append(k)
-    pending = [len(u.waits) for u in units]
-    queue_of_device = [[k for k, u in enumerate(units) if u.device == d] for d in range(D)]  # stage order
-    next_unit = [0] * D
-    ready: list[list[tuple[float, int, int]]] = [[] for _ in range(D)]  # op mode: (ready_at, node, unit)
-    running: dict[int, _Run] = {}  # device -> the unit it runs
-    link_queue: list[list[tuple[float, int, tuple[str, ...], int]]] = [[] for _ in range(D)]
-    link_running = [False] * D
-    events: list[tuple[float, int, tuple]] = []  # transfer ends
-    seq = 0
-    start = [math.nan] * len(graph)
-    end = [math.nan] * len(graph)
-    busy = [0.0] * D
-    link_busy = [0.0] * D
-    transfers: list[Transfer] = []
-    unit_spans: list[tuple[int, int, float, float]] = []
-    hosts = [d.host or f"#{k}" for k, d in enumerate(costs.devices)]
+    sim = _Simulation(graph, costs, device_of, granularity)
+    step = sim.run()
+    if any(math.isnan(e) for e in sim.end):
+        stuck = next(graph.names[i] for i in range(len(graph)) if math.isnan(sim.end[i]))
+        raise PlacementError(f"{graph.label}: node '{stuck}' never ran in the simulation (internal error)")
+    static = placement_memory(graph, device_of, D)
+    peak = _peak_memory(graph, device_of, D, sim.start, sim.end, sim.transfers, step)
+    return SimResult(step, sim.busy, sim.link_busy, peak, static, sum(t.nbytes for t in sim.transfers),
+                     sim.transfers, sim.start, sim.end, device_of, sim.unit_spans, granularity)
 
-    def became_ready(k: int, now: float) -> None:
-        units[k].ready_at = now
-        if granularity == "op":
-            heapq.heappush(ready[units[k].device], (now, units[k].key, k))
 
-    def rerate(now: float) -> None:
+class _Simulation:
+    """The state of one simulated step: units waiting, ready or running per device, messages queued or on the
+    links, and what has happened so far (node times, busy seconds, transfers)."""
+
+    def __init__(self, graph: PlacementGraph, costs: CostTable, device_of: list[int], granularity: str):
+        self.graph, self.costs, self.granularity = graph, costs, granularity
+        D = self.D = len(costs.devices)
+        units = self.units = _units(graph, device_of, granularity)
+        self.unit_of = {i: k for k, u in enumerate(units) for i in u.nodes}
+        self.waiting: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for k, u in enumerate(units):
+            for w in u.waits:
+                self.waiting[w].append(k)
+        self.pending = [len(u.waits) for u in units]
+        self.queue_of_device = [[k for k, u in enumerate(units) if u.device == d] for d in range(D)]  # stage order
+        self.next_unit = [0] * D
+        self.ready: list[list[tuple[float, int, int]]] = [[] for _ in range(D)]  # op mode: (ready_at, node, unit)
+        self.running: dict[int, _Run] = {}  # device -> the unit it runs
+        self.link_queue: list[list[tuple[float, int, tuple[str, ...], int]]] = [[] for _ in range(D)]
+        self.link_running = [False] * D
+        self.events: list[tuple[float, int, tuple]] = []  # transfer ends
+        self.seq = 0
+        self.start = [math.nan] * len(graph)
+        self.end = [math.nan] * len(graph)
+        self.busy = [0.0] * D
+        self.link_busy = [0.0] * D
+        self.transfers: list[Transfer] = []
+        self.unit_spans: list[tuple[int, int, float, float]] = []
+        self.hosts = [d.host or f"#{k}" for k, d in enumerate(costs.devices)]
+
+    def run(self) -> float:
+        """Play the step out; its time (when the last unit or transfer ends)."""
+        for k, u in enumerate(self.units):
+            if self.pending[k] == 0:
+                self.became_ready(k, 0.0)
+        now = step = 0.0
+        self.dispatch(now)
+        while self.events or self.running:
+            t_unit = min((r.end_time() for r in self.running.values()), default=math.inf)
+            now = min(t_unit, self.events[0][0] if self.events else math.inf)
+            step = max(step, now)
+            # apply every event within a picosecond of now before anyone picks new work
+            done = sorted(d for d, r in self.running.items() if r.end_time() <= now + _EPS)
+            for d in done:
+                self.finish_unit(d, now)
+            while self.events and self.events[0][0] <= now + _EPS:
+                _, _, (tensors, s, dst) = heapq.heappop(self.events)
+                self.link_running[s] = False
+                for tensor in tensors:
+                    self.arrive((tensor, dst), now)
+            if done:
+                self.rerate(now)
+            self.dispatch(now)
+        return step
+
+    def became_ready(self, k: int, now: float) -> None:
+        self.units[k].ready_at = now
+        if self.granularity == "op":
+            heapq.heappush(self.ready[self.units[k].device], (now, self.units[k].key, k))
+
+    def rerate(self, now: float) -> None:
         """Speed of every running unit: 1 / (1 + contention * (devices busy on its host - 1))."""
         count: dict[str, int] = defaultdict(int)
-        for d in running:
-            count[hosts[d]] += 1
-        for d, r in running.items():
-            rate = 1.0 / (1.0 + costs.devices[d].contention * (count[hosts[d]] - 1))
+        for d in self.running:
+            count[self.hosts[d]] += 1
+        for d, r in self.running.items():
+            rate = 1.0 / (1.0 + self.costs.devices[d].contention * (count[self.hosts[d]] - 1))
             if rate != r.rate:
                 r.rebase(now, rate)
 
-    def start_unit(d: int, now: float) -> bool:
-        if d in running:
+    def _overhead(self, d: int) -> float:
+        """A unit's fixed cost on device ``d``: a session call per stage, nothing per op."""
+        return self.costs.devices[d].call_overhead if self.granularity == "stage" else 0.0
+
+    def start_unit(self, d: int, now: float) -> bool:
+        if d in self.running:
             return False
-        if granularity == "stage":
-            order = queue_of_device[d]
-            if next_unit[d] >= len(order) or pending[order[next_unit[d]]] > 0:
+        if self.granularity == "stage":
+            order = self.queue_of_device[d]
+            if self.next_unit[d] >= len(order) or self.pending[order[self.next_unit[d]]] > 0:
                 return False
-            k = order[next_unit[d]]
-            next_unit[d] += 1
+            k = order[self.next_unit[d]]
+            self.next_unit[d] += 1
         else:
-            if not ready[d]:
+            if not self.ready[d]:
                 return False
-            k = heapq.heappop(ready[d])[2]
-        work = (costs.devices[d].call_overhead if granularity == "stage" else 0.0) + \
-            sum(costs.compute[i][d] for i in units[k].nodes)
-        running[d] = _Run(k, work, now)
+            k = heapq.heappop(self.ready[d])[2]
+        work = self._overhead(d) + sum(self.costs.compute[i][d] for i in self.units[k].nodes)
+        self.running[d] = _Run(k, work, now)
         return True
 
-    def finish_unit(d: int, now: float) -> None:
-        nonlocal seq
-        r = running.pop(d)
-        u = units[r.unit]
+    def finish_unit(self, d: int, now: float) -> None:
+        r = self.running.pop(d)
+        u = self.units[r.unit]
         r.points.append((now, r.work))
-        t = (costs.devices[d].call_overhead if granularity == "stage" else 0.0)
+        t = self._overhead(d)
         for i in u.nodes:  # node boundaries: when the unit's progress reached their cumulative work
-            start[i] = r.time_at(t)
-            t += costs.compute[i][d]
-            end[i] = r.time_at(t)
-        busy[d] += now - r.started
-        unit_spans.append((d, u.key, r.started, now))
+            self.start[i] = r.time_at(t)
+            t += self.costs.compute[i][d]
+            self.end[i] = r.time_at(t)
+        self.busy[d] += now - r.started
+        self.unit_spans.append((d, u.key, r.started, now))
+        self._send_outputs(d, r.unit, now)
+
+    def _send_outputs(self, d: int, unit: int, now: float) -> None:
+        """What the unit wrote: there at once for readers on ``d``, one message per other device that reads it."""
         outbox: dict[int, list[str]] = defaultdict(list)  # destination device -> tensors, one message each
-        for i in u.nodes:
-            for tensor in graph.outputs[i]:
-                readers = {units[unit_of[c]].device for c in graph.tensors[tensor].consumers if unit_of[c] != r.unit}
+        for i in self.units[unit].nodes:
+            for tensor in self.graph.outputs[i]:
+                readers = {self.units[self.unit_of[c]].device for c in self.graph.tensors[tensor].consumers
+                           if self.unit_of[c] != unit}
                 for e in sorted(readers):
                     if e == d:
-                        arrive((tensor, e), now)
+                        self.arrive((tensor, e), now)
                     else:
                         outbox[e].append(tensor)
         for e in sorted(outbox):
-            seq += 1
-            heapq.heappush(link_queue[d], (now, seq, tuple(outbox[e]), e))
+            self.seq += 1
+            heapq.heappush(self.link_queue[d], (now, self.seq, tuple(outbox[e]), e))
 
-    def start_link(s: int, now: float) -> None:
-        nonlocal seq
-        if link_running[s] or not link_queue[s]:
+    def start_link(self, s: int, now: float) -> None:
+        if self.link_running[s] or not self.link_queue[s]:
             return
-        _, _, tensors, dst = heapq.heappop(link_queue[s])
-        nbytes = sum(graph.tensors[t].nbytes for t in tensors)
-        t_end = now + costs.comm(nbytes, s, dst)
-        transfers.append(Transfer(tensors, s, dst, now, t_end, nbytes))
-        link_busy[s] += t_end - now
-        link_running[s] = True
-        seq += 1
-        heapq.heappush(events, (t_end, seq, (tensors, s, dst)))
+        _, _, tensors, dst = heapq.heappop(self.link_queue[s])
+        nbytes = sum(self.graph.tensors[t].nbytes for t in tensors)
+        t_end = now + self.costs.comm(nbytes, s, dst)
+        self.transfers.append(Transfer(tensors, s, dst, now, t_end, nbytes))
+        self.link_busy[s] += t_end - now
+        self.link_running[s] = True
+        self.seq += 1
+        heapq.heappush(self.events, (t_end, self.seq, (tensors, s, dst)))
 
-    def arrive(key: tuple[str, int], now: float) -> None:
-        for k in waiting.pop(key, []):
-            pending[k] -= 1
-            if pending[k] == 0:
-                became_ready(k, now)
+    def arrive(self, key: tuple[str, int], now: float) -> None:
+        for k in self.waiting.pop(key, []):
+            self.pending[k] -= 1
+            if self.pending[k] == 0:
+                self.became_ready(k, now)
 
-    def dispatch(now: float) -> None:
+    def dispatch(self, now: float) -> None:
         started = False
-        for d in range(D):
-            start_link(d, now)
-            started |= start_unit(d, now)
+        for d in range(self.D):
+            self.start_link(d, now)
+            started |= self.start_unit(d, now)
         if started:
-            rerate(now)
-
-    for k, u in enumerate(units):
-        if pending[k] == 0:
-            became_ready(k, 0.0)
-    now = step = 0.0
-    dispatch(now)
-    while events or running:
-        t_unit = min((r.end_time() for r in running.values()), default=math.inf)
-        now = min(t_unit, events[0][0] if events else math.inf)
-        step = max(step, now)
-        # apply every event within a picosecond of now before anyone picks new work
-        done = sorted(d for d, r in running.items() if r.end_time() <= now + _EPS)
-        for d in done:
-            finish_unit(d, now)
-        while events and events[0][0] <= now + _EPS:
-            _, _, (tensors, s, dst) = heapq.heappop(events)
-            link_running[s] = False
-            for tensor in tensors:
-                arrive((tensor, dst), now)
-        if done:
-            rerate(now)
-        dispatch(now)
-    if any(math.isnan(e) for e in end):
-        stuck = next(graph.names[i] for i in range(len(graph)) if math.isnan(end[i]))
-        raise PlacementError(f"{graph.label}: node '{stuck}' never ran in the simulation (internal error)")
-    static = placement_memory(graph, device_of, D)
-    peak = _peak_memory(graph, device_of, D, start, end, transfers, step)
-    return SimResult(step, busy, link_busy, peak, static, sum(t.nbytes for t in transfers), transfers, start, end,
-                     device_of, unit_spans, granularity)
+            self.rerate(now)
 
 
 def _peak_memory(graph: PlacementGraph, device_of: Sequence[int], D: int, start: Sequence[float],

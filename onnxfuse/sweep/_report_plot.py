@@ -92,9 +92,8 @@ def _axis(key: str, values: list, space: dict) -> str:
 def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str, float]):
     """The figure of report.png (module docstring), trials valued by ``scores``; None when no trial has a result."""
     from matplotlib import colormaps
-    from matplotlib.lines import Line2D
 
-    from onnxfuse.core._plot import accuracy_axis, figure, legend_below, log_ticks, smoothed
+    from onnxfuse.core._plot import figure, legend_below, log_ticks, smoothed
 
     metric, direction = plan["metric"], plan["direction"]
     kept = bool(rows) and f"best_{metric}" in rows[0]  # ranked by each trial's best state's value
@@ -130,35 +129,12 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str
     bottom = subfigs[-1] if curve_panels else None
 
     metric_label = metric.replace("_", " ") + (" (%)" if percent else "")
-    ranked_by = metric_label + (" (its best state's)" if kept else "")
     if top is not None:
-        axes = top.subplots(param_rows, per_row, squeeze=False).ravel()
-        for ax in axes[len(keys):]:
-            ax.set_visible(False)
-        ys = [value[t] for t in scored]
-        log_y = not percent and ys and min(ys) > 0 and max(ys) / min(ys) >= 10
-        for k, (ax, key) in enumerate(zip(axes, keys)):
-            _param_panel(ax, key, keys, scored, params, value, best, colour,
-                         _axis(key, [params[t].get(key) for t in scored], space))
-            if log_y:
-                ax.set_yscale("log")
-                log_ticks(ax, ys)
-            logit = percent and accuracy_axis(ax, ys) == "logit"  # trials that all learn, told apart
-            if k % per_row == 0:
-                ax.set_ylabel(metric_label + (" (logit scale)" if logit else ""))
-        grey = "; grey: past the legend" if len(scored) > len(shown) else ""
-        top.suptitle(f"Each trial's {ranked_by} against each searched hyper-parameter "
-                     f"({'lower' if direction == 'minimize' else 'higher'} is better; the star: the best trial{grey})",
-                     fontsize=10)
-
+        _draw_param_panels(top, keys, scored, shown, params, value, best, colour, space, percent, metric_label,
+                           metric_label + (" (its best state's)" if kept else ""), direction, per_row, param_rows)
     handles, labels = [], []
     if bottom is not None or top is not None:
-        differ = [k for k in keys if len({repr(params[t].get(k)) for t in shown}) > 1]
-        for t in shown:
-            handles.append(Line2D([], [], color=colour[t], linewidth=2.4 if t == best else 1.6, marker="o",
-                                  markersize=5))
-            labels.append(f"{t}: " + ", ".join(f"{_short(k, keys)} {_fmt(params[t].get(k))}" for k in differ)
-                          if differ else t)
+        handles, labels = _trial_legend(keys, shown, params, colour, best)
     if bottom is not None:
         axes = bottom.subplots(1, len(curve_panels), squeeze=False)[0]
         for ax, panel in zip(axes, curve_panels):
@@ -174,6 +150,47 @@ def sweep_figure(sweep: SweepDir, plan: dict, rows: list[dict], scores: dict[str
     title = "trial: its searched values (its colour in every panel)" if handles else None
     legend_below(fig, handles, labels, title=title, note=note.strip() or None)
     return fig
+
+
+def _draw_param_panels(top, keys: list[str], scored: list[str], shown: list[str], params: dict, value: dict,
+                       best: str | None, colour: dict, space: dict, percent: bool, metric_label: str, ranked_by: str,
+                       direction: str, per_row: int, param_rows: int) -> None:
+    """The top panels: each trial's metric against each searched hyper-parameter."""
+    from onnxfuse.core._plot import accuracy_axis, log_ticks
+
+    axes = top.subplots(param_rows, per_row, squeeze=False).ravel()
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    ys = [value[t] for t in scored]
+    log_y = not percent and ys and min(ys) > 0 and max(ys) / min(ys) >= 10
+    for k, (ax, key) in enumerate(zip(axes, keys)):
+        _param_panel(ax, key, keys, scored, params, value, best, colour,
+                     _axis(key, [params[t].get(key) for t in scored], space))
+        if log_y:
+            ax.set_yscale("log")
+            log_ticks(ax, ys)
+        logit = percent and accuracy_axis(ax, ys) == "logit"  # trials that all learn, told apart
+        if k % per_row == 0:
+            ax.set_ylabel(metric_label + (" (logit scale)" if logit else ""))
+    grey = "; grey: past the legend" if len(scored) > len(shown) else ""
+    top.suptitle(f"Each trial's {ranked_by} against each searched hyper-parameter "
+                 f"({'lower' if direction == 'minimize' else 'higher'} is better; the star: the best trial{grey})",
+                 fontsize=10)
+
+
+def _trial_legend(keys: list[str], shown: list[str], params: dict, colour: dict, best: str | None
+                  ) -> tuple[list, list[str]]:
+    """A legend entry per trial shown: its colour, and its values of the keys that differ between them."""
+    from matplotlib.lines import Line2D
+
+    handles, labels = [], []
+    differ = [k for k in keys if len({repr(params[t].get(k)) for t in shown}) > 1]
+    for t in shown:
+        handles.append(Line2D([], [], color=colour[t], linewidth=2.4 if t == best else 1.6, marker="o",
+                              markersize=5))
+        labels.append(f"{t}: " + ", ".join(f"{_short(k, keys)} {_fmt(params[t].get(k))}" for k in differ)
+                      if differ else t)
+    return handles, labels
 
 
 def _param_panel(ax, key: str, keys: list[str], trials: list[str], params: dict, value: dict, best: str | None,

@@ -3,6 +3,7 @@ axis), GridSample and AffineGrid (a spatial transformer's grid and sampler)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,11 +24,7 @@ def resize(spec: NodeSpec) -> Kernel:
     linear + half_pixel / align_corners; cubic with a = -0.75, exclude_outside 0); otherwise nearest and linear
     run separably per axis with index_select (exactly ONNX's definition), and other forms are refused.
     """
-    mode = spec.attr("mode", "nearest")
     ctm = spec.attr("coordinate_transformation_mode", "half_pixel")
-    nearest_mode = spec.attr("nearest_mode", "round_prefer_floor")
-    cubic_a = float(spec.attr("cubic_coeff_a", -0.75))
-    exclude = int(spec.attr("exclude_outside", 0))
     if ctm == "tf_crop_and_resize":
         spec.fail("tf_crop_and_resize is not supported", "use another coordinate_transformation_mode")
     if int(spec.attr("antialias", 0)) or spec.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
@@ -35,33 +32,69 @@ def resize(spec: NodeSpec) -> Kernel:
     spec.need_const(2, "scales")
     spec.need_const(3, "sizes")
     scales = spec.const(2) if spec.has(2) and spec.const(2).numel() else None
-    sizes = spec.ints(3) if spec.has(3) else None
-    scales = [float(s) for s in scales.tolist()] if scales is not None else None
-    axes_attr = spec.attr("axes")
+    r = _Resize(mode=spec.attr("mode", "nearest"), ctm=ctm,
+                nearest_mode=spec.attr("nearest_mode", "round_prefer_floor"),
+                cubic_a=float(spec.attr("cubic_coeff_a", -0.75)), exclude=int(spec.attr("exclude_outside", 0)),
+                scales=[float(s) for s in scales.tolist()] if scales is not None else None,
+                sizes=spec.ints(3) if spec.has(3) else None, axes=spec.attr("axes"))
 
-    def plan(shape):
+    if r.mode == "cubic":
+        def cubic(x):
+            out, sc = r.output_shape(x.shape)
+            y = r.interpolate(x, out, sc)
+            if y is None:
+                spec.fail(f"cubic resize with {r.ctm}, a = {r.cubic_a}, exclude_outside {r.exclude} is not "
+                          "supported", "use half_pixel or align_corners with a = -0.75, or linear")
+            return y
+        return kern(cubic, 0)
+
+    def fn(x):
+        out, sc = r.output_shape(x.shape)
+        y = r.interpolate(x, out, sc)
+        return r.separable(x, out, sc) if y is None else y
+    return kern(fn, 0)
+
+
+@dataclass
+class _Resize:
+    """One Resize node's attributes and constant scales or sizes, and the two ways to compute it."""
+
+    mode: str
+    ctm: str  # coordinate_transformation_mode
+    nearest_mode: str
+    cubic_a: float
+    exclude: int
+    scales: list[float] | None
+    sizes: list[int] | None
+    axes: list[int] | None
+    cache: dict = field(default_factory=dict)  # per axis and length: the separable path's indices and weights
+
+    def output_shape(self, shape) -> tuple[list[int], list[float]]:
+        """The output's shape and each axis's scale (1 where it is not resized)."""
         r = len(shape)
-        axes = [norm_axis(int(a), r) for a in axes_attr] if axes_attr is not None else list(range(r))
+        axes = [norm_axis(int(a), r) for a in self.axes] if self.axes is not None else list(range(r))
         out, sc = list(shape), [1.0] * r
         for j, a in enumerate(axes):
-            if sizes is not None:
-                out[a], sc[a] = sizes[j], sizes[j] / shape[a]
+            if self.sizes is not None:
+                out[a], sc[a] = self.sizes[j], self.sizes[j] / shape[a]
             else:
-                out[a], sc[a] = int(math.floor(shape[a] * scales[j])), scales[j]
+                out[a], sc[a] = int(math.floor(shape[a] * self.scales[j])), self.scales[j]
         return out, sc
 
-    def torch_path(x, out, sc):
+    def interpolate(self, x, out, sc):
+        """F.interpolate where it computes what ONNX defines for this node; None where it does not."""
+        mode, ctm = self.mode, self.ctm
         resized = [a for a in range(x.dim()) if out[a] != x.shape[a] or sc[a] != 1.0]
         if not resized:
             return x
         first = min(resized)
         S = x.dim() - first
-        if mode == "nearest" and not (ctm == "asymmetric" and nearest_mode == "floor"):
+        if mode == "nearest" and not (ctm == "asymmetric" and self.nearest_mode == "floor"):
             return None
         if mode == "linear" and ctm not in ("half_pixel", "pytorch_half_pixel", "align_corners"):
             return None
         if mode == "cubic" and (ctm not in ("half_pixel", "pytorch_half_pixel", "align_corners") or
-                                abs(cubic_a + 0.75) > 1e-6 or exclude or S > 2):
+                                abs(self.cubic_a + 0.75) > 1e-6 or self.exclude or S > 2):
             return None
         if S > 3 or (ctm == "pytorch_half_pixel" and any(out[a] == 1 for a in resized)):
             return None
@@ -71,8 +104,7 @@ def resize(spec: NodeSpec) -> Kernel:
         if mode == "cubic" and S == 1:
             y = y.unsqueeze(2)
             size = [1] + size
-        kw = {}
-        if sizes is None and ctm != "align_corners":  # ONNX maps coordinates with the given scales, not out/in
+        if self.sizes is None and ctm != "align_corners":  # ONNX maps coordinates with the given scales, not out/in
             kw = dict(scale_factor=sc[first:] if not (mode == "cubic" and S == 1) else [1.0] + sc[first:],
                       recompute_scale_factor=False)
         else:
@@ -87,46 +119,29 @@ def resize(spec: NodeSpec) -> Kernel:
             y = y.squeeze(2)
         return y.reshape(tuple(lead) + tuple(y.shape[2:]))
 
-    cache: dict = {}
-
-    def separable(x, out, sc):
+    def separable(self, x, out, sc):
+        """Nearest or linear, one axis at a time with index_select: ONNX's definition exactly."""
         for a in range(x.dim()):
             if out[a] == x.shape[a] and sc[a] == 1.0:  # onnxruntime leaves such axes as they are
                 continue
             key = (a, x.shape[a], out[a], sc[a], x.device)
-            if key not in cache:
+            if key not in self.cache:
                 # float32 coordinates, as onnxruntime computes them
-                xs = source_coords(out[a], x.shape[a], sc[a], ctm, np.float32)
-                if mode == "nearest":
-                    cache[key] = (torch.from_numpy(nearest_index(xs, nearest_mode, x.shape[a])).to(x.device),)
+                xs = source_coords(out[a], x.shape[a], sc[a], self.ctm, np.float32)
+                if self.mode == "nearest":
+                    self.cache[key] = (torch.from_numpy(nearest_index(xs, self.nearest_mode, x.shape[a])).to(x.device),)
                 else:
                     xo = torch.from_numpy(xs).clamp(0, x.shape[a] - 1)
                     i0 = xo.floor().to(torch.int64)
                     i1 = (i0 + 1).clamp(max=x.shape[a] - 1)
                     w = (xo - i0).to(x.dtype).reshape([-1] + [1] * (x.dim() - 1 - a))
-                    cache[key] = (i0.to(x.device), i1.to(x.device), w.to(x.device))
-            c = cache[key]
-            if mode == "nearest":
+                    self.cache[key] = (i0.to(x.device), i1.to(x.device), w.to(x.device))
+            c = self.cache[key]
+            if self.mode == "nearest":
                 x = x.index_select(a, c[0])
             else:
                 x = torch.lerp(x.index_select(a, c[0]), x.index_select(a, c[1]), c[2])
         return x
-
-    if mode == "cubic":
-        def cubic(x):
-            out, sc = plan(x.shape)
-            y = torch_path(x, out, sc)
-            if y is None:
-                spec.fail(f"cubic resize with {ctm}, a = {cubic_a}, exclude_outside {exclude} is not supported",
-                          "use half_pixel or align_corners with a = -0.75, or linear")
-            return y
-        return kern(cubic, 0)
-
-    def fn(x):
-        out, sc = plan(x.shape)
-        y = torch_path(x, out, sc)
-        return separable(x, out, sc) if y is None else y
-    return kern(fn, 0)
 
 
 # GridSample's modes: opset 16's names and opset 20's, as F.grid_sample names them
