@@ -18,7 +18,7 @@ from onnxfuse.cli.main import main
 from onnxfuse.core._plot import data_overlap
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import MLP
-from onnxfuse.measure import bench
+from onnxfuse.measure import bench_concurrent, bench_modes, bench_report
 from onnxfuse.measure.workloads import file_protos, interleaved_rounds, load_onnx_file, zoo_batch
 from onnxfuse.runtime._machine import cpu_description
 
@@ -58,7 +58,7 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the plot drawn from bench.json: a line per mode whose y data are its ratios to PyTorch one after another
     # (the baseline is the line at 1x), the legend below the panel
-    fig = bench.bench_figure(result["rows"], result["modes"], result["env"])
+    fig = bench_report.bench_figure(result["rows"], result["modes"], result["env"])
     (ax,) = fig.axes
     by_mode = {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
     assert sorted(by_mode) == sorted(m for m in modes if m != "seq-torch")
@@ -110,7 +110,7 @@ def _check_new_modes(out, modes: list[str], models: list[str]) -> dict:
     with open(out / "bench.csv", newline="") as f:
         assert all(float(r[f"{m} first_call_s"]) > 0 for r in csv.DictReader(f) for m in modes)
     md = (out / "bench.md").read_text()
-    assert "first call s" in md and all(bench.mode_title(result["rows"][0], m) in md for m in modes)
+    assert "first call s" in md and all(bench_report.mode_title(result["rows"][0], m) in md for m in modes)
     return result
 
 
@@ -162,12 +162,12 @@ def _pool(sources, B=2):
     import torch
 
     x, y = zoo_batch("lenet", 4, torch.device("cpu"))
-    return bench._Concurrent(sources, x, y, [1e-3] * B, False, torch.device("cpu"), 1)
+    return bench_concurrent.Concurrent(sources, x, y, [1e-3] * B, False, torch.device("cpu"), 1)
 
 
 @linux_only
 def test_a_concurrent_process_that_fails_is_one_error_naming_it_and_every_process_stops():
-    with pytest.raises(bench.ConcurrentWorkerError) as e:
+    with pytest.raises(bench_concurrent.ConcurrentWorkerError) as e:
         _pool([("zoo", "lenet", 0), ("zoo", "no_such_model", 1)])
     message = str(e.value)
     assert "\n" not in message and "model 1's process failed while starting" in message
@@ -180,7 +180,7 @@ def test_a_concurrent_process_killed_mid_run_is_one_error_and_the_others_stop():
     pool = _pool([("zoo", "lenet", 0), ("zoo", "lenet", 1)])
     pool(1)
     os.kill(pool.procs[0].pid, signal.SIGKILL)
-    with pytest.raises(bench.ConcurrentWorkerError, match=r"model 0's process exited \(exit code -9\) while running"):
+    with pytest.raises(bench_concurrent.ConcurrentWorkerError, match=r"model 0's process exited \(exit code -9\) while running"):
         pool(1)
     assert not _concurrent_processes()
 
@@ -282,7 +282,7 @@ def test_bench_measures_an_onnx_file_and_leaves_out_what_needs_a_torch_module(tm
     notes = " ".join(result["notes"])
     assert "left out vmap, hfta" in notes and "onnxfuse's converter" in notes
     md = (out / "bench.md").read_text()
-    assert md.count(bench.FILE_TITLES["seq-torch"]) == 2 and "| torch.func" not in md
+    assert md.count(bench_modes.FILE_TITLES["seq-torch"]) == 2 and "| torch.func" not in md
 
 
 def test_an_onnx_files_models_are_its_weights_and_seeded_perturbations(mlp_file):
@@ -356,9 +356,9 @@ def test_the_bench_plot_at_one_b_is_a_bar_per_mode_its_ratio_with_the_rounds_spr
         json.dump({"command": "onnxfuse bench ...", "env": {"torch": "2.13", "threads": 1, "device_name": "cpu",
                                                            "cpu_count": 2}, "modes": ["torch", "seq-torch", "dense"],
                    "rows": rows}, f)
-    bench.plot_file(tmp_path / "bench.json", tmp_path / "bench.png")
+    bench_report.plot_file(tmp_path / "bench.json", tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    fig = bench.bench_figure(rows, ["torch", "seq-torch", "dense"], {})
+    fig = bench_report.bench_figure(rows, ["torch", "seq-torch", "dense"], {})
     assert "one after another" in fig._suptitle.get_text() and "--" not in fig._suptitle.get_text()
     for ax, row in zip(fig.axes, rows):
         bars = {p.get_gid(): p for p in ax.patches if p.get_gid()}
