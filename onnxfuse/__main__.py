@@ -1,3 +1,4 @@
+"""``python -m onnxfuse``: the ``onnxfuse`` command (``onnxfuse/cli/main.py``)."""
 import sys
 
 from onnxfuse.cli.main import main

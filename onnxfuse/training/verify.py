@@ -1,88 +1,14 @@
 """Run-time verification: is the fused array's training each model's own training?
 
-A fused array trains B models in one graph. A wrong kernel or a wrong weight mapping trains some model wrongly
-without any error (onnxruntime-training 1.19.2's ConvGrad once overran a buffer for grouped 1-D convolutions and
-zeroed another parameter's gradient at B >= 2), and a user cannot tell such an array from a right one. So a run
-checks its own first step(s) (``train_array`` with ``verify_steps``, ``onnxfuse check`` on demand): every model b
-is also trained alone, **on the same runtime**, and the two are compared tensor by tensor by original
-(state_dict) name.
-
-*Alone* is a one-model array built from the array's ``sources/model_0.onnx`` by the same pipeline
-(``fuse_models``), trained by the same runtime as the array. The B source graphs are identical up to
-weights, so ONE such reference is built; for each model b, model b's state is loaded into it (by original name,
-through both arrays' weight mappings, whatever slot layouts their rules chose), the step is run with model b's
-slice of the batch and model b's hyper-parameters at that step, and its result is read back.
-
-Each checked step t starts the reference from the array's own state before step t (weights, BatchNorm
-statistics, optimizer state; at step 1: the initial weights and zero state). Step t is then compared as one
-function of identical inputs, for any number of steps: a reference running on by itself would drift from the
-array through chaos (Adam turns rounding noise into full-size steps), not through a defect.
-
-What is compared, per model and checked step:
-
-- the step's loss: ``|fused - alone| <= LOSS_RTOL * |alone| + LOSS_ATOL``;
-- whether the step was applied (fault isolation rejects a non-finite loss, gradient or update);
-- per trainable tensor, the gradient the optimizer received at this step (after clipping and L2 weight decay),
-  recovered from the optimizer's own state rather than from the update (each optimizer's registration says how:
-  ``Optimizer.received_gradient`` in ``optim.py``; one that does not say has its new parameters compared instead).
-  Adam's first update is ~lr*sign(g): where a true gradient is ~0 (a conv bias before BatchNorm) rounding noise
-  becomes a full-size step that differs between any two kernels, while the gradient itself differs only by
-  rounding::
-
-      Adam, AdamW        g = m_{t-1} + (m_t - m_{t-1}) / (1 - beta1)     exp_avg      (step 1: m_1 / (1 - beta1))
-      SGD, momentum      g = (buf_t - mom_c * buf_{t-1}) / damp_c         momentum_buffer       (step 1: buf_1)
-      SGD, no state      g = (p_{t-1} - p_t) / lr                         (lr 0: nothing to compare)
-
-  (mom_c, damp_c: the step's coefficients, see ``optim.py``; damp_c = 0, i.e. dampening 1 after step 1, leaves
-  the gradient no trace and nothing to compare). A tensor passes when
-  ``||fused - alone|| <= RTOL * ||alone|| + ATOL_FRACTION * ||the model's whole gradient, alone||``, for plain SGD
-  plus ``2**-22 * ||p|| / lr``, the float32 rounding of the parameters the gradient is read through;
-- per buffer (BatchNorm running statistics), its value after the step, by the same rule (``ATOL_FRACTION`` of the
-  norm of all the model's buffers).
-
-Dropout draws its masks at random in ONNX Runtime, differently for the array and alone: an array with a Dropout
-that drops anything is checked with every Dropout off on both sides (:func:`without_dropout`, in a trainer of its
-own, since the run's graph keeps them); the rest of the graph is checked as it trains.
-
-What it cannot see: whatever the array and the reference share. The array's starting weights are read from the
-array itself (``sources/`` holds no weights), so an array whose fused weights hold other numbers than the exported
-models trains those numbers, correctly; the names ``array.json`` gives model b's tensors are only labels for
-``split``; and a kernel that is wrong at B = 1 too is wrong on both sides.
-
-Tolerances. Fused and alone run the same maths through other kernels (a grouped convolution against a plain one,
-a batched MatMul against a single one) that sum in other orders. Measured per tensor (LeNet, a CNN with
-BatchNorm, the demo's CNN; SGD, Adam, AdamW, clipping, one-cycle; steps 1-3): at most 3.5e-7 relative, and 3e-5
-for plain SGD, whose gradient is read through float32 parameters. A defect is of the order of the gradient itself
-(the ConvGrad defect: 30% to 100%; a zeroed gradient: 100%). ``RTOL = 1e-3`` sits between the two: ~3000x above
-the rounding seen (30x for plain SGD) and ~300x below a defect. ``ATOL_FRACTION = 1e-6`` of the model's whole
-gradient lets tensors whose true gradient is ~0 pass: a conv bias before BatchNorm has an exactly zero gradient
-and carries rounding noise of ~1e-8 of the model's gradient, where a relative comparison means nothing. The loss
-is forward arithmetic from identical weights (~1e-7 relative): ``LOSS_RTOL = 1e-5``.
-
-The model's own rounding sensitivity. Some models amplify rounding far beyond that: in torchvision's
-regnet_x_400mf (random weights, 32x32 input, batch 8: BatchNorm over few values, many ReLU inputs near 0) two
-float32 programs differ by up to ~13% per gradient tensor at step 1 (and, as reported in issue 24, torch alone moves
-one by 3% between float32 and float64). No fixed tolerance separates that from a defect, so a model beyond the tolerances is not
-refused yet: its own sensitivity is measured, on the same runtime through the same one-model reference. The model
-alone runs the step again from its weights and inputs nudged by one float32 step each (every non-zero float
-element, up or down at random; seeded, so reproducible), up to ``NUDGES = 8`` draws. A tensor's sensitivity is
-the largest distance a nudged run put between it and the plain run, and at least the median relative one among
-the model's tensors of its kind times its norm: a draw may miss the flip of one ReLU that moved one tensor, not the
-model's typical sensitivity. The loss's is its largest distance. A difference passes within
-``SENSITIVITY_FACTOR = 3`` times its sensitivity, the fuzzer's rule (``fuzz/harness.py``). Draws stop as soon as
-the model passes: a draw can only raise a sensitivity, so stopping changes no verdict. The log line and ``onnxfuse
-check``'s table say which models passed only that way ("within its rounding sensitivity (1.4x what 1 nudge
-moved)"), and an error that a difference is "beyond the model's own rounding sensitivity (11x of ...)".
-Measured on regnet_x_400mf (B = 3, torch runtime, two weight seeds, six batches, AdamW steps 1-2 and SGD with
-momentum step 2; 77 model-steps beyond the tolerances, 32 draws recorded each): with 8 draws every model-step
-passes, at most 1.2x its sensitivity (without the median floor, one needs 11 draws); a zeroed gradient would be
-caught in 94-100% of a model's tensors (mean 99.9%: the others move by more than a third of their gradient under a
-nudge), a 30% error in one tensor in 85% on average. The defects planted in tests (a zeroed gradient, a tensor read
-from model 0's weights) are 10x-2300x beyond the sensitivity in regnet and 240x and more in every zoo model. On
-ONNX Runtime the same regnet array passes the tolerances (5e-8). The measurement costs up to ``NUDGES`` steps of
-one model alone, and only for a model beyond the tolerances: a correct array of well-conditioned models pays
-nothing for it. A false alarm remains possible where the fused step flips a ReLU input (or a max) within rounding
-of a tie that no nudge flips; ``--verify-steps 0`` skips the check.
+A run checks its own first step(s) (``train_array`` with ``verify_steps``, ``onnxfuse check`` on demand): every
+model b is also trained alone, on the same runtime, in a one-model array fused from ``sources/model_0.onnx``, from
+the array's own state before the step, on model b's slice of the batch with model b's hyper-parameters; the step's
+loss, whether it was applied, the gradient each optimizer received (read from its state:
+``Optimizer.received_gradient``) and the buffers are compared by state_dict name, within ``RTOL``,
+``ATOL_FRACTION`` and ``LOSS_RTOL``. A model beyond those is measured before it is refused: trained alone again
+from inputs nudged by one float32 step (up to ``NUDGES`` draws), it passes within ``SENSITIVITY_FACTOR`` times what
+a nudge moves each tensor. What is compared, why the tolerances are what they are, what the check cannot see and
+what it was measured to catch: docs/verification.md, "How the check works".
 """
 from __future__ import annotations
 
