@@ -1,7 +1,7 @@
 """The traversal-order study: every order x placer on graphs of several families and device counts, and which
 order wins where.
 
-``study_rows`` runs :func:`plan_placements` on each case; ``study_table`` prints one row per case with the
+``study_rows`` runs :func:`compare_placements` on each case; ``study_table`` prints one row per case with the
 simulated step of every candidate, and ``order_summary`` ranks the traversal orders per family:
 
     slowdown(order, case) = step(greedy with that order) / step(best greedy order in that case)
@@ -17,11 +17,11 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from onnxfuse.placement.devices import Device
+from onnxfuse.placement.devices import DeviceSpec
 from onnxfuse.placement.graph import PlacementGraph
 from onnxfuse.placement.orders import ORDER_NAMES
-from onnxfuse.placement.plan import Plan, plan_placements
-from onnxfuse.placement.shard import ShardPlan
+from onnxfuse.placement.compare import Comparison, compare_placements
+from onnxfuse.placement.shard import Sharding
 
 __all__ = ["StudyCase", "run_study", "study_table", "order_summary", "ORDER_SHORT"]
 
@@ -37,25 +37,25 @@ class StudyCase:
     family: str
     label: str
     graph: PlacementGraph
-    devices: list[Device]
+    devices: list[DeviceSpec]
     setting: str = ""
-    shard: ShardPlan | None = None
-    plan: Plan | None = None
+    shard: Sharding | None = None
+    comparison: Comparison | None = None
 
 
 def run_study(cases: Sequence[StudyCase], granularity: str = "stage", progress: bool = True) -> list[StudyCase]:
-    """Plan every case with every placer and every order (in place; returns the cases)."""
+    """Comparison every case with every placer and every order (in place; returns the cases)."""
     for k, case in enumerate(cases):
         if progress:
             print(f"[{k + 1}/{len(cases)}] {case.label} on {len(case.devices)} devices ({case.setting})",
                   file=sys.stderr, flush=True)
         placers = ["greedy", "heft"] + (["shard"] if case.shard is not None else [])
-        case.plan = plan_placements(case.graph, case.devices, placers, ORDER_NAMES, case.shard, granularity)
+        case.comparison = compare_placements(case.graph, case.devices, placers, ORDER_NAMES, case.shard, granularity)
     return cases
 
 
-def _step(plan: Plan, placer: str, order: str | None = None) -> float:
-    c = next((c for c in plan.candidates if c.placer == placer and c.order == order and c.ok), None)
+def _step(comparison: Comparison, placer: str, order: str | None = None) -> float:
+    c = next((c for c in comparison.candidates if c.placer == placer and c.order == order and c.ok), None)
     return c.sim.step_time if c is not None else math.nan
 
 
@@ -66,15 +66,15 @@ def study_table(cases: Sequence[StudyCase]) -> str:
            ["heft", "shard", "best order", "best placement"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in cases:
-        plan = case.plan
-        greedy = {o: _step(plan, "greedy", o) for o in ORDER_NAMES}
+        comparison = case.comparison
+        greedy = {o: _step(comparison, "greedy", o) for o in ORDER_NAMES}
         fastest = min(greedy.values())
         winners = [ORDER_SHORT[o] for o, t in greedy.items() if t <= fastest * 1.0005]
-        best = plan.best()
-        base = _step(plan, "single")
+        best = comparison.best()
+        base = _step(comparison, "single")
         cells = [case.family, case.label, case.setting, str(len(case.devices)), str(len(case.graph)), _ms(base)]
         cells += [_ms(greedy[o], bold=greedy[o] <= fastest * 1.0005) for o in ORDER_NAMES]
-        cells += [_ms(_step(plan, "heft")), _ms(_step(plan, "shard"))]
+        cells += [_ms(_step(comparison, "heft")), _ms(_step(comparison, "shard"))]
         cells += [", ".join(winners) if len(winners) < len(ORDER_NAMES) else "all equal",
                   f"{best.label} ({base / best.sim.step_time:.2f}x)"]
         rows.append("| " + " | ".join(cells) + " |")
@@ -91,7 +91,7 @@ def order_summary(cases: Sequence[StudyCase]) -> str:
         logs = {o: 0.0 for o in ORDER_NAMES}
         wins = {o: 0 for o in ORDER_NAMES}
         for case in group:
-            greedy = {o: _step(case.plan, "greedy", o) for o in ORDER_NAMES}
+            greedy = {o: _step(case.comparison, "greedy", o) for o in ORDER_NAMES}
             fastest = min(greedy.values())
             for o, t in greedy.items():
                 logs[o] += math.log(t / fastest)

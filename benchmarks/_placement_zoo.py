@@ -12,7 +12,7 @@ import torch
 from onnxfuse import fuse_models, save_array
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
-from onnxfuse.placement import build_graph, example_feeds, find_array, shard_plan
+from onnxfuse.placement import build_graph, example_feeds, find_array, shard_array
 from onnxfuse.placement.profile import profile_graph, profile_graphs
 
 
@@ -57,7 +57,7 @@ def profiled_model(name: str, folder: str, batch: int):
 
 
 def profiled_array(name: str, B: int, folder: str, batch: int, devices):
-    """(graph, feeds, shard plan) of a fused array of B zoo models, sub-arrays profiled."""
+    """(graph, feeds, shard sharding) of a fused array of B zoo models, sub-arrays profiled."""
     paths = [export_zoo_model(name, os.path.join(folder, "jobs"), seed) for seed in range(B)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -65,12 +65,12 @@ def profiled_array(name: str, B: int, folder: str, batch: int, devices):
     fused = os.path.join(folder, "array", "fused.onnx")
     g = build_graph(fused, label=f"{name} x{B}", batch_size=batch)
     feeds = zoo_feeds(name, g, batch)
-    plan = shard_plan(find_array(fused), devices, lambda m, label, b0, b1: build_graph(m, label=label,
+    sharding = shard_array(find_array(fused), devices, lambda m, label, b0, b1: build_graph(m, label=label,
                                                                                         batch_size=batch))
-    subs = plan.distinct_graphs()
+    subs = sharding.distinct_graphs()
     profile_graphs([g] + subs, [feeds] * (1 + len(subs)))  # in alternation: the same machine states
-    plan.share_profiles()
-    return g, feeds, plan
+    sharding.share_profiles()
+    return g, feeds, sharding
 
 
 def profiled_training_graph(name: str, B: int, folder: str, batch: int):

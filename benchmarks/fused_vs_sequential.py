@@ -4,9 +4,9 @@ another (onnxfuse B=1 arrays, and plain onnxruntime-training), for B = 4 and 16,
     python benchmarks/fused_vs_sequential.py [--models 4,16] [--steps 50] [--warmup 5] [--batch-size 32]
                                              [--repeats 5] [--json results.json]
 
-The benchmark behind README's "Benchmark" history table; the measurement itself is
-``run_benchmark`` in ``benchmarks/_ort_sequential.py``. ``onnxfuse bench`` is the benchmark against every way to train the
-same models (PyTorch one after another, a torch.func ensemble, the dense ceiling, both runtimes).
+The benchmark behind README's "Benchmark" history table; the measurement itself is ``run_benchmark`` in
+``benchmarks/_ort_sequential.py``. ``onnxfuse bench`` is the benchmark against every way to train the same models
+(PyTorch one after another, a torch.func ensemble, the dense ceiling, both runtimes).
 """
 from __future__ import annotations
 

@@ -27,20 +27,21 @@ from _placement_zoo import profiled_array, profiled_model  # noqa: E402
 from onnxfuse.placement import Placement, make_devices, simulate  # noqa: E402
 from onnxfuse.placement.orders import topological  # noqa: E402
 from onnxfuse.placement.partition import assign_stages  # noqa: E402
-from onnxfuse.placement.plan import Candidate, measure_plan, plan_placements, rescale_to_measured  # noqa: E402
+from onnxfuse.placement.compare import (Candidate, compare_placements, measure_candidates,  # noqa: E402
+                                        rescale_to_measured)
 from onnxfuse.placement.profile import calibrate  # noqa: E402
 
 
-def add_halves(plan) -> None:
+def add_halves(comparison) -> None:
     """A two-stage pipeline: the first half of the nodes (topological order) on device 0, the rest on 1."""
-    g = plan.graph
+    g = comparison.graph
     order = topological(g.dag)
     device_of = [0] * len(g)
     for i in order[len(order) // 2:]:
         device_of[i] = 1
-    c = Candidate("halves", None, g, plan.candidates[0].costs, Placement(device_of, "halves"))
+    c = Candidate("halves", None, g, comparison.candidates[0].costs, Placement(device_of, "halves"))
     c.sim = simulate(g, c.costs, c.placement, "stage")
-    plan.candidates.append(c)
+    comparison.candidates.append(c)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,18 +74,19 @@ def main(argv: list[str] | None = None) -> int:
             say(f"== {label}: calibrating")
             cal = calibrate(g, devices, feeds)
             devs = cal.apply(devices)
-            plan = plan_placements(g, devs, ["greedy", "heft"] + (["shard"] if shard else []), shard=shard)
-            add_halves(plan)
+            comparison = compare_placements(g, devs, ["greedy", "heft"] + (["shard"] if shard else []), shard=shard)
+            add_halves(comparison)
             say(f"== {label}: running every distinct placement ({args.rounds} rounds)")
-            measure_plan(plan, feeds, warmup=3, repeats=args.repeats, rounds=args.rounds, probe_contention=True)
-            cal = rescale_to_measured(plan, cal)
+            measure_candidates(comparison, feeds, warmup=3, repeats=args.repeats, rounds=args.rounds,
+                               probe_contention=True)
+            cal = rescale_to_measured(comparison, cal)
             rows, seen = [], set()
-            for c in plan.candidates:
+            for c in comparison.candidates:
                 key = (c.placer == "shard", tuple(c.placement.device_of))
                 if key in seen:
                     continue
                 seen.add(key)
-                same = [d.label for d in plan.candidates if d is not c and d.ok and
+                same = [d.label for d in comparison.candidates if d is not c and d.ok and
                         (d.placer == "shard", tuple(d.placement.device_of)) == key]
                 stages = 1 + max(assign_stages(c.graph.dag, c.placement.device_of)) if c.placer != "shard" else 1
                 err = c.sim.step_time / c.measured.median - 1
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{'yes' if c.output_error < 1e-5 else 'NO'} |")
             split = [r for r in rows if r[0].placement.devices_used() > 1]
             within = [r for r in split if abs(r[3]) <= 0.30]
-            best = plan.best()
+            best = comparison.best()
             best_err = best.sim.step_time / best.measured.median - 1
             verdict = (f"{label}: {len(within)} of {len(split)} multi-device placements within 30% "
                        f"(worst {max((abs(r[3]) for r in split), default=0) * 100:.0f}%); the recommended "

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="placement-study-") as tmp:
-        graphs = []  # (family, label, graph, {D: shard plan} or None)
+        graphs = []  # (family, label, graph, {D: sharding} or None)
         models = [("CNN", "resnet18"), ("CNN", "mobilenetv2"), ("transformer", "transformer_lm"),
                   ("transformer", "bert_tiny"), ("transformer", "vit_tiny")]
         arrays = [("lenet", 2), ("lenet", 4), ("lenet", 8), ("resnet18", 4)]
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"fusing and profiling {name} x{B}")
             shards = {}
             for D in counts:
-                g, _, plan = profiled_array(name, B, os.path.join(tmp, f"{name}x{B}"), batch, make_devices(D))
-                shards[D] = plan
+                g, _, sharding = profiled_array(name, B, os.path.join(tmp, f"{name}x{B}"), batch, make_devices(D))
+                shards[D] = sharding
             graphs.append(("fused array", f"{name} x{B}", g, shards))
         for name, B in training:
             say(f"building and profiling the training graph of {name} x{B}")

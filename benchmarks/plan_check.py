@@ -6,7 +6,7 @@ memory, with the relative error (measured / predicted - 1):
 
 Memory is measured as the planner measures it (torch's CPU allocator peak through the profiler, or
 torch.cuda.max_memory_allocated), and the graph-count estimate (``estimate_step_memory``, what the ort runtime's
-plan uses) is compared with it too. Step times are medians of interleaved rounds within each measurement; the
+sizing uses) is compared with it too. Step times are medians of interleaved rounds within each measurement; the
 planner's probes and the larger arrays are measured one after the other, so on a shared machine whose speed
 drifts the time errors carry that noise.
 """
@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from onnxfuse.measure.sizing import measure_arrays, plan_array  # noqa: E402
+from onnxfuse.measure.sizing import measure_arrays, size_array  # noqa: E402
 
 
 def _err(measured: float | None, predicted: float) -> str:
@@ -33,15 +33,15 @@ def check(models, Bs, probe, device, runtime, batch, steps, rounds) -> tuple[str
     notes = []
     for name in models:
         t0 = time.perf_counter()
-        plan = plan_array(name, runtime=runtime, device=device, batch=batch, probe=probe, max_B=max(Bs),
+        sizing = size_array(name, runtime=runtime, device=device, batch=batch, probe=probe, max_B=max(Bs),
                           memory_budget="1TiB", steps=steps, rounds=rounds)
-        measured = measure_arrays(name, Bs, plan.runtime, device, batch, steps=steps, rounds=rounds)
-        (a, b), (m0, m1) = plan.time_fit, plan.memory_fit
-        notes.append(f"{name}: fitted on B={','.join(str(p.B) for p in plan.probes)}: step = {1e3 * a:.2f} ms + "
+        measured = measure_arrays(name, Bs, sizing.runtime, device, batch, steps=steps, rounds=rounds)
+        (a, b), (m0, m1) = sizing.time_fit, sizing.memory_fit
+        notes.append(f"{name}: fitted on B={','.join(str(p.B) for p in sizing.probes)}: step = {1e3 * a:.2f} ms + "
                      f"{1e3 * b:.3f} ms x B, memory = {m0 / 2 ** 20:.2f} + {m1 / 2 ** 20:.3f} MiB x B "
-                     f"({plan.memory_source}); {plan.summary()} ({time.perf_counter() - t0:.0f} s)")
-        for q, kind in [(q, " (probe)") for q in plan.probes] + [(q, "") for q in measured]:
-            pr = plan.predict(q.B)
+                     f"({sizing.memory_source}); {sizing.summary()} ({time.perf_counter() - t0:.0f} s)")
+        for q, kind in [(q, " (probe)") for q in sizing.probes] + [(q, "") for q in measured]:
+            pr = sizing.predict(q.B)
             mem = "–" if q.memory is None else f"{q.memory / 2 ** 20:,.1f}"
             lines.append(f"| {name} | {q.B}{kind} | {1e3 * pr.step_s:,.1f} | {1e3 * q.step_s:,.1f} | "
                          f"{_err(q.step_s, pr.step_s)} | {pr.memory / 2 ** 20:,.1f} | {mem} | "

@@ -119,14 +119,14 @@ def _place_action(dest: str):
 
 
 def test_the_placer_table_is_what_the_command_offers():
-    from onnxfuse.placement import PLACER_NAMES, PLACERS, plan_placements
+    from onnxfuse.placement import PLACER_NAMES, PLACERS, compare_placements
 
     action = _place_action("placer")
     assert action.metavar.split("|")[1].split(",") == PLACER_NAMES
     assert set(PLACER_NAMES) == {name for name, p in PLACERS.items() if not p.baseline}
     for name in PLACER_NAMES:
         assert f"{name} ({PLACERS[name].help})" in action.help
-    assert plan_placements.__defaults__[0] == PLACER_NAMES  # the API's default is the same table
+    assert compare_placements.__defaults__[0] == PLACER_NAMES  # the API's default is the same table
 
 
 def _small_model(path: str) -> str:

@@ -13,7 +13,7 @@ from onnx import helper as h
 
 from conftest import graph_model, vinfo
 from onnxfuse.core.errors import ConfigError, PlacementError
-from onnxfuse.placement import (CostTable, Dag, Device, build_graph, cost_table, greedy_placement, heft_placement,
+from onnxfuse.placement import (CostTable, Dag, DeviceSpec, build_graph, cost_table, greedy_placement, heft_placement,
                                 make_devices, place, placement_memory, simulate, traversal_order)
 from onnxfuse.placement.devices import load_device_spec, parse_rate, parse_size, parse_time
 from onnxfuse.placement.orders import ORDER_NAMES, CycleError
@@ -284,7 +284,7 @@ def test_fit_calibration_recovers_known_overheads():
     assert cal.call_overhead == pytest.approx(c) and cal.op_overhead == pytest.approx(o)
     assert cal.kernel_scale == pytest.approx(s) and cal.latency == pytest.approx(lat)
     assert cal.bandwidth == pytest.approx(bw)
-    dev = cal.apply([Device()])[0]
+    dev = cal.apply([DeviceSpec()])[0]
     assert dev.speed == pytest.approx(1 / s) and dev.call_overhead == pytest.approx(c)
     # noise that makes a fit negative is clamped, never a negative cost
     # (chain faster than one node: o < 0; hand-off faster than a call: latency < 0; larger hand-off faster: no

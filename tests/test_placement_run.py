@@ -15,7 +15,7 @@ from conftest import MODELS, export_all, make_modules
 from onnxfuse import fuse_models, save_array
 from onnxfuse.cli.main import main
 from onnxfuse.placement import (Placement, build_graph, cost_table, example_feeds, find_array, make_devices,
-                                partition_graph, place, shard_plan, simulate)
+                                partition_graph, place, shard_array, simulate)
 from onnxfuse.placement.execute import max_rel_error, run_partition, run_whole
 from onnxfuse.placement.profile import calibrate, profile_graph
 from onnxfuse.placement.shard import shard_groups, shard_partition
@@ -71,14 +71,14 @@ def test_sharded_array_equals_whole_fused(lenet_array):
     info = find_array(lenet_array / "fused.onnx")
     g = build_graph(lenet_array / "fused.onnx", batch_size=5)
     feeds = example_feeds(g.model)
-    plan = shard_plan(info, make_devices(2), _array_graph_builder(info, feeds, 5))
-    assert plan.groups == [(0, 0, 2), (1, 2, 3)]
-    got = run_partition(shard_partition(plan, 2), make_devices(2), feeds, warmup=0, repeats=1).outputs
+    sharding = shard_array(info, make_devices(2), _array_graph_builder(info, feeds, 5))
+    assert sharding.groups == [(0, 0, 2), (1, 2, 3)]
+    got = run_partition(shard_partition(sharding, 2), make_devices(2), feeds, warmup=0, repeats=1).outputs
     assert got["output"].shape[0] == 3
     assert max_rel_error(got, run_whole(g.model, feeds)) < 1e-6
     # no tensor crosses devices, and the fused graph cut by op placement still computes the same
-    costs = cost_table(plan.union, make_devices(2))
-    assert simulate(plan.union, costs, plan.placement).bytes_moved == 0
+    costs = cost_table(sharding.union, make_devices(2))
+    assert simulate(sharding.union, costs, sharding.placement).bytes_moved == 0
     cut = run_partition(partition_graph(g, _placements(g)["alternating"], 2), make_devices(2), feeds, 0, 1).outputs
     assert max_rel_error(cut, run_whole(g.model, feeds)) < 1e-6
 
@@ -90,19 +90,19 @@ def test_sharding_slices_per_model_inputs(tmp_path):
     g = build_graph(tmp_path / "array" / "fused.onnx", batch_size=6)
     feeds = example_feeds(g.model)
     assert feeds["input"].shape[:2] == (3, 6)
-    plan = shard_plan(info, make_devices(3), _array_graph_builder(info, feeds, 6))
-    part = shard_partition(plan, 3)
+    sharding = shard_array(info, make_devices(3), _array_graph_builder(info, feeds, 6))
+    part = shard_partition(sharding, 3)
     got = run_partition(part, make_devices(3), feeds, warmup=0, repeats=1).outputs
     assert max_rel_error(got, run_whole(g.model, feeds)) < 1e-6
 
 
 def test_shard_groups_follow_device_speed():
-    from onnxfuse.placement import Device
+    from onnxfuse.placement import DeviceSpec
 
     assert shard_groups(8, make_devices(4)) == [(0, 0, 2), (1, 2, 4), (2, 4, 6), (3, 6, 8)]
     assert shard_groups(5, make_devices(3)) == [(0, 0, 2), (1, 2, 4), (2, 4, 5)]
     assert shard_groups(2, make_devices(4)) == [(0, 0, 1), (1, 1, 2)]
-    fast_slow = [Device(name="fast", speed=3.0), Device(name="slow", speed=1.0)]
+    fast_slow = [DeviceSpec(name="fast", speed=3.0), DeviceSpec(name="slow", speed=1.0)]
     assert shard_groups(8, fast_slow) == [(0, 0, 6), (1, 6, 8)]
 
 
@@ -136,16 +136,16 @@ def _held_out_errors(g, feeds) -> tuple[float, float, float]:
     the one-device step and two copies at once measured in the same rounds, as ``place --run`` does), of the
     simulator with default devices, and of default devices given the same re-fitted kernel scale and contention
     (only the overheads ``calibrate`` fits differ from the calibrated simulator)."""
-    from onnxfuse.placement.plan import Candidate, measure_plan, plan_placements, rescale_to_measured
+    from onnxfuse.placement.compare import Candidate, measure_candidates, compare_placements, rescale_to_measured
 
     cal = calibrate(g, make_devices(2), feeds, repeats=40)
-    plan = plan_placements(g, cal.apply(make_devices(2)), ["greedy", "heft"])
+    comparison = compare_placements(g, cal.apply(make_devices(2)), ["greedy", "heft"])
     halves = Placement(_placements(g)["halves"], "halves")
-    plan.candidates.append(Candidate("halves", None, g, plan.candidates[0].costs, halves,
-                                     simulate(g, plan.candidates[0].costs, halves)))
-    measure_plan(plan, feeds, warmup=2, repeats=20, rounds=5, probe_contention=True)
-    refit = rescale_to_measured(plan, cal)
-    held_out = [c for c in plan.candidates if c.same_as is None and c.placement.devices_used() == 2]
+    comparison.candidates.append(Candidate("halves", None, g, comparison.candidates[0].costs, halves,
+                                           simulate(g, comparison.candidates[0].costs, halves)))
+    measure_candidates(comparison, feeds, warmup=2, repeats=20, rounds=5, probe_contention=True)
+    refit = rescale_to_measured(comparison, cal)
+    held_out = [c for c in comparison.candidates if c.same_as is None and c.placement.devices_used() == 2]
     assert len(held_out) >= 2, [c.label for c in held_out]
     unfitted = cost_table(g, make_devices(2))
     anchored = cost_table(g, make_devices(2, speed=1 / refit.kernel_scale, host="local",
@@ -179,20 +179,20 @@ def test_calibration_predicts_held_out_placements_better(tmp_path):
 
 
 def test_measured_run_refits_kernel_scale_and_contention(tmp_path):
-    from onnxfuse.placement.plan import measure_plan, plan_placements, rescale_to_measured
+    from onnxfuse.placement.compare import measure_candidates, compare_placements, rescale_to_measured
 
     path = export_zoo("lenet", zoo_modules("lenet", 1), tmp_path)[0]
     g = profile_graph(build_graph(path, batch_size=8), runs=4, warmup=1)
     feeds = example_feeds(g.model)
     cal = calibrate(g, make_devices(2), feeds, repeats=8)
-    plan = plan_placements(g, cal.apply(make_devices(2)), ["greedy", "heft"], ["topo"])
-    measure_plan(plan, feeds, warmup=1, repeats=4, rounds=2, probe_contention=True)
-    assert plan.contention_measured is not None and all(c.measured is not None for c in plan.candidates)
-    refit = rescale_to_measured(plan, cal)
+    comparison = compare_placements(g, cal.apply(make_devices(2)), ["greedy", "heft"], ["topo"])
+    measure_candidates(comparison, feeds, warmup=1, repeats=4, rounds=2, probe_contention=True)
+    assert comparison.contention_measured is not None and all(c.measured is not None for c in comparison.candidates)
+    refit = rescale_to_measured(comparison, cal)
     # the contention comes from the two-copies probe run alongside (clamped to [0, 1]), not from calibrate's
-    assert refit.contention == min(max(plan.contention_measured, 0.0), 1.0) == plan.devices[0].contention
+    assert refit.contention == min(max(comparison.contention_measured, 0.0), 1.0) == comparison.devices[0].contention
     if 0.5 < refit.kernel_scale < 2.0:  # not clamped (a machine swinging 2x in one run clamps it): exact fit
-        assert plan.baseline.sim.step_time == pytest.approx(plan.baseline.measured.median, rel=1e-6)
+        assert comparison.baseline.sim.step_time == pytest.approx(comparison.baseline.measured.median, rel=1e-6)
 
 
 # ---------------------------------------------------------------- the command line

@@ -11,7 +11,7 @@ import pytest
 
 from onnxfuse.cli.main import main
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.measure.sizing import candidate_sizes, choose_B, fit_line, parse_memory, plan_array
+from onnxfuse.measure.sizing import candidate_sizes, choose_B, fit_line, parse_memory, size_array
 
 MiB = 2 ** 20
 SMALL = dict(batch=8, probe=(1, 2), max_B=16, warmup=1, steps=2, rounds=1)  # a plan in about a second
@@ -83,7 +83,7 @@ def test_parse_memory_rejects(text):
 # ---------------------------------------------------------------------------------------- a real plan (LeNet)
 @pytest.fixture(scope="module")
 def lenet_plan():
-    return plan_array("lenet", memory_budget="1GiB", **SMALL)
+    return size_array("lenet", memory_budget="1GiB", **SMALL)
 
 
 def test_lenet_plan_recommends_a_B_within_the_budget(lenet_plan):
@@ -105,14 +105,14 @@ def test_the_cpu_memory_estimate_is_near_what_torch_allocates(lenet_plan):
 
 def test_a_tiny_budget_caps_the_recommended_B(lenet_plan):
     budget = int(lenet_plan.predict(2).memory * 1.05)  # B=2 fits, B=4 cannot
-    p = plan_array("lenet", memory_budget=budget, **SMALL)
+    p = size_array("lenet", memory_budget=budget, **SMALL)
     assert p.recommended_B <= 2 and not p.rows[-1].fits and p.rows[-1].B <= 4
     assert all(r.fits for r in p.rows if r.B <= p.recommended_B)
 
 
 def test_a_budget_below_one_model_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"memory_budget: 1.0 KiB is below the .* predicted for B=1; raise"):
-        plan_array("lenet", memory_budget="1KiB", **SMALL)
+        size_array("lenet", memory_budget="1KiB", **SMALL)
 
 
 def test_an_onnx_file_with_two_data_inputs_is_refused(tmp_path):
@@ -124,7 +124,7 @@ def test_an_onnx_file_with_two_data_inputs_is_refused(tmp_path):
                           [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 4])])
     onnx.save(helper.make_model(g), tmp_path / "two.onnx")
     with pytest.raises(ConfigError, match="2 data inputs"):
-        plan_array(str(tmp_path / "two.onnx"), **SMALL)
+        size_array(str(tmp_path / "two.onnx"), **SMALL)
 
 
 # ---------------------------------------------------------------------------------------------------- the CLI

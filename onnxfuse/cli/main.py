@@ -209,19 +209,19 @@ def cmd_plan(args) -> int:
     import contextlib
 
     from onnxfuse.core._io import claim_output
-    from onnxfuse.measure.sizing import plan_array
+    from onnxfuse.measure.sizing import size_array
 
     # -o is checked and held before the probes train (no other command writes there meanwhile)
     with claim_output(args.output, "plan", is_file=True) if args.output is not None else contextlib.nullcontext():
-        plan = plan_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
-                          memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int),
-                          max_B=args.max_B, optimizer=args.optimizer, threads=args.threads)
-        print(plan.table())
-        for note in plan.notes:
+        sizing = size_array(args.model, runtime=args.runtime, device=args.device, batch=args.batch,
+                            memory_budget=args.memory_budget, probe=_numbers(args.probe, "--probe", int),
+                            max_B=args.max_B, optimizer=args.optimizer, threads=args.threads)
+        print(sizing.table())
+        for note in sizing.notes:
             print(f"note: {note}")
-        print(plan.summary())
+        print(sizing.summary())
         if args.output is not None:
-            plan.save(args.output)
+            sizing.save(args.output)
             print(f"wrote {args.output}")
     return 0
 

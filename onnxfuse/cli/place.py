@@ -179,7 +179,7 @@ def _place_and_save(args) -> int:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     report.save(args.output, args.overwrite)
     files = report.device_files
-    print(f"{report.label} on {len(report.plan.devices)} device(s): {report.setup}")
+    print(f"{report.label} on {len(report.comparison.devices)} device(s): {report.setup}")
     for note in report.notes:
         print(f"note: {note}")
     print(report.table)

@@ -1,5 +1,5 @@
 """The one clock of onnxfuse's measurements: :class:`Stopwatch`, seconds by ``time.perf_counter`` (monotonic, the
-finest resolution Python has). Benchmarks, the array-size planner, the measured fusion forms and placement's
+finest resolution Python has). Benchmarks, array sizing, the measured fusion forms and placement's
 executor time with it, so a reported second means the same everywhere."""
 from __future__ import annotations
 

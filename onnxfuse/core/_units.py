@@ -1,6 +1,6 @@
 """Quantities with units, as flags and files spell them: sizes (B, KB, MB, GB powers of 1000; KiB, MiB, GiB powers
 of 1024), rates (FLOP/s, B/s with the same prefixes) and times (s, ms, us, ns). Read by placement's device
-descriptions and by the array-size planner's memory budget."""
+descriptions and by array sizing's memory budget."""
 from __future__ import annotations
 
 import math

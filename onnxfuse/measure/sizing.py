@@ -30,7 +30,7 @@ the smallest B at which doubling B would raise the predicted samples/s by less t
 the linear time model, the first power of two above 4.5 * a / b -- unless the doubled B would not fit in the
 memory budget (then the largest B that fits) or B reaches ``max_B``.
 
-``plan_array(...)`` returns an :class:`ArrayPlan` (per-B predictions, the probes, the fits, the recommended B and
+``size_array(...)`` returns an :class:`ArraySizing` (per-B predictions, the probes, the fits, the recommended B and
 why); ``recommend_B(...)`` is the recommended B alone, for a sweep that sizes its arrays.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ from onnxfuse.core._units import parse_size
 from onnxfuse.core.errors import ConfigError, as_user_error
 from onnxfuse.recipe.device import Device
 
-__all__ = ["ArrayPlan", "PlanRow", "Probe", "MemoryEstimate", "plan_array", "recommend_B", "choose_B",
+__all__ = ["ArraySizing", "SizingRow", "Probe", "MemoryEstimate", "size_array", "recommend_B", "choose_B",
            "fit_line", "measure_arrays", "estimate_step_memory", "training_weight_factor", "parse_memory",
            "default_memory_budget",
            "MIN_GAIN", "SAFETY"]
@@ -444,9 +444,9 @@ def measure_arrays(model: str, Bs: Sequence[int], runtime: str = "auto", device:
     return probes
 
 
-# ------------------------------------------------------------------------------------------------------ the plan
+# ---------------------------------------------------------------------------------------------------- the sizing
 @dataclass
-class PlanRow:
+class SizingRow:
     """The predicted step of one array size."""
 
     B: int
@@ -457,7 +457,7 @@ class PlanRow:
 
 
 @dataclass
-class ArrayPlan:
+class ArraySizing:
     """What `onnxfuse plan` found: the probes, the fitted lines, the prediction per B and the recommended B."""
 
     model: str
@@ -471,18 +471,18 @@ class ArrayPlan:
     probes: list[Probe]
     time_fit: tuple[float, float]       # (a, b): t(B) = a + b*B seconds
     memory_fit: tuple[float, float]     # (m0, m1): m(B) = m0 + m1*B bytes
-    rows: list[PlanRow]
+    rows: list[SizingRow]
     recommended_B: int
     reason: str
     rule: str = (f"the smallest B at which doubling B adds less than {100 * MIN_GAIN:g}% predicted samples/s, "
                  "or the largest B within the memory budget, or --max-B")
     notes: list[str] = field(default_factory=list)
 
-    def predict(self, B: int) -> PlanRow:
+    def predict(self, B: int) -> SizingRow:
         """The fitted lines at any B."""
         (a, b), (m0, m1) = self.time_fit, self.memory_fit
         t, m = a + b * B, int(m0 + m1 * B)
-        return PlanRow(B, t, B * self.batch / t, m, m <= self.memory_budget)
+        return SizingRow(B, t, B * self.batch / t, m, m <= self.memory_budget)
 
     def table(self) -> str:
         """B, predicted step ms, samples/s and memory MiB; the recommended row marked."""
@@ -508,7 +508,7 @@ class ArrayPlan:
         return asdict(self)
 
     def save(self, path: str | os.PathLike) -> None:
-        """The plan as JSON (every field, the probes' step times included)."""
+        """The sizing as JSON (every field, the probes' step times included)."""
         path = os.fspath(path)
         folder = os.path.dirname(path)
         try:
@@ -525,10 +525,10 @@ def _check_int(name: str, value, least: int = 1) -> int:
     return int(value)
 
 
-def plan_array(model: str, runtime: str = "auto", device: Device | str = "cpu", batch: int = 32,
+def size_array(model: str, runtime: str = "auto", device: Device | str = "cpu", batch: int = 32,
                memory_budget: str | int | float | None = None, probe: Sequence[int] = (1, 2, 4), max_B: int = 1024,
                optimizer: str = "adamw", threads: int = 0, warmup: int = 2, steps: int = 5,
-               rounds: int = 2) -> ArrayPlan:
+               rounds: int = 2) -> ArraySizing:
     """Predict a fused training step's time and memory per B and recommend B (see the module docstring).
 
     ``model``: a zoo name (``onnxfuse.exporters.zoo.ZOO``) or an ONNX file with one data input; trained with
@@ -570,20 +570,21 @@ def plan_array(model: str, runtime: str = "auto", device: Device | str = "cpu", 
     if m1 <= 0:
         m1 = max(mem) / max(Bs)  # memory that does not grow with B is noise: grow it as the largest probe's share
         notes.append("the probes' memory did not grow with B; predicted as proportional to B")
-    plan = ArrayPlan(model=model, runtime=runtime, device=str(device), batch=batch, optimizer=optimizer,
-                     memory_budget=budget, budget_source=budget_source, memory_source=memory_source, probes=probes,
-                     time_fit=(a, b), memory_fit=(m0, m1), rows=[], recommended_B=0, reason="", notes=notes)
+    sizing = ArraySizing(model=model, runtime=runtime, device=str(device), batch=batch, optimizer=optimizer,
+                          memory_budget=budget, budget_source=budget_source, memory_source=memory_source,
+                          probes=probes, time_fit=(a, b), memory_fit=(m0, m1), rows=[], recommended_B=0, reason="",
+                          notes=notes)
     rows = []
     for B in candidate_sizes(max_B):
-        rows.append(plan.predict(B))
+        rows.append(sizing.predict(B))
         if not rows[-1].fits:
             break  # one row over the budget shows where it ends
-    plan.recommended_B, plan.reason = choose_B([r.B for r in rows], [r.step_s for r in rows],
+    sizing.recommended_B, sizing.reason = choose_B([r.B for r in rows], [r.step_s for r in rows],
                                                [r.memory for r in rows], batch, budget)
-    plan.rows = rows
-    return plan
+    sizing.rows = rows
+    return sizing
 
 
 def recommend_B(model: str, **options) -> int:
-    """The B :func:`plan_array` recommends for ``model`` (same options): for a sweep that sizes its arrays."""
-    return plan_array(model, **options).recommended_B
+    """The B :func:`size_array` recommends for ``model`` (same options): for a sweep that sizes its arrays."""
+    return size_array(model, **options).recommended_B

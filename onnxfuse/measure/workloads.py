@@ -27,7 +27,7 @@ def interleaved_rounds(steppers: Mapping[Hashable, Callable[[], object]], rounds
     runs first on a machine whose speed drifts; ``sync`` waits for queued device work before and after each timing
     (the one after inside it); ``before``/``after`` run around a stepper's turn (e.g. a memory peak's reset and
     reading), untimed. A stepper whose key is in ``runs_steps`` takes the count and runs that many steps itself,
-    called once per timing (e.g. B processes that each run their steps at once). The benchmarks', the planner's and
+    called once per timing (e.g. B processes that each run their steps at once). The benchmarks', array sizing's and
     the measured forms' one timing loop."""
     keys = list(steppers)
     times: dict[Hashable, list[float]] = {k: [] for k in keys}

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from onnxfuse.placement.devices import Device, comm_time
+from onnxfuse.placement.devices import DeviceSpec, comm_time
 from onnxfuse.placement.graph import PlacementGraph
 
 __all__ = ["CostTable", "cost_table"]
@@ -25,7 +25,7 @@ class CostTable:
     """compute[i][d] in seconds, plus the devices for communication costs."""
 
     compute: list[list[float]]
-    devices: list[Device]
+    devices: list[DeviceSpec]
     source: str  # "profiled" or "estimated"
 
     def comm(self, nbytes: float, src: int, dst: int) -> float:
@@ -47,7 +47,7 @@ class CostTable:
         return sum(self.cut(nbytes, s, e) for s in range(D) for e in range(D) if s != e) / (D * (D - 1))
 
 
-def _node_time(graph: PlacementGraph, i: int, dev: Device) -> float:
+def _node_time(graph: PlacementGraph, i: int, dev: DeviceSpec) -> float:
     measured = graph.measured_s[i] if graph.measured_s is not None else math.nan
     if not math.isnan(measured):
         base = measured / dev.speed
@@ -56,7 +56,7 @@ def _node_time(graph: PlacementGraph, i: int, dev: Device) -> float:
     return base + dev.op_overhead
 
 
-def cost_table(graph: PlacementGraph, devices: Sequence[Device]) -> CostTable:
+def cost_table(graph: PlacementGraph, devices: Sequence[DeviceSpec]) -> CostTable:
     """Every node's compute time on every device."""
     devices = list(devices)
     compute = [[_node_time(graph, i, d) for d in devices] for i in range(len(graph))]

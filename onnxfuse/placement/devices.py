@@ -32,12 +32,12 @@ from typing import Any, Sequence
 from onnxfuse.core._units import parse_rate, parse_size, parse_time
 from onnxfuse.core.errors import ConfigError, InputFileError
 
-__all__ = ["Device", "make_devices", "load_device_spec", "parse_size", "parse_rate", "parse_time", "comm_time",
+__all__ = ["DeviceSpec", "make_devices", "load_device_spec", "parse_size", "parse_rate", "parse_time", "comm_time",
            "format_bytes", "size_flag", "replace_all", "DEVICE_FIELDS"]
 
 
 @dataclass(frozen=True)
-class Device:
+class DeviceSpec:
     """One device. Defaults describe one core of a modern x86 CPU talking to its peers through host memory."""
 
     name: str = "cpu0"
@@ -74,7 +74,7 @@ class Device:
         return d
 
 
-DEVICE_FIELDS = {f.name for f in dataclasses.fields(Device)}
+DEVICE_FIELDS = {f.name for f in dataclasses.fields(DeviceSpec)}
 
 _PARSERS = {"memory": parse_size, "flops": parse_rate, "mem_bandwidth": parse_rate, "bandwidth": parse_rate,
             "latency": parse_time, "op_overhead": parse_time, "call_overhead": parse_time, "speed": float,
@@ -82,7 +82,7 @@ _PARSERS = {"memory": parse_size, "flops": parse_rate, "mem_bandwidth": parse_ra
 
 
 def _device_fields(entry: dict, where: str) -> dict:
-    """Parse one YAML/flag mapping of device fields (units allowed) into Device keyword arguments."""
+    """Parse one YAML/flag mapping of device fields (units allowed) into DeviceSpec keyword arguments."""
     out = {}
     for key, value in entry.items():
         if key == "count":
@@ -96,17 +96,17 @@ def _device_fields(entry: dict, where: str) -> dict:
     return out
 
 
-def make_devices(count: int, **fields: Any) -> list[Device]:
+def make_devices(count: int, **fields: Any) -> list[DeviceSpec]:
     """``count`` equal devices named cpu0.. (or cuda0.. for kind 'cuda', with device ids 0..count-1)."""
     if count < 1:
         raise ConfigError(f"devices: must be at least 1, got {count}")
     f = _device_fields(fields, "device flags")
     kind = f.get("kind", "cpu")
-    return [Device(**{**f, "name": f"{kind}{d}", **({"device_id": d} if kind == "cuda" else {})})
+    return [DeviceSpec(**{**f, "name": f"{kind}{d}", **({"device_id": d} if kind == "cuda" else {})})
             for d in range(count)]
 
 
-def load_device_spec(path: str | os.PathLike, count: int | None = None) -> list[Device]:
+def load_device_spec(path: str | os.PathLike, count: int | None = None) -> list[DeviceSpec]:
     """Devices from a YAML file (see the module docstring). ``count`` (from --devices) must match it when given;
     a file with only ``defaults`` (and ``count``) describes that many equal devices."""
     import yaml
@@ -131,7 +131,7 @@ def load_device_spec(path: str | os.PathLike, count: int | None = None) -> list[
         if n < 1:
             raise ConfigError(f"device spec '{path}' lists no devices: add a 'devices' list or 'count'")
         entries = [{} for _ in range(n)]
-    devices: list[Device] = []
+    devices: list[DeviceSpec] = []
     for k, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ConfigError(f"device spec '{path}': devices[{k}] must be a mapping of fields")
@@ -141,7 +141,7 @@ def load_device_spec(path: str | os.PathLike, count: int | None = None) -> list[
             name = fields.get("name", f"{fields.get('kind', 'cpu')}{len(devices)}")
             if repeat > 1:
                 name = f"{name}{r}" if "name" in fields else name
-            devices.append(Device(**{**fields, "name": name}))
+            devices.append(DeviceSpec(**{**fields, "name": name}))
     if count is not None and count != len(devices):
         raise ConfigError(f"count={count} but device spec '{path}' describes {len(devices)} devices; "
                           "drop count= or make them agree")
@@ -152,7 +152,7 @@ def load_device_spec(path: str | os.PathLike, count: int | None = None) -> list[
     return devices
 
 
-def comm_time(nbytes: float, src: Device, dst: Device) -> float:
+def comm_time(nbytes: float, src: DeviceSpec, dst: DeviceSpec) -> float:
     """Seconds to move ``nbytes`` from ``src`` to ``dst``: latency + bytes / bandwidth of src's link (0 on one
     device)."""
     if src is dst or src.name == dst.name:
@@ -178,6 +178,6 @@ def size_flag(n: float) -> str:
     return f"{math.ceil(n)}B"
 
 
-def replace_all(devices: Sequence[Device], **fields: Any) -> list[Device]:
+def replace_all(devices: Sequence[DeviceSpec], **fields: Any) -> list[DeviceSpec]:
     """The same devices with some fields set on every one (e.g. calibrated overheads)."""
     return [dataclasses.replace(d, **fields) for d in devices]

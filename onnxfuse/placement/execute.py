@@ -2,7 +2,7 @@
 
 Each device's thread runs its stages in stage order; a stage waits until every value it reads has been
 published (by the caller for graph inputs, by another stage otherwise), runs its session, and publishes its
-outputs. Sessions of ``cpu`` devices get their own intra-op thread pool of ``Device.threads`` threads; ``cuda``
+outputs. Sessions of ``cpu`` devices get their own intra-op thread pool of ``DeviceSpec.threads`` threads; ``cuda``
 devices use the CUDA execution provider on their ``device_id`` (values cross devices through host memory as
 numpy arrays). Graph optimizations are off, as in the profile: a training-mode graph is computed wrongly by
 onnxruntime 1.19's Conv+BatchNorm fusion, and the simulator's costs are measured that way.
@@ -22,7 +22,7 @@ import onnx
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core.errors import PlacementError
-from onnxfuse.placement.devices import Device
+from onnxfuse.placement.devices import DeviceSpec
 from onnxfuse.placement.partition import Partition
 from onnxfuse.placement.session import make_session
 
@@ -109,7 +109,7 @@ class RunResult:
 class PipelineRunner:
     """Sessions for every stage of a partition, and a thread per device to run a step."""
 
-    def __init__(self, partition: Partition, devices: Sequence[Device]):
+    def __init__(self, partition: Partition, devices: Sequence[DeviceSpec]):
         if partition.n_devices > len(devices):
             raise PlacementError(f"the partition uses {partition.n_devices} devices but only {len(devices)} are given")
         self.partition = partition
@@ -179,7 +179,7 @@ class PipelineRunner:
         return outputs, wall, sorted(spans)
 
 
-def run_partition(partition: Partition, devices: Sequence[Device], feeds: Mapping[str, np.ndarray],
+def run_partition(partition: Partition, devices: Sequence[DeviceSpec], feeds: Mapping[str, np.ndarray],
                   warmup: int = 3, repeats: int = 20, fresh_feeds: bool = False) -> RunResult:
     """Time ``repeats`` steps after ``warmup`` untimed ones. ``fresh_feeds`` copies the inputs before every
     step (a training graph updates some of them in place)."""
@@ -194,7 +194,7 @@ def run_partition(partition: Partition, devices: Sequence[Device], feeds: Mappin
     return RunResult(times, outputs, spans)
 
 
-def run_whole(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], device: Device | None = None
+def run_whole(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], device: DeviceSpec | None = None
               ) -> dict[str, np.ndarray]:
     """The unpartitioned model's outputs (same session settings as the stages)."""
     sess = make_session(model, device)
@@ -202,7 +202,7 @@ def run_whole(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], device: D
     return dict(zip(names, sess.run(names, {n: np.array(v, copy=True) for n, v in feeds.items()})))
 
 
-def time_whole(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], device: Device | None = None,
+def time_whole(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], device: DeviceSpec | None = None,
                warmup: int = 3, repeats: int = 20) -> list[float]:
     """Wall seconds of ``repeats`` session calls of the whole model on one device."""
     sess = make_session(model, device)

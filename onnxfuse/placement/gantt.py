@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from onnxfuse.placement.devices import Device
+from onnxfuse.placement.devices import DeviceSpec
 from onnxfuse.placement.graph import PlacementGraph
 from onnxfuse.placement.simulate import SimResult
 
@@ -17,7 +17,7 @@ MS = 1e3
 OTHER = "#c8c8c8"  # the op types without a colour of their own
 
 
-def gantt_png(graph: PlacementGraph, result: SimResult, devices: Sequence[Device], path: str, title: str = "",
+def gantt_png(graph: PlacementGraph, result: SimResult, devices: Sequence[DeviceSpec], path: str, title: str = "",
               measured: Sequence[tuple[int, int, float, float]] | None = None,
               measured_step: float | None = None) -> str:
     """Draw :func:`gantt_figure` to ``path``; return it."""
@@ -27,7 +27,7 @@ def gantt_png(graph: PlacementGraph, result: SimResult, devices: Sequence[Device
     return path
 
 
-def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Device], title: str = "",
+def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[DeviceSpec], title: str = "",
                  measured: Sequence[tuple[int, int, float, float]] | None = None,
                  measured_step: float | None = None):
     """The chart as a matplotlib Figure. ``title``: what is placed (default the graph's label; the step times
@@ -57,7 +57,7 @@ def gantt_figure(graph: PlacementGraph, result: SimResult, devices: Sequence[Dev
     return fig
 
 
-def _rows(result: SimResult, devices: Sequence[Device], measured: list
+def _rows(result: SimResult, devices: Sequence[DeviceSpec], measured: list
           ) -> tuple[list[tuple[str, str, int]], list[int], list[int]]:
     """The chart's rows (label, kind, device), the devices with a row, and those whose link sends anything."""
     links = sorted({t.src for t in result.transfers})
@@ -116,7 +116,7 @@ def _draw_bars(ax, graph: PlacementGraph, result: SimResult, measured: list, y: 
 
 
 def _legend_entries(ops: list[str], colour: dict, calls: list, measured: list, result: SimResult,
-                    devices: Sequence[Device]) -> tuple[list, list[str]]:
+                    devices: Sequence[DeviceSpec]) -> tuple[list, list[str]]:
     from matplotlib import colormaps
     from matplotlib.patches import Patch
 

@@ -12,7 +12,7 @@
       Every tensor written is counted as kept for the whole step: that is what training keeps for the backward
       pass, and an upper bound of what inference holds at once (the simulator reports the live peak too).
 
-      This is not the array-size planner's question (``measure/sizing.py``'s ``estimate_step_memory``: the bytes
+      This is not array sizing's question (``measure/sizing.py``'s ``estimate_step_memory``: the bytes
       of a whole array's training step on one device, from its spec: buffers apart from parameters, the
       optimizer update's temporaries); the two share f, ``sizing.training_weight_factor``, and the optimizer's
       slots k, the registered optimizer's (``optimizer_state_slots``).
@@ -149,7 +149,7 @@ class PlacementGraph:
     @property
     def weight_factor(self) -> float:
         """Bytes held per weight byte: 1 to run the graph; to train it, the weight, its gradient and the optimizer
-        slots (:func:`~onnxfuse.measure.sizing.training_weight_factor`, the rule the array-size planner counts by)."""
+        slots (:func:`~onnxfuse.measure.sizing.training_weight_factor`, the rule array sizing counts by)."""
         return float(training_weight_factor(self.optimizer_slots)) if self.training else 1.0
 
     def edge_tensors(self, p: int, c: int) -> list[str]:

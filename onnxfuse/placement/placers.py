@@ -21,7 +21,7 @@ Model-axis sharding of fused arrays is in :mod:`onnxfuse.placement.shard` (it ch
 where nodes go).
 
 Every placer is registered once, in :data:`PLACERS` at the end of this module: its name, its help text and the
-function that places. ``onnxfuse place``'s ``--placer`` choices and help, the planner and ``place`` read it.
+function that places. ``onnxfuse place``'s ``--placer`` choices and help, ``compare_placements`` and ``place`` read it.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 from onnxfuse.core.errors import PlacementError
 from onnxfuse.placement.costs import CostTable
-from onnxfuse.placement.devices import Device, format_bytes, size_flag
+from onnxfuse.placement.devices import DeviceSpec, format_bytes, size_flag
 from onnxfuse.placement.graph import PlacementGraph
 from onnxfuse.placement.orders import topological, traversal_order
 
@@ -135,7 +135,7 @@ def placement_memory(graph: PlacementGraph, device_of: Sequence[int], n_devices:
     return ledger.used
 
 
-def check_memory(graph: PlacementGraph, device_of: Sequence[int], devices: Sequence[Device]) -> None:
+def check_memory(graph: PlacementGraph, device_of: Sequence[int], devices: Sequence[DeviceSpec]) -> None:
     """Raise PlacementError when a placement holds more on a device than it has."""
     used = placement_memory(graph, device_of, len(devices))
     for dev, u in zip(devices, used):
@@ -276,7 +276,7 @@ def smallest_memory(graph: PlacementGraph, costs: CostTable,
 class Placer:
     """A placer as ``onnxfuse place`` offers it. ``place(graph, costs, order)`` returns a Placement or raises
     DoesNotFit. ``orders``: run once per traversal order (``--order``). ``needs_array``: it changes the graph and
-    places a fused array's sub-arrays (``plan.py`` builds them; ``place`` is None). ``baseline``: always evaluated,
+    places a fused array's sub-arrays (``compare.py`` builds them; ``place`` is None). ``baseline``: always evaluated,
     the one-device step every speedup is against; not a ``--placer`` choice."""
 
     name: str

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from onnxfuse.placement.devices import Device
+from onnxfuse.placement.devices import DeviceSpec
 from onnxfuse.placement.execute import PipelineRunner
 from onnxfuse.placement.session import make_session
 from onnxfuse.placement.graph import PlacementGraph, build_graph, example_feeds
@@ -46,7 +46,7 @@ __all__ = ["profile_graph", "profile_graphs", "Calibration", "calibrate", "fit_c
 
 
 def profile_graphs(graphs: Sequence[PlacementGraph], feeds: Sequence[Mapping[str, np.ndarray] | None] | None = None,
-                   device: Device | None = None, runs: int = 20, warmup: int = 5, rounds: int = 4
+                   device: DeviceSpec | None = None, runs: int = 20, warmup: int = 5, rounds: int = 4
                    ) -> list[PlacementGraph]:
     """Set every graph's ``measured_s``: median kernel seconds per node over ``runs`` profiled runs, the graphs
     taking turns in ``rounds`` rounds. Nodes onnxruntime never runs (e.g. Constants it folds at load) cost 0."""
@@ -74,7 +74,7 @@ def profile_graphs(graphs: Sequence[PlacementGraph], feeds: Sequence[Mapping[str
 
 
 def profile_graph(graph: PlacementGraph, feeds: Mapping[str, np.ndarray] | None = None,
-                  device: Device | None = None, runs: int = 20, warmup: int = 5) -> PlacementGraph:
+                  device: DeviceSpec | None = None, runs: int = 20, warmup: int = 5) -> PlacementGraph:
     """``profile_graphs`` for one graph; returns it."""
     return profile_graphs([graph], [feeds], device, runs, warmup)[0]
 
@@ -102,7 +102,7 @@ class Calibration:
     whole_s: float | None = None   # measured step of the whole model on one device
     contention: float = 0.0        # slowdown - 1 of two devices of this machine computing at once
 
-    def apply(self, devices: Sequence[Device]) -> list[Device]:
+    def apply(self, devices: Sequence[DeviceSpec]) -> list[DeviceSpec]:
         """The devices with these overheads; they all share this machine ('local' host) and its contention."""
         return [dataclasses.replace(d, call_overhead=self.call_overhead, op_overhead=self.op_overhead,
                                     speed=1.0 / self.kernel_scale, latency=self.latency, bandwidth=self.bandwidth,
@@ -163,7 +163,7 @@ def _stepper(runner: PipelineRunner, feeds: Mapping[str, np.ndarray]) -> Callabl
     return lambda: runner.step(feeds)[1]
 
 
-def calibrate(graph: PlacementGraph, devices: Sequence[Device], feeds: Mapping[str, np.ndarray] | None = None,
+def calibrate(graph: PlacementGraph, devices: Sequence[DeviceSpec], feeds: Mapping[str, np.ndarray] | None = None,
               repeats: int = 40, progress: bool = False) -> Calibration:
     """Fit call/op overheads, the kernel scale, the link and the contention on this machine (module docstring);
     ``graph`` must be profiled. ``repeats`` steps of each measurement, spread over alternating rounds."""

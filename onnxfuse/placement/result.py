@@ -23,10 +23,10 @@ import numpy as np
 
 from onnxfuse.core.array import ArrayDir, check_output_location
 from onnxfuse.core.errors import ConfigError, OnnxFuseError
-from onnxfuse.placement.devices import Device, format_bytes, make_devices
+from onnxfuse.placement.devices import DeviceSpec, format_bytes, make_devices
 from onnxfuse.placement.orders import ORDER_NAMES
 from onnxfuse.placement.placers import PLACER_NAMES, PLACERS
-from onnxfuse.placement.plan import Candidate, Plan, check_placers
+from onnxfuse.placement.compare import Candidate, Comparison, check_placers
 
 __all__ = ["PlacementReport", "PlacementWarning", "place_model", "check_place_output", "PLACEMENT_JSON", "RESULTS_MD", "GANTT_PNG", "FORMAT"]
 
@@ -44,7 +44,7 @@ class PlacementReport:
 
     ``measured``: the placements were run for real, and the recommendation is by measured step."""
 
-    plan: Plan
+    comparison: Comparison
     label: str
     profiled: bool
     calibration: object | None = None  # profile.Calibration
@@ -55,25 +55,26 @@ class PlacementReport:
 
     @property
     def best(self) -> Candidate:
-        return self.plan.best(measured=self.measured)
+        return self.comparison.best(measured=self.measured)
 
     @property
     def notes(self) -> list[str]:
-        return self.plan.notes
+        return self.comparison.notes
 
     @property
     def setup(self) -> str:
         """One line: the graph, how it was costed, the granularity and the devices."""
-        plan, g = self.plan, self.plan.graph
+        comparison, g = self.comparison, self.comparison.graph
+        c0 = comparison.candidates[0]
         return (f"{g.kind} graph, {len(g)} nodes, {'profiled' if self.profiled else 'estimated'} costs, "
-                f"{plan.candidates[0].sim.granularity if plan.candidates[0].ok else 'stage'} granularity; devices: "
-                + ", ".join(f"{d.name} ({d.kind}, memory {format_bytes(d.memory)})" for d in plan.devices))
+                f"{c0.sim.granularity if c0.ok else 'stage'} granularity; devices: "
+                + ", ".join(f"{d.name} ({d.kind}, memory {format_bytes(d.memory)})" for d in comparison.devices))
 
     @property
     def partition(self):
         """The recommended placement's per-device sub-models."""
         if self._partition is None:
-            self._partition = self.plan.partition_of(self.best)
+            self._partition = self.comparison.partition_of(self.best)
         return self._partition
 
     def _per_device(self) -> dict[int, list]:
@@ -93,15 +94,15 @@ class PlacementReport:
     def to_json(self) -> dict:
         """placement.json: the recommended placement node by node, every candidate's figures, the devices and
         the calibration (JSON-safe: numpy scalars as numbers, inf and nan as null)."""
-        plan, best = self.plan, self.best
+        comparison, best = self.comparison, self.best
         g = best.graph
         return _clean({
             "format": FORMAT,
             "model": self.label,
-            "graph": plan.graph.summary(),
+            "graph": comparison.graph.summary(),
             "costs": "profiled" if self.profiled else "estimated",
             "calibration": self.calibration.to_json() if self.calibration else None,
-            "devices": [d.to_json() for d in plan.devices],
+            "devices": [d.to_json() for d in comparison.devices],
             "recommendation": self.recommendation,
             "best": {
                 "placer": best.placer, "order": best.order,
@@ -109,10 +110,10 @@ class PlacementReport:
                 "measured_step_s": best.measured.median if best.measured is not None else None,
                 "files": self.device_files,
                 "stages": self.partition.to_json(),
-                "placement": {g.names[i]: plan.devices[d].name for i, d in enumerate(best.placement.device_of)},
+                "placement": {g.names[i]: comparison.devices[d].name for i, d in enumerate(best.placement.device_of)},
                 **({"shards": best.placement.extra} if best.entry.needs_array else {}),
             },
-            "candidates": [c.to_json() for c in plan.candidates],
+            "candidates": [c.to_json() for c in comparison.candidates],
         })
 
     def save(self, folder: str | os.PathLike, overwrite: bool = False) -> list[str]:
@@ -126,7 +127,7 @@ class PlacementReport:
         from onnxfuse.placement.gantt import gantt_png
         from onnxfuse.placement.partition import device_model
 
-        best, plan = self.best, self.plan
+        best, comparison = self.best, self.comparison
         with atomic_dir(os.fspath(folder), overwrite, command="place") as tmp:
             per_device = self._per_device()
             for d, stages in per_device.items():
@@ -136,26 +137,26 @@ class PlacementReport:
                 os.makedirs(os.path.join(tmp, STAGES))
                 for s in self.partition.stages:
                     onnx.save(s.model, os.path.join(tmp, STAGES, f"{s.label}.onnx"))
-            gantt_png(best.graph, best.sim, plan.devices, os.path.join(tmp, GANTT_PNG),
+            gantt_png(best.graph, best.sim, comparison.devices, os.path.join(tmp, GANTT_PNG),
                       title=f"{self.label} placed by {best.label}",
                       measured=best.measured.spans if best.measured is not None else None,
                       measured_step=best.measured.median if best.measured is not None else None)
             with open(os.path.join(tmp, PLACEMENT_JSON), "w") as f:
                 json.dump(self.to_json(), f, indent=1)
             with open(os.path.join(tmp, RESULTS_MD), "w") as f:
-                f.write(f"# Placement of {self.label} on {len(plan.devices)} device(s)\n\n{self.setup}\n\n"
+                f.write(f"# Placement of {self.label} on {len(comparison.devices)} device(s)\n\n{self.setup}\n\n"
                         f"{self.table}\n\n{self.recommendation}\n")
         return [PLACEMENT_JSON, *self.device_files, RESULTS_MD, GANTT_PNG]
 
 
-def place_model(model: str | os.PathLike, devices: Sequence[Device] | int = 2, *,
+def place_model(model: str | os.PathLike, devices: Sequence[DeviceSpec] | int = 2, *,
                 placers: Sequence[str] | str = "all", orders: Sequence[str] | str = "all", costs: str = "auto",
                 calibrate: bool | None = None, batch_size: int = 32, dims: Mapping[str, int] | None = None,
                 feeds: Mapping[str, np.ndarray] | None = None, training: bool = False, optimizer: str | int = "adamw",
                 granularity: str = "stage", run: bool = False, repeats: int = 20, warmup: int = 3,
                 progress: bool = False) -> PlacementReport:
     """Place the ONNX graph ``model`` (a model, a training graph, ``ARRAY_DIR/fused.onnx`` or an array folder)
-    on ``devices`` (Device objects, or a number of equal ones) with every placer of ``placers`` ('all' or names
+    on ``devices`` (DeviceSpec objects, or a number of equal ones) with every placer of ``placers`` ('all' or names
     from ``placers.PLACERS``; greedy once per traversal order of ``orders``), simulate each, and with ``run`` run
     each distinct placement for real (checking its outputs against the whole model and timing it).
 
@@ -205,8 +206,9 @@ def _place(path, devices, placers, orders, costs, calibrate, batch_size, dims, f
            granularity, run, repeats, warmup, progress) -> PlacementReport:
     from onnxfuse.core._io import read_model
     from onnxfuse.placement.graph import build_graph, example_feeds
-    from onnxfuse.placement.plan import measure_plan, plan_placements, recommend, rescale_to_measured, results_table
-    from onnxfuse.placement.shard import find_array, shard_plan
+    from onnxfuse.placement.compare import (compare_placements, measure_candidates, recommend, rescale_to_measured,
+                                            results_table)
+    from onnxfuse.placement.shard import find_array, shard_array
 
     if os.path.isdir(path):
         path = ArrayDir(path).graph_path()
@@ -231,7 +233,7 @@ def _place(path, devices, placers, orders, costs, calibrate, batch_size, dims, f
                                training=training, optimizer=optimizer)
 
         _say(progress, f"re-fusing {info.B} models into sub-arrays for model-axis sharding ...")
-        shard = shard_plan(info, devices, build)
+        shard = shard_array(info, devices, build)
         extra = [(g, sub_feeds(b0, b1)) for g in shard.distinct_graphs()
                  for (_, b0, b1), h in zip(shard.groups, shard.graphs) if h is g]
     profiled = _maybe_profile(costs, graph, feeds, extra, progress)
@@ -247,15 +249,16 @@ def _place(path, devices, placers, orders, costs, calibrate, batch_size, dims, f
         calibration = fit_overheads(graph, devices, feeds, progress=progress)
         devices = calibration.apply(devices)
 
-    plan = plan_placements(graph, devices, placers, orders, shard, granularity, progress=progress)
+    comparison = compare_placements(graph, devices, placers, orders, shard, granularity, progress=progress)
     if run:
-        measure_plan(plan, feeds, warmup, repeats, probe_contention=calibration is not None, progress=progress)
+        measure_candidates(comparison, feeds, warmup, repeats, probe_contention=calibration is not None,
+                           progress=progress)
         if calibration is not None:
-            calibration = rescale_to_measured(plan, calibration)
-            plan.notes.append(f"simulated with the kernel scale and contention re-fitted on steps measured "
+            calibration = rescale_to_measured(comparison, calibration)
+            comparison.notes.append(f"simulated with the kernel scale and contention re-fitted on steps measured "
                               f"alongside ({calibration.kernel_scale:.2f}, {calibration.contention:.2f})")
-    return PlacementReport(plan, label, profiled, calibration, measured=run, table=results_table(plan),
-                           recommendation=recommend(plan))
+    return PlacementReport(comparison, label, profiled, calibration, measured=run, table=results_table(comparison),
+                           recommendation=recommend(comparison))
 
 
 def _dims_from_feeds(model, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
@@ -266,7 +269,8 @@ def _dims_from_feeds(model, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
         if vi.name in inits:
             continue
         if vi.name not in feeds:
-            raise ConfigError(f"feeds: no array for graph input '{vi.name}' (it holds {', '.join(sorted(feeds)) or 'nothing'})")
+            raise ConfigError(f"feeds: no array for graph input '{vi.name}' (it holds "
+                              f"{', '.join(sorted(feeds)) or 'nothing'})")
         shape = feeds[vi.name].shape
         spec = vi.type.tensor_type.shape.dim
         if len(shape) != len(spec):

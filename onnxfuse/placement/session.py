@@ -6,16 +6,16 @@ from __future__ import annotations
 import onnx
 
 from onnxfuse.core.errors import ORT_CUDA_FIX, PlacementError
-from onnxfuse.placement.devices import Device
+from onnxfuse.placement.devices import DeviceSpec
 
 __all__ = ["make_session"]
 
 
-def make_session(model: onnx.ModelProto, device: Device | None = None, profile_prefix: str | None = None):
+def make_session(model: onnx.ModelProto, device: DeviceSpec | None = None, profile_prefix: str | None = None):
     """An onnxruntime InferenceSession for ``model`` on ``device`` (default: one CPU thread), optimizations off."""
     import onnxruntime as ort
 
-    device = device or Device()
+    device = device or DeviceSpec()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -30,12 +30,12 @@ from onnx import numpy_helper
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError, InputFileError, PlacementError
 from onnxfuse.core.weights import ArraySpec
-from onnxfuse.placement.devices import Device
+from onnxfuse.placement.devices import DeviceSpec
 from onnxfuse.placement.graph import PlacementGraph, union_graph
 from onnxfuse.placement.partition import Partition, Stage
 from onnxfuse.placement.placers import Placement
 
-__all__ = ["ArrayInfo", "find_array", "shard_groups", "sub_array_model", "ShardPlan", "shard_plan",
+__all__ = ["ArrayInfo", "find_array", "shard_groups", "sub_array_model", "Sharding", "shard_array",
            "shard_partition"]
 
 
@@ -85,7 +85,7 @@ def find_array(path: str | os.PathLike, model: onnx.ModelProto | None = None) ->
     return ArrayInfo(array.path, array.load_spec(), model if model is not None else array.load_fused())
 
 
-def shard_groups(B: int, devices: Sequence[Device]) -> list[tuple[int, int, int]]:
+def shard_groups(B: int, devices: Sequence[DeviceSpec]) -> list[tuple[int, int, int]]:
     """(device, b0, b1): contiguous groups of models, sizes proportional to device speed (largest remainders
     first, ties to the lower device index); devices left without a model are not listed."""
     speeds = [d.speed for d in devices]
@@ -113,7 +113,7 @@ def sub_array_model(info: ArrayInfo, b0: int, b1: int) -> onnx.ModelProto:
 
 
 @dataclass
-class ShardPlan:
+class Sharding:
     """Sub-arrays, their placement graphs, and the union graph the simulator runs."""
 
     groups: list[tuple[int, int, int]]
@@ -141,11 +141,12 @@ class ShardPlan:
         self.union = union_graph(self.graphs, [f"shard{k}/" for k in range(len(self.graphs))], self.label)
 
 
-def shard_plan(info: ArrayInfo, devices: Sequence[Device],
-               build: Callable[[onnx.ModelProto, str, int, int], PlacementGraph]) -> ShardPlan:
+def shard_array(info: ArrayInfo, devices: Sequence[DeviceSpec],
+                build: Callable[[onnx.ModelProto, str, int, int], PlacementGraph]) -> Sharding:
     """Split the array over ``devices``; ``build(model, label, b0, b1)`` turns each sub-array into a placement
     graph (binding shapes the way the caller does for the whole array). To simulate with profiled costs,
-    profile ``plan.distinct_graphs()`` (best together with the whole array) and call ``plan.share_profiles()``."""
+    profile ``sharding.distinct_graphs()`` (best together with the whole array) and call
+    ``sharding.share_profiles()``."""
     if info.B < 1:
         raise PlacementError(f"'{info.folder}': the array holds no model")
     groups = shard_groups(info.B, devices)
@@ -155,17 +156,17 @@ def shard_plan(info: ArrayInfo, devices: Sequence[Device],
     device_of = [d for (d, _, _), g in zip(groups, graphs) for _ in range(len(g))]
     sizes = ", ".join(f"{devices[d].name}: {b1 - b0}" for d, b0, b1 in groups)
     placement = Placement(device_of, "shard", None, extra={"groups": [list(g) for g in groups], "models": sizes})
-    return ShardPlan(groups, graphs, union, placement, info.per_model_inputs, label)
+    return Sharding(groups, graphs, union, placement, info.per_model_inputs, label)
 
 
-def shard_partition(plan: ShardPlan, n_devices: int) -> Partition:
+def shard_partition(sharding: Sharding, n_devices: int) -> Partition:
     """One stage per sub-array; per-model inputs sliced on the model axis, outputs concatenated on it."""
     stages, slices = [], {}
-    outputs = plan.graphs[0].graph_outputs
-    for k, ((d, b0, b1), g) in enumerate(zip(plan.groups, plan.graphs)):
+    outputs = sharding.graphs[0].graph_outputs
+    for k, ((d, b0, b1), g) in enumerate(zip(sharding.groups, sharding.graphs)):
         inputs = {}
         for name in g.graph_inputs:
-            if name in plan.per_model_inputs:
+            if name in sharding.per_model_inputs:
                 key = f"{name}[{b0}:{b1}]"
                 slices[key] = (name, b0, b1)
                 inputs[name] = key
@@ -173,7 +174,7 @@ def shard_partition(plan: ShardPlan, n_devices: int) -> Partition:
                 inputs[name] = name
         stages.append(Stage(d, 0, g.model, inputs, {o: f"shard{k}/{o}" for o in g.graph_outputs},
                             list(range(len(g)))))
-    if any(g.graph_outputs != outputs for g in plan.graphs):
+    if any(g.graph_outputs != outputs for g in sharding.graphs):
         raise ConfigError("the sub-arrays have different outputs (internal error)")
-    return Partition(stages, list(plan.graphs[0].graph_inputs), list(outputs), n_devices, slices,
+    return Partition(stages, list(sharding.graphs[0].graph_inputs), list(outputs), n_devices, slices,
                      {o: [f"shard{k}/{o}" for k in range(len(stages))] for o in outputs})

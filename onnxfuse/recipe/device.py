@@ -9,7 +9,7 @@ argument of the Python API), then the same :class:`Device` everywhere.
 
 A runtime asks about its own stack (``RUNTIMES[...].load().unavailable(device)``: ONNX Runtime's CUDA provider is a
 question for ``runtime/ort_runtime.py``, which may import onnxruntime; this layer may not). Not to be confused with
-``placement.devices.Device``, a device *model* (memory, speed) that placement plans for.
+``placement.devices.DeviceSpec``, a device *described* (memory, speed, links) that placement simulates.
 """
 from __future__ import annotations
 

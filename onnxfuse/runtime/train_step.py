@@ -204,7 +204,7 @@ class TrainStep:
     the models whose step is). ``key``: the workload in the record of compile and step times (:func:`record_key`;
     empty: nothing recorded)."""
 
-    WINDOW = 64  # steps whose coefficients are computed at once when the caller knows them ahead (plan)
+    WINDOW = 64  # steps whose coefficients are computed at once when the caller knows them ahead (hold_window)
 
     def __init__(self, optimizer, forward: Callable, buffers: Sequence[str] = (), compile: str = "off",
                  key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None):
@@ -227,8 +227,8 @@ class TrainStep:
         self.losses = torch.zeros(B, device=device)
         self.ok = torch.ones(B, dtype=torch.bool, device=device)
         self._hyper: torch.Tensor | None = None
-        # the coefficients of a window of steps, held on the device (see plan): rows for steps plan_first...
-        self._table, self._planned, self._plan_first = None, [], 0
+        # the coefficients of a window of steps, held on the device (see hold_window): rows for steps window_first...
+        self._table, self._window, self._window_first = None, [], 0
         self._counted = None  # the optimizer step the device count was last set from (None: not yet)
         self._compiled, self._shapes, self._graphed = None, None, None
         self._compiled_key, self._guarded = None, True  # what the compiled step's update graph is (see _call_compiled)
@@ -302,12 +302,12 @@ class TrainStep:
 
         ``values`` and ``ahead`` (the run loop's schedules): this step's values, and ``ahead(n)`` the values of
         this step and the next ``n - 1``. The coefficients of ``WINDOW`` steps are then computed at once and held
-        on the device (``plan``); a step whose values are the planned ones copies its row into the step's input
+        on the device (``hold_window``); a step whose values are the window's copies its row into the step's input
         on the device, with no host computation. Without them (a user's loop, where a torch scheduler may move
         the groups at any time) each step's coefficients are computed from the groups."""
         opt = self.opt
         step = opt.state["step"]
-        row = self._planned_row(step, values, ahead)
+        row = self._window_row(step, values, ahead)
         if row is None:
             self._hold(torch.from_numpy(opt.prepare(self.buffers)))
         else:
@@ -333,24 +333,24 @@ class TrainStep:
         self._input(coefficients.shape).copy_(coefficients.pin_memory() if self._hyper.is_cuda else coefficients,
                                               non_blocking=True)
 
-    def _planned_row(self, step: int, values, ahead) -> int | None:
-        """The row of the coefficient table that holds step ``step + 1`` with ``values`` (planning the next
+    def _window_row(self, step: int, values, ahead) -> int | None:
+        """The row of the coefficient table that holds step ``step + 1`` with ``values`` (holding the next
         window when the table does not), or None: computed on the host for this step alone."""
         if values is None or ahead is None:
             return None
-        row = step + 1 - self._plan_first
-        if not (0 <= row < len(self._planned) and self._planned[row] == values):
-            self.plan(ahead(self.WINDOW))
+        row = step + 1 - self._window_first
+        if not (0 <= row < len(self._window) and self._window[row] == values):
+            self.hold_window(ahead(self.WINDOW))
             row = 0
-        return row if self._planned and self._planned[row] == values else None
+        return row if self._window and self._window[row] == values else None
 
-    def plan(self, upcoming: Sequence[StepValues]) -> None:
+    def hold_window(self, upcoming: Sequence[StepValues]) -> None:
         """The coefficients of the steps ``upcoming`` (the next step's values first) computed at once
         (``FusedOptimizer.window``: as many as share one update graph) and copied to the device in one copy."""
         table = torch.from_numpy(self.opt.window(upcoming, self.buffers))
         cuda = self._input(table.shape[1:]).is_cuda
         self._table = table.pin_memory().to(self.array.device, non_blocking=True) if cuda else table
-        self._planned, self._plan_first = list(upcoming[:len(table)]), self.opt.state["step"] + 1
+        self._window, self._window_first = list(upcoming[:len(table)]), self.opt.state["step"] + 1
 
     def _run(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
         if self.key and self._record is None:

@@ -110,11 +110,12 @@ def _array_task(job: dict, models: dict, data, eval_data, attempt: int, segment:
     yield {"result": outcome["result"]}
 
 
-def _plan_task(model: bytes, settings: TrainConfig, max_B: int) -> tuple[int, str]:
-    """The array-sizing planner on a worker: B for the group's model on the device the arrays get."""
+def _sizing_task(model: bytes, settings: TrainConfig, max_B: int) -> tuple[int, str]:
+    """Array sizing (``size_array``) on a worker: B for the group's model on the device the arrays get (its reason
+    begins "planner on HOST", as plan.json has always recorded it)."""
     import tempfile
 
-    from onnxfuse.measure.sizing import plan_array
+    from onnxfuse.measure.sizing import size_array
 
     from onnxfuse.sweep.worker import node_of_this_process
 
@@ -122,9 +123,9 @@ def _plan_task(model: bytes, settings: TrainConfig, max_B: int) -> tuple[int, st
         path = os.path.join(tmp, "model.onnx")
         with open(path, "wb") as f:
             f.write(model)
-        plan = plan_array(path, runtime=settings.runtime, device=settings.device, batch=settings.batch_size,
-                          optimizer=settings.optimizer, threads=settings.threads, max_B=max_B)
-    return plan.recommended_B, f"planner on {node_of_this_process()['host']}: {plan.reason}"
+        sizing = size_array(path, runtime=settings.runtime, device=settings.device, batch=settings.batch_size,
+                            optimizer=settings.optimizer, threads=settings.threads, max_B=max_B)
+    return sizing.recommended_B, f"planner on {node_of_this_process()['host']}: {sizing.reason}"
 
 
 def _connect(address: str | None, num_cpus: int | None) -> bool:
@@ -399,11 +400,11 @@ def _execute(sweep: SweepDir, spec: SweepSpec, plan: dict, progress: bool) -> tu
 
 
 def _ray_sizer(spec: SweepSpec, ray_up: threading.Event, stop: threading.Event) -> Sizer:
-    """The array-sizing planner for every group at once, each a Ray task with an array's resources (once Ray is
+    """Array sizing for every group at once, each a Ray task with an array's resources (once Ray is
     up: the plan is made while it starts)."""
     import ray
 
-    task = ray.remote(_plan_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=1)
+    task = ray.remote(_sizing_task).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_retries=1)
 
     def size_of(groups: list[tuple[str, dict]]) -> list[tuple[int, str]]:
         while not ray_up.wait(0.1):

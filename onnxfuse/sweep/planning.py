@@ -8,8 +8,8 @@
   trusted: two ``model.width`` values that give one graph share a group, and a factory that builds different
   graphs for one value splits it.
 * size: each group is cut into the fewest arrays of at most B models, of nearly equal sizes (7 trials at B = 4:
-  4 + 3). B is ``arrays.size``, or with ``auto`` what the array-sizing planner (``onnxfuse/measure/sizing.py``) recommends
-  for the group's model, capped by ``arrays.max_size``; the driver runs that planner on a worker.
+  4 + 3). B is ``arrays.size``, or with ``auto`` what array sizing (``onnxfuse/measure/sizing.py``) recommends for the
+  group's model, capped by ``arrays.max_size``; the driver runs it on a worker.
 * arrays: each array's run settings, its per-model settings one value per trial, checked by
   ``normalize_config`` before anything trains, as the ``TrainConfig`` its worker trains (plan.json holds its
   record).

@@ -9,7 +9,7 @@ trial shares, without its ``model`` and ``grid`` sections, plus the sections of 
                 how ``onnxfuse sweep`` draws its trials (a range is for random; Optuna samples ranges itself)
     metric      eval_loss | eval_accuracy | train_loss (what the report sorts by and Optuna optimizes; each
                 trial's best state by an eval metric is kept, its run's keep_best, and ranked by)
-    arrays      size (a number, or auto: the array-sizing planner, run on a worker), max_size
+    arrays      size (a number, or auto: array sizing, run on a worker), max_size
     resources   cpus, gpus per array (Ray resources; a fraction of a GPU shares it)
     retries     how often a failed array is run again (default 1)
     halving     the run setting, sweep-wide: at each of these steps every array stops, the best ``halving_keep``

@@ -48,24 +48,24 @@ def resize(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto] | None:
         raise ctx.error(node, "it sets antialias=1", "resize without antialias")
     rank = ctx.rank(node, x)
     axes = [int(a) + rank if int(a) < 0 else int(a) for a in attrs.get("axes", range(rank))]
-    plan = _plan(node, ctx, x, rank, axes, attrs.get("keep_aspect_ratio_policy", "stretch"))
+    resized = _resized_axes(node, ctx, x, rank, axes, attrs.get("keep_aspect_ratio_policy", "stretch"))
     em = Emitter(node, ctx)
-    if not plan:
+    if not resized:
         em.finish(x, y)
         return em.nodes
     if mode == "nearest":
-        out = _nearest(node, ctx, em, x, rank, plan, coord, nearest_mode)
+        out = _nearest(node, ctx, em, x, rank, resized, coord, nearest_mode)
     else:
-        out = _linear(em, x, rank, plan, coord)
+        out = _linear(em, x, rank, resized, coord)
     em.finish(out, y)
     return em.nodes
 
 
-def _plan(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -> list[tuple]:
+def _resized_axes(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -> list[tuple]:
     """[(axis, L, L', scale)] for the axes that change (L may be symbolic for an integer nearest factor)."""
     shape, out_shape = ctx.shape(x), ctx.shape(node.output[0])
     scales = ctx.constant(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-    plan = []
+    resized = []
     if scales is not None and scales.size > 0:
         if scales.size != len(axes):
             raise ctx.error(node, f"it has {scales.size} scales for {len(axes)} axes", "fix the scales")
@@ -76,8 +76,8 @@ def _plan(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -
             L, L2 = shape[a], out_shape[a] if out_shape is not None and len(out_shape) == rank else None
             if not isinstance(L2, int):
                 L2 = int(math.floor(L * scale)) if isinstance(L, int) else None
-            plan.append((a, L, L2, scale))
-        return plan
+            resized.append((a, L, L2, scale))
+        return resized
     if len(node.input) < 4 or not node.input[3]:
         raise ctx.error(node, "it has neither constant scales nor sizes", "resize with a constant scale_factor")
     if policy != "stretch":
@@ -93,8 +93,8 @@ def _plan(node, ctx: Context, x: str, rank: int, axes: list[int], policy: str) -
         if not isinstance(size, int) or not isinstance(L, int):
             raise ctx.error(node, f"the size of axis {a} ({L} -> {size}) is not static",
                             "resize to constant sizes along axes of static size")
-        plan.append((a, L, size, size / L))
-    return plan
+        resized.append((a, L, size, size / L))
+    return resized
 
 
 def _nearest_index(out_len: int, in_len: int, scale: float, coord: str, nearest_mode: str) -> np.ndarray:
@@ -111,9 +111,9 @@ def _is_repeat(L, scale: float, coord: str, nearest_mode: str) -> bool:
                for n in lengths)
 
 
-def _nearest(node, ctx: Context, em: Emitter, x: str, rank: int, plan, coord: str, nearest_mode: str) -> str:
-    repeat = [p for p in plan if _is_repeat(p[1], p[3], coord, nearest_mode)]
-    gather = [p for p in plan if p not in repeat]
+def _nearest(node, ctx: Context, em: Emitter, x: str, rank: int, resized, coord: str, nearest_mode: str) -> str:
+    repeat = [p for p in resized if _is_repeat(p[1], p[3], coord, nearest_mode)]
+    gather = [p for p in resized if p not in repeat]
     for a, L, L2, scale in gather:
         if not isinstance(L, int):
             raise ctx.error(node, f"nearest resizing of axis {a} by {scale} needs a static length (it is {L})",
@@ -165,9 +165,9 @@ def _interpolation_matrix(in_len: int, out_len: int, scale: float, coord: str) -
     return m
 
 
-def _linear(em: Emitter, x: str, rank: int, plan, coord: str) -> str:
+def _linear(em: Emitter, x: str, rank: int, resized, coord: str) -> str:
     dtype = em.ctx.np_dtype(em.node.input[0])
-    for a, L, L2, scale in plan:
+    for a, L, L2, scale in resized:
         if not isinstance(L, int):
             raise em.ctx.error(em.node, f"linear resizing of axis {a} needs a static length (it is {L})",
                                "export the model with a fixed size along that axis")

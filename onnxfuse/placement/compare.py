@@ -16,16 +16,17 @@ import numpy as np
 
 from onnxfuse.core.errors import ConfigError, PlacementError
 from onnxfuse.placement.costs import CostTable, cost_table
-from onnxfuse.placement.devices import Device, format_bytes
+from onnxfuse.placement.devices import DeviceSpec, format_bytes
 from onnxfuse.placement.execute import PipelineRunner, RunResult, max_rel_error, run_whole
 from onnxfuse.placement.graph import PlacementGraph
 from onnxfuse.placement.orders import ORDER_NAMES
 from onnxfuse.placement.partition import Partition, partition_graph
 from onnxfuse.placement.placers import BASELINE, PLACER_NAMES, PLACERS, Placement, Placer, check_memory, place
-from onnxfuse.placement.shard import ShardPlan, shard_partition
+from onnxfuse.placement.shard import Sharding, shard_partition
 from onnxfuse.placement.simulate import SimResult, simulate
 
-__all__ = ["Candidate", "Plan", "PLACER_NAMES", "check_placers", "plan_placements", "measure_plan", "rescale_to_measured",
+__all__ = ["Candidate", "Comparison", "PLACER_NAMES", "check_placers", "compare_placements", "measure_candidates",
+           "rescale_to_measured",
            "results_table", "recommend"]
 
 _PAIR = "(two copies at once)"
@@ -73,11 +74,11 @@ class Candidate:
 
 
 @dataclass
-class Plan:
+class Comparison:
     graph: PlacementGraph
-    devices: list[Device]
+    devices: list[DeviceSpec]
     candidates: list[Candidate]
-    shard: ShardPlan | None = None
+    shard: Sharding | None = None
     notes: list[str] = field(default_factory=list)
     contention_measured: float | None = None  # from the two-copies probe run alongside the placements
 
@@ -114,11 +115,11 @@ def check_placers(placers: Sequence[str]) -> None:
         raise ConfigError(f"placers: unknown placer '{unknown[0]}'; choose from {', '.join(PLACER_NAMES)} or all")
 
 
-def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: Sequence[str] = PLACER_NAMES,
-                    orders: Sequence[str] = ORDER_NAMES, shard: ShardPlan | None = None,
-                    granularity: str = "stage", progress: bool = False) -> Plan:
+def compare_placements(graph: PlacementGraph, devices: Sequence[DeviceSpec], placers: Sequence[str] = PLACER_NAMES,
+                       orders: Sequence[str] = ORDER_NAMES, shard: Sharding | None = None,
+                       granularity: str = "stage", progress: bool = False) -> Comparison:
     """Place and simulate ``graph`` with every requested placer (those with ``orders`` once per order). ``shard``
-    is the sub-array plan of a fused array (needed for the 'shard' placer; skipped for other graphs unless asked
+    is the model-axis sharding of a fused array (needed for the 'shard' placer; skipped for other graphs unless asked
     for alone). A graph that fits with no placer raises the first placer's PlacementError."""
     devices = list(devices)
     check_placers(placers)
@@ -126,13 +127,13 @@ def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: S
         raise PlacementError(f"{graph.label}: model-axis sharding needs a fused array: pass ARRAY_DIR/fused.onnx "
                              "(with array.json and sources/ next to it)")
     costs = cost_table(graph, devices)
-    plan = Plan(graph, devices, [])
+    comparison = Comparison(graph, devices, [])
     todo: list[tuple[str, str | None]] = [(BASELINE, None)]
     for p in placers:
         if PLACERS[p].orders:
             todo += [(p, o) for o in orders]
         elif PLACERS[p].needs_array and shard is None:
-            plan.notes.append(f"{p}: not a fused array (give ARRAY_DIR/fused.onnx to shard the model axis)")
+            comparison.notes.append(f"{p}: not a fused array (give ARRAY_DIR/fused.onnx to shard the model axis)")
         elif p != BASELINE:
             todo.append((p, None))
     first_error: PlacementError | None = None
@@ -144,7 +145,7 @@ def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: S
                 check_memory(shard.union, shard.placement.device_of, devices)
             except PlacementError as e:
                 c.error, first_error = str(e), first_error or e
-                plan.candidates.append(c)
+                comparison.candidates.append(c)
                 continue
         else:
             c = Candidate(p, order, graph, costs)
@@ -154,31 +155,31 @@ def plan_placements(graph: PlacementGraph, devices: Sequence[Device], placers: S
                 c.error = str(e)
                 if p != BASELINE:
                     first_error = first_error or e
-                plan.candidates.append(c)
+                comparison.candidates.append(c)
                 continue
         c.sim = simulate(c.graph, c.costs, c.placement, granularity)
-        plan.candidates.append(c)
-    if not any(c.ok and c.placer != BASELINE for c in plan.candidates) and first_error is not None:
+        comparison.candidates.append(c)
+    if not any(c.ok and c.placer != BASELINE for c in comparison.candidates) and first_error is not None:
         raise first_error
-    plan.shard = shard
-    return plan
+    comparison.shard = shard
+    return comparison
 
 
-def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, repeats: int = 20,
-                 which: Callable[[Candidate], bool] | None = None, rounds: int = 5, probe_contention: bool = False,
-                 progress: bool = False) -> None:
+def measure_candidates(comparison: Comparison, feeds: Mapping[str, np.ndarray], warmup: int = 3,
+                       repeats: int = 20, which: Callable[[Candidate], bool] | None = None, rounds: int = 5,
+                       probe_contention: bool = False, progress: bool = False) -> None:
     """Run the partitioned graph of every placed candidate (each distinct placement once), time it, and check
     its outputs against the whole model run in one session.
 
     The placements take turns: ``rounds`` rounds, each running every placement ``repeats / rounds`` steps, and
     a placement's time is the median of all its steps. On a shared machine a burst of someone else's load then
     hits every placement alike instead of whichever happened to run during it. ``probe_contention`` adds the
-    whole model run on two devices at once to the rounds (``plan.contention_measured``, for
+    whole model run on two devices at once to the rounds (``comparison.contention_measured``, for
     ``rescale_to_measured``): how much two devices of this machine slow each other down right now.
     """
-    fresh = plan.graph.kind == "training graph"
-    expected = run_whole(plan.graph.model, feeds, plan.devices[0])
-    chosen = [c for c in plan.candidates if c.ok and (which is None or which(c))]
+    fresh = comparison.graph.kind == "training graph"
+    expected = run_whole(comparison.graph.model, feeds, comparison.devices[0])
+    chosen = [c for c in comparison.candidates if c.ok and (which is None or which(c))]
     unique: dict[tuple, Candidate] = {}
     for c in chosen:
         unique.setdefault(_placement_key(c), c)
@@ -186,12 +187,12 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
     try:
         for k, c in enumerate(unique.values()):
             _say(progress, f"loading [{k + 1}/{len(unique)}] {c.label}")
-            runners[c.label] = PipelineRunner(plan.partition_of(c), plan.devices)
-        probe = probe_contention and len(plan.devices) > 1 and plan.baseline is not None
+            runners[c.label] = PipelineRunner(comparison.partition_of(c), comparison.devices)
+        probe = probe_contention and len(comparison.devices) > 1 and comparison.baseline is not None
         if probe:
             from onnxfuse.placement.profile import pair_partition
 
-            runners[_PAIR] = PipelineRunner(pair_partition(plan.graph), plan.devices)
+            runners[_PAIR] = PipelineRunner(pair_partition(comparison.graph), comparison.devices)
         times: dict[str, list[float]] = {label: [] for label in runners}
         outputs: dict[str, dict] = {}
         spans: dict[str, list] = {}
@@ -208,8 +209,8 @@ def measure_plan(plan: Plan, feeds: Mapping[str, np.ndarray], warmup: int = 3, r
         for runner in runners.values():
             runner.close()
     if probe:
-        base = unique[_placement_key(plan.baseline)].label
-        plan.contention_measured = statistics.median(times[_PAIR]) / statistics.median(times[base]) - 1.0
+        base = unique[_placement_key(comparison.baseline)].label
+        comparison.contention_measured = statistics.median(times[_PAIR]) / statistics.median(times[base]) - 1.0
     for c in chosen:
         twin = unique[_placement_key(c)]
         c.measured = RunResult(times[twin.label], outputs[twin.label], spans[twin.label])
@@ -222,9 +223,9 @@ def _placement_key(c: Candidate) -> tuple:
     return c.entry.needs_array, tuple(c.placement.device_of)
 
 
-def rescale_to_measured(plan: Plan, calibration) -> object:
+def rescale_to_measured(comparison: Comparison, calibration) -> object:
     """Re-fit the calibration's kernel scale on the one-device step measured in the same rounds as the
-    partitioned ones (and its contention on the two-copies probe, when ``measure_plan`` ran it), and re-simulate
+    partitioned ones (and its contention on the two-copies probe, when ``measure_candidates`` ran it), and re-simulate
     every candidate with them (placements unchanged). Returns the new calibration.
 
     The speed of a shared machine drifts by tens of percent over seconds; anchoring the scale on a run measured
@@ -235,19 +236,20 @@ def rescale_to_measured(plan: Plan, calibration) -> object:
 
     from onnxfuse.placement.profile import fit_calibration
 
-    base = plan.baseline
-    if base is None or base.measured is None or plan.graph.measured_s is None:
+    base = comparison.baseline
+    if base is None or base.measured is None or comparison.graph.measured_s is None:
         return calibration
     c, o = calibration.call_overhead, calibration.op_overhead
-    contention = calibration.contention if plan.contention_measured is None else plan.contention_measured
-    refit = fit_calibration(c + o, c + 64 * o, 64, base.measured.median, sum(plan.graph.measured_s), len(plan.graph),
+    contention = calibration.contention if comparison.contention_measured is None else comparison.contention_measured
+    graph = comparison.graph
+    refit = fit_calibration(c + o, c + 64 * o, 64, base.measured.median, sum(graph.measured_s), len(graph),
                             contention=contention)
     calibration = dataclasses.replace(calibration, kernel_scale=refit.kernel_scale, whole_s=base.measured.median,
                                       contention=refit.contention)
-    plan.devices = calibration.apply(plan.devices)
-    for cand in plan.candidates:
+    comparison.devices = calibration.apply(comparison.devices)
+    for cand in comparison.candidates:
         if cand.ok:
-            cand.costs = cost_table(cand.graph, plan.devices)
+            cand.costs = cost_table(cand.graph, comparison.devices)
             cand.sim = simulate(cand.graph, cand.costs, cand.placement, cand.sim.granularity)
     return calibration
 
@@ -256,15 +258,15 @@ def _ms(t: float | None) -> str:
     return "–" if t is None or math.isnan(t) else f"{t * 1e3:.3f}"
 
 
-def results_table(plan: Plan) -> str:
+def results_table(comparison: Comparison) -> str:
     """Markdown table: one row per candidate, simulated (and measured) step, speedup, traffic, memory."""
-    base = plan.baseline
-    measured = any(c.measured is not None for c in plan.candidates)
+    base = comparison.baseline
+    measured = any(c.measured is not None for c in comparison.candidates)
     head = ["placer", "order", "devices used", "simulated ms", "speedup", "moved", "peak memory"]
     if measured:
         head += ["measured ms", "sim / measured", "outputs"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in plan.candidates:
+    for c in comparison.candidates:
         if not c.ok:
             cells = [c.placer, c.order or "–", "–", "does not fit" if "fit" in (c.error or "") else "error",
                      "–", "–", "–"] + (["–", "–", "–"] if measured else [])
@@ -285,11 +287,11 @@ def results_table(plan: Plan) -> str:
     return "\n".join(rows)
 
 
-def recommend(plan: Plan) -> str:
+def recommend(comparison: Comparison) -> str:
     """One paragraph: the best candidate, how much faster than one device, and the best traversal order(s)."""
-    measured = any(c.measured is not None for c in plan.candidates)
-    best = plan.best(measured)
-    base = plan.baseline
+    measured = any(c.measured is not None for c in comparison.candidates)
+    best = comparison.best(measured)
+    base = comparison.baseline
     if best is None:
         return "no placement fits these devices"
     basis = "measured" if measured and best.measured is not None else "simulated"
@@ -298,10 +300,10 @@ def recommend(plan: Plan) -> str:
     if base is not None:
         t0 = base.measured.median if basis == "measured" and base.measured is not None else base.sim.step_time
         text += f", {t0 / t:.2f}x one device" if t > 0 else ""
-    text += f", {best.placement.devices_used()} of {len(plan.devices)} devices used)"
+    text += f", {best.placement.devices_used()} of {len(comparison.devices)} devices used)"
     if best.entry.needs_array:
         text += f"; models per device: {best.placement.extra.get('models')}"
-    greedy = [c for c in plan.candidates if c.entry.orders and c.ok]
+    greedy = [c for c in comparison.candidates if c.entry.orders and c.ok]
     if greedy:
         fastest = min(c.sim.step_time for c in greedy)
         winners = [c.order for c in greedy if c.sim.step_time <= fastest * 1.0005]
@@ -309,6 +311,6 @@ def recommend(plan: Plan) -> str:
             text += f". Every traversal order gives the greedy placer the same step ({_ms(fastest)} ms simulated)"
         else:
             text += f". Best traversal order for the greedy placer: {', '.join(winners)} ({_ms(fastest)} ms simulated)"
-    if best.placement.devices_used() == 1 and len(plan.devices) > 1:
+    if best.placement.devices_used() == 1 and len(comparison.devices) > 1:
         text += ". One device is fastest: moving tensors between devices costs more than the parallelism gains"
     return text + "."
