@@ -12,7 +12,7 @@ Columns:
   model's slices; a node whose inputs are all shared is emitted once, whatever its op);
 - **ORT training**: what onnxruntime-training 1.19 does with the op's test graphs (below), probed here: ``yes``
   (it builds their gradient w.r.t. their float graph inputs, the data), ``legalized where ORT needs it``
-  (onnxfuse rewrites the forms ORT cannot train first: ``core/legalize/<module>``), ``no gradient`` (ORT has no gradient builder: the ort runtime refuses the array in
+  (onnxfuse rewrites the forms ORT cannot train first: ``runtime/ort/legalize/<module>``), ``no gradient`` (ORT has no gradient builder: the ort runtime refuses the array in
   one line, the torch runtime trains it), ``nothing to differentiate`` (integer or boolean data only, or an
   output that does not depend on the data's values), ``no kernel`` (ORT cannot even run it), ``–`` (excluded, or
   no test graph), or ``no:`` and ORT's own reason;
@@ -194,7 +194,7 @@ def legalized(rewrite) -> str:
 
 def ort_column(rows: list[Row]) -> None:
     """Fill each row's ORT column: legalized ops by the rewrite registry, the rest by probing their test graphs."""
-    from onnxfuse.core.legalize import REWRITES
+    from onnxfuse.runtime.ort.legalize import REWRITES
 
     samples = _samples()
     for row in rows:

@@ -28,7 +28,7 @@ def main() -> None:
     from onnxfuse import fuse_models
     from onnxfuse.exporters import export_module
     from onnxfuse.exporters.zoo import ZOO
-    from onnxfuse.core.legalize import legalize
+    from onnxfuse.runtime.ort.legalize import legalize
 
     print("| model | parameters | nodes | fused nodes | fused fraction | layout changes | legalized for training |")
     print("|---|---|---|---|---|---|---|")

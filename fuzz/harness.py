@@ -364,7 +364,7 @@ def _run_onnx(model, x: np.ndarray) -> np.ndarray:
 def _run_fused(fa, x: np.ndarray, runtime: str) -> np.ndarray:
     """The fused graph's train-mode forward as ``runtime`` computes it."""
     if runtime == "ort":  # the torch runtime's own nodes (a batched recurrence) as the ort runtime runs them
-        from onnxfuse.core.legalize import standard_onnx
+        from onnxfuse.core.standard import standard_onnx
 
         return _run_onnx(standard_onnx(fa.model), x)
     with torch.no_grad():

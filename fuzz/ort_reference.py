@@ -20,7 +20,7 @@ What it uses, and nothing else:
 
 Nothing from ``onnxfuse`` is imported: not its exporter, identity check, fusion rules, legalization, loss or
 optimizer graphs. Where onnxruntime-training 1.19.2 cannot differentiate an op at all on the CPU, the op is
-rewritten here by a few lines of standard ONNX written independently of ``onnxfuse.core.legalize`` (``_trainable``):
+rewritten here by a few lines of standard ONNX written independently of ``onnxfuse.runtime.ort.legalize`` (``_trainable``):
 LayerNormalization gets its Mean/InvStdDev outputs, HardSigmoid/HardSwish become Relu forms, ReduceMax the
 tie-splitting form of ``torch.amax``'s gradient, ConvTranspose (group 1) a Conv over the zero-upsampled input with
 the flipped, transposed weight. What remains shared with a fused run is ONNX Runtime's kernels themselves — which

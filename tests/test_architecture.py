@@ -2,7 +2,7 @@
 docs/architecture.md lists, in its order, and a module imports only modules of its own layer or of layers before
 it, and no import cycles -- function-level imports and ``if TYPE_CHECKING:`` blocks included in both; no two modules
 share a file name, except the op-family catalogs (the files of a layer's sub-packages: ``core/rules/``,
-``core/legalize/``).
+``runtime/ort/legalize/``).
 
 Imports are read from the source (``ast``). ``from package import name`` counts as an import of ``package.name``
 when that is a module."""

@@ -16,7 +16,7 @@ from conftest import rel_err, run_onnx
 from fuzz.native import native_output_to
 from onnxfuse.core.errors import NotFusibleError, UntrainableOpError
 from onnxfuse.exporters import export_module
-from onnxfuse.core.legalize import legalize
+from onnxfuse.runtime.ort.legalize import legalize
 
 TOL = 1e-5
 

@@ -5,29 +5,34 @@ import pytest
 from onnx import helper
 
 from onnxfuse.core._graph import last_readers, node_label
-from onnxfuse.core.legalize._engine import REWRITES, rewrite
 from onnxfuse.core.registry import Registry
 from onnxfuse.core.rules import RULES, rule
+from onnxfuse.core.rules.recurrent import TORCH_DOMAIN
+from onnxfuse.core.standard import STANDARD_FORMS, standard_form
+from onnxfuse.runtime.ort.legalize._registry import REWRITES, rewrite
 from onnxfuse.runtime.torch.kernels import OPS, op
 
-CATALOGS = [(RULES, rule, "Conv"), (REWRITES, rewrite, "InstanceNormalization"), (OPS, op, "Relu")]
+CATALOGS = [(RULES, rule, "", "Conv"), (STANDARD_FORMS, standard_form, TORCH_DOMAIN, "BatchedLSTM"),
+            (REWRITES, rewrite, "", "InstanceNormalization"), (OPS, op, "", "Relu")]
 
 
-@pytest.mark.parametrize("table,decorator,taken", CATALOGS, ids=["rules", "rewrites", "torch kernels"])
-def test_each_catalog_is_a_registry_that_refuses_a_second_entry(table, decorator, taken):
+@pytest.mark.parametrize("table,decorator,domain,taken", CATALOGS,
+                         ids=["rules", "standard forms", "legalization rewrites", "torch kernels"])
+def test_each_catalog_is_a_registry_that_refuses_a_second_entry(table, decorator, domain, taken):
     assert isinstance(table, Registry)
     before = dict(table)
-    first = table[("", taken)]
+    first = table[(domain, taken)]
 
     def impostor(*args):
         raise AssertionError("never called")
 
     # a registration of several op types, one of them taken, registers none of them
-    with pytest.raises(ValueError, match=rf"two {table.kind}s for op type '{taken}': .+ and "
+    name = f"{domain}::{taken}" if domain else taken
+    with pytest.raises(ValueError, match=rf"two {table.kind}s for op type '{name}': .+ and "
                                          rf"{__name__}\..*impostor"):
         decorator("NotAnOnnxOp", taken)(impostor)
-    assert dict(table) == before and table[("", taken)] is first
-    assert ("", "NotAnOnnxOp") not in table
+    assert dict(table) == before and table[(domain, taken)] is first
+    assert (domain, "NotAnOnnxOp") not in table
 
 
 def test_a_registry_looks_up_by_node_and_names_its_op_types():

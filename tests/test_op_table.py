@@ -25,7 +25,7 @@ def test_every_default_domain_operator_has_one_row_in_order():
 
 @pytest.mark.parametrize("row", TABLE, ids=[r[0].strip("`") for r in TABLE])
 def test_each_row_says_what_the_registries_say(row):
-    from onnxfuse.core.legalize import REWRITES
+    from onnxfuse.runtime.ort.legalize import REWRITES
 
     op, since, kernel, fusion, ort, tests = row
     want = STATIC[op.strip("`")]

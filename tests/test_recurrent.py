@@ -160,7 +160,7 @@ def test_each_form_of_a_node_computes_and_differentiates_as_each_model(op, direc
 def test_each_form_runs_in_onnx_runtime_as_each_model(op):
     """The fused graph in every form as plain ONNX (``standard_onnx``: the batched node written as B standard
     nodes) run by an onnxruntime InferenceSession, against each model run by it alone (ORT runs layout 0 only)."""
-    from onnxfuse.core.legalize import standard_onnx
+    from onnxfuse.core.standard import standard_onnx
 
     B = 3
     models, x_shape = _node_models(op, "bidirectional", 0, B)

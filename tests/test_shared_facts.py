@@ -33,7 +33,7 @@ def test_the_opset_is_the_default_domains_and_there_is_no_default():
 
 def test_every_reader_of_the_opset_refuses_a_model_without_one(tmp_path):
     """Placement assumed opset 17, the torch runtime 1, the legalizer raised its own error; now one error."""
-    from onnxfuse.core.legalize import legalize
+    from onnxfuse.runtime.ort.legalize import legalize
     from onnxfuse.placement import build_graph
     from onnxfuse.runtime.torch_graph import OnnxModule
 

@@ -17,7 +17,7 @@ from onnx import helper as h
 
 from conftest import graph_model, rand_init, rel_err, vinfo
 from onnxfuse import ArrayDir, InputFileError, fuse_models, save_array
-from onnxfuse.core.legalize import own_ops
+from onnxfuse.core.standard import own_ops
 from onnxfuse.core.rules import RULES
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
@@ -119,7 +119,7 @@ def test_a_batched_rnn_of_any_sequence_length_is_saved_as_standard_nodes(tmp_pat
     """A batched RNN whose sequence length is not static cannot be unrolled: fused.onnx holds B standard RNN
     nodes, and legalizing it for ORT training still refuses it in one line."""
     from onnxfuse.core.errors import UntrainableOpError
-    from onnxfuse.core.legalize import legalize
+    from onnxfuse.runtime.ort.legalize import legalize
 
     models = []
     for b in range(2):

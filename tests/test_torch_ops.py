@@ -24,7 +24,7 @@ from onnx import numpy_helper as nh
 
 from conftest import rel_err, run_onnx
 from onnxfuse import fuse_models
-from onnxfuse.core.legalize import standard_onnx
+from onnxfuse.core.standard import standard_onnx
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
 from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions, UnsupportedTorchOpError

@@ -242,7 +242,7 @@ class TCN(torch.nn.Module):
 
 
 def test_the_runtime_defect_that_motivated_the_check_is_caught(tmp_path, monkeypatch):
-    from onnxfuse.core.legalize._engine import REWRITES
+    from onnxfuse.runtime.ort.legalize import REWRITES
 
     mods = []
     for b in range(B):

@@ -1,6 +1,6 @@
 """ONNX Resize's coordinate maths, written once: where each output index samples the input along one axis.
 
-Used by the ORT legalization (``legalize/resize.py``, which builds Gather / MatMul forms from these indices) and by
+Used by the ORT legalization (``runtime/ort/legalize/resize.py``, which builds Gather / MatMul forms from these indices) and by
 the torch runtime's Resize kernel (``onnxfuse/runtime/torch/kernels/resize.py``), so both read the specification the same way.
 
     x_original = f(i)  for output index i, per ``coordinate_transformation_mode``:

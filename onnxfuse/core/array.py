@@ -60,7 +60,7 @@ from onnxfuse.core._io import (atomic_dir, atomic_file, atomic_write_bytes, chec
 from onnxfuse.core._graph import reads
 from onnxfuse.core._lock import folder_lock
 from onnxfuse.core.errors import InputFileError, shell
-from onnxfuse.core.legalize import own_ops, standard_onnx
+from onnxfuse.core.standard import own_ops, standard_onnx
 from onnxfuse.core.records import (CheckpointRecord, RunRecord, TrainStateRecord, invalid, read_metrics_rows,
                                    read_record, record_json)
 from onnxfuse.core.weights import ArraySpec

@@ -1,5 +1,6 @@
-"""One registry class for the op catalogs: the fusion rules (``core.rules.RULES``, ``@rule``), the legalization
-rewrites (``core.legalize.REWRITES``, ``@rewrite``) and the torch kernels (``runtime.torch.kernels.OPS``, ``@op``).
+"""One registry class for the op catalogs: the fusion rules (``core.rules.RULES``, ``@rule``), the standard forms of
+onnxfuse's own ops (``core.standard.STANDARD_FORMS``, ``@standard_form``), ONNX Runtime's legalization rewrites
+(``runtime.ort.legalize.REWRITES``, ``@rewrite``) and the torch kernels (``runtime.torch.kernels.OPS``, ``@op``).
 
 A :class:`Registry` maps (domain, op type) to one entry; the default domain is ``""`` (``"ai.onnx"`` is the same
 domain, :func:`op_key`). ``registry.register(*op_types)`` decorates the one function that handles those op types;

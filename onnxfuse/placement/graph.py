@@ -40,7 +40,7 @@ from onnxfuse.core._graph import reads as graph_reads
 from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.core.legalize import standard_onnx
+from onnxfuse.core.standard import standard_onnx
 from onnxfuse.core.source import check_every_input_defined
 from onnxfuse.measure.sizing import training_weight_factor
 from onnxfuse.placement.orders import CycleError, Dag, check_acyclic

@@ -3,7 +3,7 @@ BatchNorm statistics and the per-model optimizer update in a single session call
 
 Passes, in order (each a function of the model):
 
-0. ``onnxfuse.core.legalize``    rewrite what onnxruntime-training 1.19 cannot differentiate (LayerNorm outputs,
+0. ``legalize``              rewrite what onnxruntime-training 1.19 cannot differentiate (LayerNorm outputs,
                             ReduceMax, HardSwish, ConvTranspose, Resize, ...) into equivalent trainable forms
    ``static_shapes_pass``   every tensor's shape declared (some of ORT's gradient kernels read declared shapes)
 1. ``add_loss_pass``        per-model losses [B] and their sum (the gradient root)
@@ -38,15 +38,16 @@ from onnx import helper, numpy_helper
 from onnxfuse.core._graph import Names, all_nodes, node_label, producers
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.errors import ConfigError, OnnxFuseError, UntrainableOpError, as_user_error
-from onnxfuse.core.legalize import legalize, standard_onnx
 from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core.semantics import Lookup, padding_lookups, row_mask
 from onnxfuse.core.source import FLOAT_TYPES
+from onnxfuse.core.standard import standard_onnx
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.losses import LossSpec, add_loss
 from onnxfuse.recipe.optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
+from onnxfuse.runtime.ort.legalize import legalize
 from onnxfuse.runtime.protocol import parameter_names
 
 __all__ = ["TrainingArtifacts", "build_artifacts", "ort_failure"]

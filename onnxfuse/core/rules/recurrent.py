@@ -11,7 +11,7 @@ The forms, measured on a 2-core CPU (``benchmarks/recurrent_forms.py``, README "
                     ([B, ...], stacked(0)); the recurrence runs once over all models, each step one batched
                     product per direction (``torch.baddbmm``). The torch runtime's own op (``runtime/torch/kernels/recurrent.py``); for
                     ONNX Runtime the legalization writes it back as B standard nodes (LSTM, GRU: ORT's own
-                    kernels) or one RNN unrolled with a model axis (``legalize/recurrent.py``).
+                    kernels) or one RNN unrolled with a model axis (its standard forms, ``core/standard.py``).
                     Fastest for GRU and RNN on the torch runtime (torch's CPU GRU/RNN is a loop of small products
                     per model). The default of GRU and RNN.
     per-model       B standard nodes on each model's slices (what ran before the rule existed): torch runs

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import onnx
 
-from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
+from onnxfuse.core.rewrite import Context, Emitter
+from onnxfuse.runtime.ort.legalize._registry import rewrite
 
 __all__ = ["scatter_extremum"]
 

@@ -9,7 +9,8 @@ import numpy as np
 import onnx
 
 from onnxfuse.core._resize import nearest_index, source_coords
-from onnxfuse.core.legalize._engine import COPY, Context, Dims, Emitter, rewrite
+from onnxfuse.core.rewrite import COPY, Context, Dims, Emitter
+from onnxfuse.runtime.ort.legalize._registry import rewrite
 
 __all__ = ["resize"]
 

@@ -8,7 +8,8 @@ import numpy as np
 import onnx
 
 from onnxfuse.core.windows import average_divisors, floor_mode_end_pad, output_length
-from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
+from onnxfuse.core.rewrite import Context, Emitter
+from onnxfuse.runtime.ort.legalize._registry import rewrite
 
 __all__ = ["average_pool_as_conv"]
 

@@ -6,7 +6,8 @@ import math
 
 import onnx
 
-from onnxfuse.core.legalize._engine import Context, Emitter, rewrite
+from onnxfuse.core.rewrite import Context, Emitter
+from onnxfuse.runtime.ort.legalize._registry import rewrite
 
 __all__ = ["split_used_outputs"]
 

@@ -1,5 +1,8 @@
-"""The legalization engine: a registry of rewrites keyed by op type, the context a rewrite reads, and the pass that
-applies them. The engine knows no op; every op lives in one family module (``norm.py``, ``reduce.py`` ...).
+"""The node-rewrite engine: the context a rewrite reads, the emitter it builds its replacement with, and the pass that
+applies a catalog of rewrites (a :class:`~onnxfuse.core.registry.Registry` keyed by op type). The engine knows no op
+and holds no catalog: the standard forms of onnxfuse's own ops (``core/standard.py``: ``STANDARD_FORMS``) and ONNX
+Runtime's trainability legalization (``runtime/ort/legalize/``: ``REWRITES``, one module per op family) are each
+handed to :func:`apply_rewrites`.
 
 A rewrite is ``fn(node, ctx) -> list[NodeProto] | None``: None when the node is trainable as it is, otherwise the
 nodes that replace it. The replacement reads only the node's inputs and constants it creates, writes the node's
@@ -23,19 +26,13 @@ from onnxfuse.core._graph import Names, node_label
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.registry import Registry
 
-__all__ = ["FINAL", "REWRITES", "rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
+__all__ = ["FINAL", "Rewrite", "Context", "Emitter", "COPY", "Dims", "apply_rewrites", "Dim", "Shape", "SymDim"]
 
 # Marks a node a rewrite emitted of its own op type: legalization runs to a fixed point, and that node is already in
 # the form the rewrite wants (the ReduceMax inside ReduceMax's mask, a LayerNormalization with all its outputs).
 FINAL = "onnxfuse: legalized"
 
 Rewrite = Callable[[onnx.NodeProto, "Context"], "list[onnx.NodeProto] | None"]
-REWRITES: Registry[Rewrite] = Registry("legalization rewrite")
-
-
-def rewrite(*op_types: str, domain: str = ""):
-    """Register the decorated function as the legalization rewrite of ``op_types``."""
-    return REWRITES.register(*op_types, domain=domain)
 
 
 class Context:
@@ -209,17 +206,17 @@ class Emitter(GraphEmitter):
             self.op("Identity", [value], [output])
 
 
-def apply_rewrites(model: onnx.ModelProto, parameters: set[str] | None = None,
+def apply_rewrites(model: onnx.ModelProto, catalogs: Sequence[Registry[Rewrite]], parameters: set[str] | None = None,
                    only: Callable[[onnx.NodeProto], bool] | None = None) -> tuple[onnx.ModelProto, list[str]]:
-    """Replace every node whose rewrite returns nodes (``only``: of the nodes it accepts); returns the new model and
-    one line per rewrite applied."""
+    """Replace every node whose rewrite in ``catalogs`` (the first that has its op type) returns nodes (``only``: of
+    the nodes it accepts); returns the new model and one line per rewrite applied."""
     out = copy.deepcopy(model)
     ctx = Context(out, parameters)
     g = out.graph
     new_nodes: list[onnx.NodeProto] = []
     applied: list[str] = []
     for node in g.node:
-        fn = REWRITES.lookup(node)
+        fn = next((found for found in (catalog.lookup(node) for catalog in catalogs) if found is not None), None)
         if fn is None or node.doc_string == FINAL or (only is not None and not only(node)):
             new_nodes.append(node)
             continue

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnxfuse.core.legalize._engine import COPY, Context, Dims, Emitter, rewrite
+from onnxfuse.core.rewrite import COPY, Context, Dims, Emitter
+from onnxfuse.runtime.ort.legalize._registry import rewrite
 
 __all__ = ["conv_transpose"]
 
