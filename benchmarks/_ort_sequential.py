@@ -6,8 +6,8 @@ Runtime. Research code: the package does not import it.
 What is measured, for each B (default 4 and 16), on scikit-learn's bundled digits upscaled to 28x28, batch 32,
 AdamW with one learning rate per model (geomspace 1e-4..1e-2, torch defaults otherwise):
 
-* ``fused``         one ``FusedTrainer`` over the fused array: one session call trains all B models per step.
-* ``seq-onnxfuse``  B ``FusedTrainer``s of B=1 arrays (the same per-model optimizer and BatchNorm machinery),
+* ``fused``         one ``OrtTrainer`` over the fused array: one session call trains all B models per step.
+* ``seq-onnxfuse``  B ``OrtTrainer``s of B=1 arrays (the same per-model optimizer and BatchNorm machinery),
                     trained one after another: isolates what fusing buys from what the machinery costs.
 * ``seq-ort``       what a user of onnxruntime-training does today: ``generate_artifacts`` (ORT's own loss and
                     AdamW graphs, the AdamW block given torch's eps and weight decay), ``Module`` + ``Optimizer``
@@ -130,7 +130,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
     from onnxfuse.core.source import METADATA_KEY
 
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.runtime.ort_runtime import FusedTrainer
+    from onnxfuse.runtime.ort.trainer import OrtTrainer
 
     onnxruntime.set_default_logger_severity(3)
     threads = int(os.environ.get("ONNXFUSE_BENCH_THREADS", "0"))  # 0: ORT's default (all cores)
@@ -143,7 +143,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
     setup_s = timed_s = 0.0
     losses: list[float] = []
 
-    def fused_step(trainer: FusedTrainer) -> Callable[[int], np.ndarray]:
+    def fused_step(trainer: OrtTrainer) -> Callable[[int], np.ndarray]:
         def step(i: int) -> np.ndarray:
             x, y = data(i)
             return trainer.step({"input": x, "labels": y})
@@ -153,7 +153,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
         if mode == "fused":
             with Stopwatch() as setup:
                 fa = fuse_models(paths)
-                trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", B, lr=lrs),
+                trainer = OrtTrainer(fa.model, fa.spec, "cross-entropy", make_optimizer("adamw", B, lr=lrs),
                                        workdir=os.path.join(work, "array"), threads=threads or None)
             setup_s = setup.seconds
             timed_s, loss = _train(fused_step(trainer), warmup, steps)
@@ -162,7 +162,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
             for b in range(B):
                 with Stopwatch() as setup:
                     fa = fuse_models([paths[b]])
-                    trainer = FusedTrainer(fa.model, fa.spec, "cross-entropy",
+                    trainer = OrtTrainer(fa.model, fa.spec, "cross-entropy",
                                            make_optimizer("adamw", 1, lr=[lrs[b]]),
                                            workdir=os.path.join(work, f"model_{b}"), threads=threads or None)
                 setup_s += setup.seconds
@@ -194,7 +194,7 @@ def _worker(mode: str, B: int, jobs_dir: str, steps: int, warmup: int, batch_siz
                 state = CheckpointState.load_checkpoint(os.path.join(art, "checkpoint"))
                 so = onnxruntime.SessionOptions()
                 so.log_severity_level = 3
-                so.add_session_config_entry("session.set_denormal_as_zero", "1")  # as FusedTrainer does
+                so.add_session_config_entry("session.set_denormal_as_zero", "1")  # as OrtTrainer does
                 if threads:
                     so.intra_op_num_threads = threads
                 module = Module(os.path.join(art, "training_model.onnx"), state,

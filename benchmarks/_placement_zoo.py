@@ -76,7 +76,7 @@ def profiled_array(name: str, B: int, folder: str, batch: int, devices):
 def profiled_training_graph(name: str, B: int, folder: str, batch: int):
     """(graph, feeds) of the onnxruntime training graph (forward, loss, backward, AdamW update) of a fused array."""
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.runtime.ort_artifacts import build_artifacts
+    from onnxfuse.runtime.ort.artifacts import build_artifacts
     from onnxfuse.recipe.losses import get_loss
 
     paths = [export_zoo_model(name, os.path.join(folder, "jobs"), seed) for seed in range(B)]

@@ -184,7 +184,7 @@ class _Case:
         """``mod`` trained by plain torch in ``precision``: the forward and the loss under torch.autocast (+ a
         GradScaler for fp16, from ``init_scale``), torch.optim; fp32: none. Each step's state_dict, losses, scales
         and skipped steps."""
-        from onnxfuse.runtime.precision import DTYPES
+        from onnxfuse.runtime.torch.precision import DTYPES
 
         opt = _torch_optimizer(kind, mod.parameters(), lr)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if precision == "fp16" else None
@@ -369,10 +369,10 @@ def _run_fused(fa, x: np.ndarray, runtime: str) -> np.ndarray:
         return _run_onnx(standard_onnx(fa.model), x)
     with torch.no_grad():
         if runtime == "loop":
-            from onnxfuse.runtime.array_module import FusedArray
+            from onnxfuse.runtime.torch.array_module import FusedArray
 
             return FusedArray(fa).train()(torch.from_numpy(x)).numpy()
-        from onnxfuse.runtime.torch_graph import OnnxModule
+        from onnxfuse.runtime.torch.program import OnnxModule
 
         return OnnxModule.from_array(fa.model, fa.spec).train()(input=torch.from_numpy(x))[0].numpy()
 
@@ -454,7 +454,7 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "
     fused_losses = []
     if runtime == "loop":  # the user's loop: the array as a module, onnxfuse.optim, torch's loss per model
         import onnxfuse
-        from onnxfuse.runtime.array_module import FusedArray
+        from onnxfuse.runtime.torch.array_module import FusedArray
 
         arr = FusedArray(fa)
         fused_opt = onnxfuse.optim.optimizer_class(kind)(arr, lr=lrs, **HYPER[kind])
@@ -648,7 +648,7 @@ def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime:
     from onnxfuse.core.split import split_weights
     from onnxfuse.recipe.optim import StepValues
     from onnxfuse.runtime.trainers import make_trainer
-    from onnxfuse.runtime.precision import DTYPES
+    from onnxfuse.runtime.torch.precision import DTYPES
     from onnxfuse.recipe.losses import get_loss
     from onnxfuse.recipe.optim import make_optimizer
 
@@ -656,7 +656,7 @@ def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime:
     seen = {"states": [], "losses": [], "scales": [], "skipped": []}
     if runtime == "loop":
         import onnxfuse
-        from onnxfuse.runtime.array_module import FusedArray
+        from onnxfuse.runtime.torch.array_module import FusedArray
 
         arr = FusedArray(fa)
         opt = onnxfuse.optim.optimizer_class(kind)(arr, lr=lrs, **HYPER[kind])

@@ -29,9 +29,9 @@ __all__ = [
 
 # The PyTorch face, imported when first used (``import onnxfuse`` stays free of torch): ``onnxfuse.fuse`` and
 # ``onnxfuse.FusedArray`` (the array as a torch module), ``onnxfuse.optim`` (its per-model optimizers).
-_TORCH_FACE = {"fuse": ("onnxfuse.runtime.array_module", "fuse"),
-               "FusedArray": ("onnxfuse.runtime.array_module", "FusedArray"),
-               "optim": ("onnxfuse.runtime.torch_optim", None)}
+_TORCH_FACE = {"fuse": ("onnxfuse.runtime.torch.array_module", "fuse"),
+               "FusedArray": ("onnxfuse.runtime.torch.array_module", "FusedArray"),
+               "optim": ("onnxfuse.runtime.torch.optimizers", None)}
 
 
 def __getattr__(name: str):

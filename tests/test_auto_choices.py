@@ -18,8 +18,8 @@ import torch
 
 from conftest import MODELS, export_all, make_modules
 from onnxfuse import fuse_models, save_array
-from onnxfuse.runtime import precision as precision_module
-from onnxfuse.runtime.train_step import (ASSUMED_COMPILE_S, auto_decision, machine_description, read_times,
+from onnxfuse.runtime.torch import precision as precision_module
+from onnxfuse.runtime.torch.train_step import (ASSUMED_COMPILE_S, auto_decision, machine_description, read_times,
                                          times_path)
 from onnxfuse.training.run import TrainConfig, train_array
 
@@ -58,7 +58,7 @@ def test_auto_predicts_both_end_to_end_times_and_never_compiles_a_step_measured_
 def compiles(monkeypatch) -> list:
     """What is handed to ``torch.compile`` (the trainers' steps), which here returns the step itself: a run
     takes every path of a compiled one at an eager step's cost."""
-    import onnxfuse.runtime.train_step as train_step_module
+    import onnxfuse.runtime.torch.train_step as train_step_module
 
     handed = []
     monkeypatch.setattr(train_step_module, "compiled", lambda method: handed.append(method.__self__) or method)

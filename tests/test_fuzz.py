@@ -111,7 +111,7 @@ def test_the_precision_oracle_catches_an_op_in_the_wrong_precision(monkeypatch):
     """Without the graph rewrites that give each fused op the precision torch.autocast gives it alone (a Linear's
     bias inside its product, a LayerNorm's affine before its rounding), the oracle fails a Linear and LayerNorm
     model; with them it passes."""
-    import onnxfuse.runtime.precision as precision
+    import onnxfuse.runtime.torch.precision as precision
     from fuzz.harness import check_model
 
     spec = generate(2)  # an embedding, a Linear, a LayerNorm with its affine

@@ -79,7 +79,7 @@ def test_optimizer_schedule_clipping_match_torch(kind, schedule, clip, runtime, 
 def test_planned_coefficients_match_torch(kind, schedule, tmp_path, monkeypatch):
     """The run loop's path on the torch runtime: the schedules' values handed ahead and the coefficients computed
     a window at a time (windows of 5 here: 5 + 5 + 2 steps), against torch.optim and its schedulers alone."""
-    from onnxfuse.runtime.train_step import TrainStep
+    from onnxfuse.runtime.torch.train_step import TrainStep
 
     monkeypatch.setattr(TrainStep, "WINDOW", 5)
     _against_torch(kind, schedule, None, "torch", tmp_path, planned=True)

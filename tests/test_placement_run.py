@@ -110,7 +110,7 @@ def test_partitioned_training_graph_equals_whole(tmp_path):
     """The ORT training graph (forward, loss, backward, in-place optimizer update) cut over three devices."""
     pytest.importorskip("onnxruntime.training")
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.runtime.ort_artifacts import build_artifacts
+    from onnxfuse.runtime.ort.artifacts import build_artifacts
     from onnxfuse.recipe.losses import get_loss
 
     paths = export_all(make_modules("lenet", 2), MODELS["lenet"][1], tmp_path / "jobs")

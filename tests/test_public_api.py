@@ -107,7 +107,7 @@ def test_the_page_and_the_searches_are_read():
     assert not [n for n in named if n.endswith(".lock") or n == "onnxfuse.checkpoint"]
     assert len(_import_lines()) >= 8
     assert is_public("onnxfuse.optim.AdamW") and is_public("onnxfuse.core.split.split_weights")
-    assert not is_public("onnxfuse.core.passes") and not is_public("onnxfuse.runtime.torch_runtime.TorchTrainer")
+    assert not is_public("onnxfuse.core.passes") and not is_public("onnxfuse.runtime.torch.trainer.TorchTrainer")
 
 
 def test_all_is_exactly_what_the_page_lists_and_each_name_imports():

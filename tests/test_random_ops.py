@@ -13,7 +13,7 @@ import torch.nn as nn
 from conftest import export_all
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.rules.random import model_seed
-from onnxfuse.runtime.torch_graph import OnnxModule
+from onnxfuse.runtime.torch.program import OnnxModule
 
 SHAPE = (8, 12)
 

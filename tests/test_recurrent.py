@@ -123,7 +123,7 @@ def _node_models(op: str, direction: str, layout: int, B: int, bias: bool = True
 def test_each_form_of_a_node_computes_and_differentiates_as_each_model(op, direction, layout, bias):
     """Each form's fused node on the torch runtime against each model's node run alone by the torch runtime
     (torch's own ``_VF`` kernels): every output, and the gradient of every weight and of the per-model input."""
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     B = 3
     models, x_shape = _node_models(op, direction, layout, B, bias)

@@ -72,7 +72,7 @@ class FuzzNet(nn.Module):
         return self.head(self.max(x.unsqueeze(1)).flatten(2))
 """, (6, 16), "mse"),
     # MaxPoolGrad sized its output from the graph's declared shapes, where a GroupNorm's computed Reshape left the
-    # channel count unknown (read as 0): the train step failed (onnxfuse/runtime/ort_artifacts.py static_shapes_pass)
+    # channel count unknown (read as 0): the train step failed (onnxfuse/runtime/ort/artifacts.py static_shapes_pass)
     "groupnorm_maxpool": ("""
 class FuzzNet(nn.Module):
     def __init__(self):
@@ -180,7 +180,7 @@ class FuzzNet(nn.Module):
         return self.p(x) * self.g + self.b
 """, (3, 12, 12), "mse"),
     # nn.MultiheadAttention with a causal mask, trained with SGD momentum: ORT's GatherSliceToSplitFusion added its
-    # 'squeeze_axes' initializer at gradient building and again at session start (onnxfuse/runtime/ort_artifacts.py renames)
+    # 'squeeze_axes' initializer at gradient building and again at session start (onnxfuse/runtime/ort/artifacts.py renames)
     "masked_multihead_attention_momentum": ("""
 class FuzzNet(nn.Module):
     def __init__(self):

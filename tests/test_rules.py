@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper as h
@@ -372,7 +371,7 @@ def test_control_flow_runs_per_model_with_each_models_outer_tensors(B, rng):
 
     import torch
 
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     for sign in (1, -1):
         x = (np.abs(rng.standard_normal((3, 4))) * sign).astype(np.float32)

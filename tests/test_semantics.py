@@ -224,7 +224,7 @@ def test_fuse_cli_takes_the_facts_and_keeps_them_with_the_sources(tmp_path, caps
 def test_a_frozen_recurrent_layer_trains_what_is_around_it(layer, runtime):
     """A frozen LSTM / GRU between trained layers: ORT 1.19's LSTMGrad and GRUGrad crashed the process (a
     segmentation fault) when the input needs a gradient and the weights do not; they are differentiated and not
-    updated (``ort_artifacts.weights_ort_must_differentiate``). Fuzz seed 1007 found it."""
+    updated (``runtime/ort/artifacts.weights_ort_must_differentiate``). Fuzz seed 1007 found it."""
     from fuzz.grammar import Rendered
     from fuzz.harness import check_source
 

@@ -136,7 +136,8 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
     the runtime chosen once with what it is asked to do (precision, compile: ``check_runtime_takes``) and no layer
     below checks a precision or a compile mode again (the Python API's checks are never called); the update
     graph's coefficients carry the lr as given."""
-    from onnxfuse.runtime import train_step, trainers
+    from onnxfuse.runtime import trainers
+    from onnxfuse.runtime.torch import train_step
 
     checked, parsed, fed, asked, chosen, again = [], [], [], [], [], []
     check_value, parse, available = settings.check_value, Device.parse.__func__, Device.available
@@ -267,7 +268,7 @@ def test_a_malformed_device_is_one_message(text, work, capsys):
 
 
 def test_the_device_value():
-    from onnxfuse.runtime.ort_runtime import check_device
+    from onnxfuse.runtime.ort.trainer import check_device
 
     d = Device.parse("cuda:1")
     assert (d.kind, d.index, str(d), d.device_id) == ("cuda", 1, "cuda:1", 1)

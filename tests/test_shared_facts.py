@@ -35,7 +35,7 @@ def test_every_reader_of_the_opset_refuses_a_model_without_one(tmp_path):
     """Placement assumed opset 17, the torch runtime 1, the legalizer raised its own error; now one error."""
     from onnxfuse.runtime.ort.legalize import legalize
     from onnxfuse.placement import build_graph
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     path = str(tmp_path / "m.onnx")
     model = _model([("com.microsoft", 1)])

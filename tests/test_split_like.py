@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest

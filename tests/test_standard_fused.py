@@ -21,7 +21,7 @@ from onnxfuse.core.standard import own_ops
 from onnxfuse.core.rules import RULES
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
-from onnxfuse.runtime.torch_graph import OnnxModule
+from onnxfuse.runtime.torch.program import OnnxModule
 from test_recurrent import _node_models
 from test_zoo import export_zoo, zoo_input, zoo_modules
 

@@ -1,4 +1,4 @@
-"""The compiled step (``--compile on``: ``onnxfuse/runtime/train_step.py``) keeps every promise of the eager one:
+"""The compiled step (``--compile on``: ``onnxfuse/runtime/torch/train_step.py``) keeps every promise of the eager one:
 each model equals torch.optim training it alone, a diverging model is frozen at its exact step with the others
 bit-identical to a run without it (compiled on both sides), a SIGKILLed compiled run resumes bit-identical to an
 uninterrupted compiled run, halving keeps survivors as in the full compiled array, and `check` compares a compiled
@@ -181,7 +181,7 @@ def test_auto_decides_from_the_run_length_and_remembers_the_measured_compile_tim
     resumed from its checkpoint keeps the decision the run made."""
     import logging
 
-    from onnxfuse.runtime.train_step import auto_decision
+    from onnxfuse.runtime.torch.train_step import auto_decision
 
     assert not auto_decision(100, 0.01, None).compile  # 100 x 10 ms cannot pay for the assumed 60 s
     assert auto_decision(100_000, 0.01, None).compile

@@ -1,19 +1,17 @@
-"""The torch runtime's own forms (onnxfuse/runtime/torch_forms.py, torch/kernels/gemm.py folded_matmul): the same values
+"""The torch runtime's own forms (onnxfuse/runtime/torch/patterns.py, torch/kernels/gemm.py folded_matmul): the same values
 as the ONNX graph node by node, in fewer or larger kernels."""
 from __future__ import annotations
 
 import math
 
-import numpy as np
-import onnx
 import pytest
 import torch
 from onnx import TensorProto as TP
 from onnx import helper as h
 
 from conftest import export_module
-from onnxfuse.runtime.torch_forms import torch_forms
-from onnxfuse.runtime.torch_graph import OnnxModule
+from onnxfuse.runtime.torch.patterns import torch_forms
+from onnxfuse.runtime.torch.program import OnnxModule
 from onnxfuse.runtime.torch.kernels import folded_matmul
 
 

@@ -325,7 +325,7 @@ def test_onnxfuse_train_runs_through_a_fused_array_and_onnxfuse_optim(digits):
     step equals the same step taken in a plain loop on a FusedArray of the same weights."""
     from onnxfuse.recipe.optim import StepValues, make_optimizer
     from onnxfuse.runtime.trainers import make_trainer
-    from onnxfuse.runtime.array_module import FusedArray
+    from onnxfuse.runtime.torch.array_module import FusedArray
 
     x, y = digits
     torch.manual_seed(8)

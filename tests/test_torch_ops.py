@@ -1,4 +1,4 @@
-"""The ONNX -> torch converter (onnxfuse/training/torch_ops.py, torch_graph.py), judged by others:
+"""The ONNX -> torch converter (onnxfuse/runtime/torch/program.py and its kernels), judged by others:
 
 - op by op against onnxruntime's InferenceSession on the same one-node graph (graph optimizations off: ORT's
   Conv+BatchNorm fusion ignores training_mode), over the attribute forms and opsets that differ;
@@ -27,7 +27,7 @@ from onnxfuse import fuse_models
 from onnxfuse.core.standard import standard_onnx
 from onnxfuse.exporters import export_module
 from onnxfuse.exporters.zoo import ZOO
-from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions, UnsupportedTorchOpError
+from onnxfuse.runtime.torch.program import OnnxModule, TorchOptions, UnsupportedTorchOpError
 
 RNG = np.random.default_rng(0)
 
@@ -1097,7 +1097,7 @@ def test_quantize_dequantize_and_fake_quantize(axis_scales, zp_type):
                      [nh.from_array(np.asarray(v), n) for n, v in consts.items()])
     qdq = onnx.shape_inference.infer_shapes(h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=8))
     compare(qdq, {"x": x})
-    assert [n.op_type for n in __import__("onnxfuse.runtime.torch_forms", fromlist=["x"]).torch_forms(
+    assert [n.op_type for n in __import__("onnxfuse.runtime.torch.patterns", fromlist=["x"]).torch_forms(
         qdq.graph, ["y0"])] == ["FakeQuantize"]
     zp = torch.from_numpy(consts["z"].astype(np.int32)) if zp_type is not None else torch.zeros(scale.shape,
                                                                                                dtype=torch.int32)

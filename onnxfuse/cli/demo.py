@@ -90,7 +90,7 @@ def _demo(out_dir, models, steps, batch_size, runtime, precision, progress, say,
     cfg = TrainConfig(steps=steps, batch_size=batch_size, optimizer="sgd", lr=lrs, momentum=0.9, seed=0,
                       log_every=10, eval_every=20, runtime=runtime, precision=precision)
     res = train_array(os.path.join(out_dir, "array"), data, cfg, progress=progress,
-                      eval_data={"input": xte, "labels": yte})
+                      eval_data={"input": xte, "labels": yte}, tune_process=True)
     # the CPU beside the figures: the high learning rates' runs are chaotic, and another CPU's rounding moves them
     where = f"trained on {cpu_description()}, {runtime} runtime{'' if precision == 'fp32' else ', ' + precision}"
     make_report(os.path.join(out_dir, "array"), note=where)  # array/report.png: the curves of every model

@@ -128,7 +128,7 @@ def cmd_train(args) -> int:
 
     config, overrides, data, eval_data = _run_config(args)
     res = train_array(args.array, data, config, progress=not args.quiet, eval_data=eval_data, resume=args.resume,
-                      overrides=overrides)
+                      overrides=overrides, tune_process=True)
     print(res.summary())
     print(format_table(summarize_array(args.array)))  # the table `onnxfuse report` prints
     return 0
@@ -140,7 +140,7 @@ def cmd_check(args) -> int:
 
     load_array(args.array)  # check writes nothing: the array is there, not built from --config's model section
     config, _, data, eval_data = _run_config(args, build=False)
-    report = verify_array(args.array, data, config, eval_data=eval_data)
+    report = verify_array(args.array, data, config, eval_data=eval_data, tune_process=True)
     print(report.table())
     print(report.summary())
     if not report.ok:

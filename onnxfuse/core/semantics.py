@@ -9,7 +9,7 @@ model's rows on the fused table (``FusedWeight.extra["padding_rows"]``, one list
 fused table are the ``Gather`` nodes (axis 0) that read it in its own layout ``[B*V, ...]`` (directly, or through
 the Reshape/Transpose view of a tied table packed in another layout first); model b's row p is fused row
 ``b*V + p``. The torch runtime runs such a lookup as ``GatherKeepRows`` (its own op: the rows' lookups detached),
-the ORT runtime masks those rows of the lookup's ``GatherGrad`` (``ort_artifacts.padding_rows_pass``). Weight
+the ORT runtime masks those rows of the lookup's ``GatherGrad`` (``runtime/ort/artifacts.padding_rows_pass``). Weight
 decay still reaches the row, as torch.optim's does.
 
 Frozen parameters (``requires_grad=False``, a frozen sub-module): the exporter lists only trainable parameters

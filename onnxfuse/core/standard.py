@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import onnx
 
 from onnxfuse.core._graph import node_label

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Sequence
 
 import numpy as np
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator)
 
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.records import read_record

@@ -308,9 +308,9 @@ def _set_up_process(where: Device, threads: int):
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
     else:
-        from onnxfuse.runtime.train_step import keep_heap
+        from onnxfuse.runtime.process import keep_heap
 
-        keep_heap()  # what the fused step sets for its process, set before any mode runs: every mode has it
+        keep_heap()  # what a training process of the command line has (runtime/process.py), for every mode
     return dev
 
 

@@ -28,7 +28,7 @@ def _worker_module(source: tuple):
         return zoo_module(source[1], source[2])
     import onnx
 
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     return OnnxModule(onnx.load_from_string(source[1]))
 
@@ -51,9 +51,9 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
             if cores and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cores)
             torch.set_num_threads(threads)
-            from onnxfuse.runtime.train_step import keep_heap
+            from onnxfuse.runtime.process import keep_heap
 
-            keep_heap()  # the allocator setting the fused step's process has (every mode gets it)
+            keep_heap()  # the allocator setting a training process of the command line has (every mode gets it)
         step = seq_torch_step([_worker_module(source).to(dev).train()], [lr], class_last,
                                torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), precision)
         conn.send(("ready", None))

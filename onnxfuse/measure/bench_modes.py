@@ -84,7 +84,7 @@ def zoo_workload(name: str, B: int, n: int, device, folder: str) -> Workload:
 def file_workload(f: OnnxFile, B: int, device) -> Workload:
     """Model b's torch module is its ONNX graph in torch eager by onnxfuse's converter (initializers as
     nn.Parameters): there is no other torch version of a file."""
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     protos = file_protos(f, B)
     mods = [OnnxModule(copy.deepcopy(p)).to(device).train() for p in protos]
@@ -127,7 +127,7 @@ def modes_of_models(models: Sequence[str], modes: list[str], files: dict[str, On
         if name in files:
             eager = [m for m in (BASELINE, "concurrent") + CEILINGS if m in runs[name]]
             notes.append(f"{name}: {', '.join(eager)} run{'s' if len(eager) == 1 else ''} the file's ONNX graph "
-                         "in torch by onnxfuse's converter (onnxfuse/runtime/torch_graph.py), not a torch module; "
+                         "in torch by onnxfuse's converter (onnxfuse/runtime/torch/program.py), not a torch module; "
                          "model b > 0 is the file's weights plus 1 % seeded noise"
                          + (f"; measured at its fixed batch {files[name].input_shape[0]}"
                             if files[name].fixed_batch else ""))
@@ -148,7 +148,7 @@ def _loss(class_last: bool, out, y):
 
 def _autocast(precision: str, device):
     """The context a peer's forward and loss run in: the fused array's own (torch.autocast; fp32: none)."""
-    from onnxfuse.runtime.precision import autocast
+    from onnxfuse.runtime.torch.precision import autocast
 
     return autocast(precision, device)
 

@@ -302,9 +302,9 @@ def estimate_step_memory(fused: onnx.ModelProto, spec, loss, optimizer, feeds: d
     holds for the nodes placed on it; it shares this estimate's rule for weights (:func:`training_weight_factor`),
     and differs where a bare graph gives less to go on: every initializer counts as trained (no spec tells
     buffers from parameters), every activation is kept for the whole step and no optimizer update is counted."""
-    from onnxfuse.runtime.ort_artifacts import add_loss_pass
+    from onnxfuse.runtime.graph_passes import add_loss_pass
     from onnxfuse.runtime.protocol import parameter_names
-    from onnxfuse.runtime.torch_optim import update_graph
+    from onnxfuse.runtime.torch.optimizers import update_graph
 
     trainable, buffers = parameter_names(spec)
     weights = {t.name: t for t in fused.graph.initializer}

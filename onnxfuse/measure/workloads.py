@@ -177,7 +177,7 @@ def load_onnx_file(path: str, batch: int, flag: str = "models") -> OnnxFile:
     from onnxfuse.core.source import load_source, weight_names
 
     from onnxfuse.recipe.losses import get_loss
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     try:
         proto = read_onnx(path)  # read once: load_source resolves a copy, torch eager runs the graph as read

@@ -8,7 +8,7 @@ argument of the Python API), then the same :class:`Device` everywhere.
     d.available()     None, or why torch cannot use it, with the fix (asked once per device and process)
 
 A runtime asks about its own stack (``RUNTIMES[...].load().unavailable(device)``: ONNX Runtime's CUDA provider is a
-question for ``runtime/ort_runtime.py``, which may import onnxruntime; this layer may not). Not to be confused with
+question for ``runtime/ort/trainer.py``, which may import onnxruntime; this layer may not). Not to be confused with
 ``placement.devices.DeviceSpec``, a device *described* (memory, speed, links) that placement simulates.
 """
 from __future__ import annotations

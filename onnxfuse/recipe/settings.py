@@ -409,8 +409,9 @@ RUN_SETTINGS: tuple[Setting, ...] = (
     Setting(Param("runtime", choice(RUNTIME_CHOICES), "auto", "what trains the fused graph: " + ", ".join(
         f"{r.name} ({r.help})" for r in RUNTIMES.values()) + ", auto (the first of these that can run on the device)"),
         "runtime"),
-    Setting(Param("threads", _NONNEG, 0, "CPU threads of the runtime (0: 1 for torch, whose OpenMP threads slow "
-                  "down many-fold when another process holds a core; onnxruntime's default for ort); not resumable: the "
+    Setting(Param("threads", _NONNEG, 0, "CPU threads of the runtime (0: for torch 1 from the command line, whose "
+                  "OpenMP threads slow down many-fold when another process holds a core, and the process's own count "
+                  "from the Python API unless tune_process; onnxruntime's default for ort); not resumable: the "
                   "thread count can change how reductions round"), "threads"),
     Setting(Param("compile", choice(COMPILE_CHOICES), "auto", "capture the torch runtime's whole step with "
                   "torch.compile: on, off, or auto (compile when the run is long enough for the measured compile "

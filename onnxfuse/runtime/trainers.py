@@ -20,9 +20,9 @@ from onnxfuse.recipe.losses import LossSpec
 from onnxfuse.recipe.optim import OptimizerConfig
 from onnxfuse.recipe.runtimes import (RUNTIME_CHOICES, RUNTIMES, LossScale, check_compile, check_precision,
                                       check_runtime_takes)
-from onnxfuse.runtime.ort_runtime import FusedTrainer
+from onnxfuse.runtime.ort.trainer import OrtTrainer
 from onnxfuse.runtime.protocol import Runtime
-from onnxfuse.runtime.torch_runtime import TorchTrainer
+from onnxfuse.runtime.torch.trainer import TorchTrainer
 
 __all__ = ["TRAINERS", "resolve_runtime", "build_trainer", "make_trainer"]
 
@@ -30,7 +30,7 @@ log = logging.getLogger("onnxfuse.train")
 
 
 # the class that trains for each runtime of RUNTIMES (tests/test_settings_once.py: the same names)
-TRAINERS: dict[str, type[Runtime]] = {"torch": TorchTrainer, "ort": FusedTrainer}
+TRAINERS: dict[str, type[Runtime]] = {"torch": TorchTrainer, "ort": OrtTrainer}
 
 
 def resolve_runtime(runtime: str, device: Device | str, precision: str = "fp32", compile: str = "off",
@@ -72,7 +72,7 @@ def build_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: s
             trainer = TorchTrainer(fused, spec, loss, optimizer, **common, compile=compile, total_steps=total_steps,
                                    precision=precision, loss_scale=loss_scale, seed=seed)
         case "ort":
-            trainer = FusedTrainer(fused, spec, loss, optimizer, **common)
+            trainer = OrtTrainer(fused, spec, loss, optimizer, **common)
     log.debug("runtime %s on %s in %s, compile %s: its trainer built in %.2f s", runtime, device, precision,
               compile if RUNTIMES[runtime].compiles else "off (it does not compile)", watch.seconds)
     return trainer

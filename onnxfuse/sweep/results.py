@@ -71,9 +71,8 @@ def _tensorboard(rows: list[dict], params: dict, status: str, best: dict | None)
         else:
             start.hparams[k].string_value = v if isinstance(v, str) else json.dumps(v)
     hparams(metadata.SESSION_START_INFO_TAG, session_start_info=start)
-    last = 0
     for r in rows:
-        step = last = int(r["step"])
+        step = int(r["step"])
         for col in ("loss", "accuracy", "lr"):
             v = number(r.get(col, ""))
             if math.isfinite(v):

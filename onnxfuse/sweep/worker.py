@@ -195,7 +195,7 @@ def run_array(job: dict, models: dict[str, bytes], data, eval_data, report: Repo
         stopped = ""
         try:
             train_array(array_dir, data, config, progress=False, eval_data=eval_data, on_step=tell, resume=go_on,
-                        stop_at=seg.get("until"))
+                        stop_at=seg.get("until"), tune_process=True)  # a Ray worker: onnxfuse's own process
         except TrainingStoppedError as e:
             stopped = str(e)
         steps, metrics_csv, results = _trial_results(array_dir, trials, stopped, tmp)

@@ -27,7 +27,7 @@ from onnxfuse.recipe.batches import BatchSource
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.optim import STATE_PREFIX
 from onnxfuse.recipe.settings import RESUMABLE
-from onnxfuse.runtime.ort_runtime import FusedTrainer
+from onnxfuse.runtime.ort.trainer import OrtTrainer
 from onnxfuse.recipe.train_config import RunSettings, TrainConfig
 from onnxfuse.training.best import KeptBest, prune_best
 from onnxfuse.training.run_state import RunState
@@ -349,7 +349,7 @@ def seed_run(array_dir: str | os.PathLike, config: TrainConfig, optimizer: Seque
 
 def write_trained(run: RunState, folder: str, elapsed: float, stopped: str | None) -> None:
     _save_state(run, folder)
-    if isinstance(run.trainer, FusedTrainer):  # onnxruntime's own checkpoint, for users of its training API
+    if isinstance(run.trainer, OrtTrainer):  # onnxruntime's own checkpoint, for users of its training API
         run.trainer.save_checkpoint(ArrayDir.ort_checkpoint_path(folder))
     final = {b: float(run.last_loss[i]) for i, b in enumerate(run.models)}
     ArrayDir.write_train_state(folder, **jsonable({

@@ -11,10 +11,10 @@ Three ONNX Runtime sessions do it:
 
 - sampler: the fused generator graph in an InferenceSession, its weights graph inputs fed with the generator
   trainer's live parameters; gives ``fake`` [B, N, ...] without touching BatchNorm running statistics.
-- discriminator trainer: a :class:`FusedTrainer` of the discriminator array fused with
+- discriminator trainer: a :class:`OrtTrainer` of the discriminator array fused with
   ``per_model_inputs=["input"]``, fed ``[B, 2N, ...]`` (the shared real batch repeated per model, then model b's
   fakes) and the shared labels [1]*N + [0]*N.
-- generator trainer: a :class:`FusedTrainer` of one graph, fused G followed by fused D (D's input is G's
+- generator trainer: a :class:`OrtTrainer` of one graph, fused G followed by fused D (D's input is G's
   ``[B, N, ...]`` output). D's parameters are graph *inputs* of that graph, fed every step with the
   discriminator trainer's live parameters, so only G's parameters are trained. D's BatchNorm running statistics are
   buffers of this trainer: copied in from the discriminator before the step and back after it, so D's statistics
@@ -45,7 +45,7 @@ from onnxfuse.core.weights import ArraySpec, FusedWeight
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig
-from onnxfuse.runtime.ort_runtime import FusedTrainer, check_device
+from onnxfuse.runtime.ort.trainer import OrtTrainer, check_device
 
 __all__ = ["FusedGAN", "GANStep", "generator_step_graph"]
 
@@ -182,9 +182,9 @@ class FusedGAN:
                                                                           discriminator.model, self.d_spec)
         # (build_artifacts legalizes both graphs: e.g. the generator's ConvTranspose has no CPU gradient kernel)
         bce = get_loss("bce-with-logits")
-        self.d_trainer = FusedTrainer(discriminator.model, self.d_spec, bce, d_optimizer, self.device,
+        self.d_trainer = OrtTrainer(discriminator.model, self.d_spec, bce, d_optimizer, self.device,
                                       os.path.join(workdir, "discriminator"), threads)
-        self.g_trainer = FusedTrainer(step_model, step_spec, bce, g_optimizer, self.device,
+        self.g_trainer = OrtTrainer(step_model, step_spec, bce, g_optimizer, self.device,
                                       os.path.join(workdir, "generator"), threads)
         # D's BatchNorm statistics: buffers of both trainers (the generator step's under D/ names)
         _, self.d_stats = self.d_spec.parameter_names()
@@ -226,7 +226,7 @@ class FusedGAN:
         feeds.update({n: state[n].data for n in self.sampler_params})
         return self.sampler.run(None, feeds)[0]
 
-    def _copy_stats(self, src: FusedTrainer, dst: FusedTrainer, src_prefix: str, dst_prefix: str) -> None:
+    def _copy_stats(self, src: OrtTrainer, dst: OrtTrainer, src_prefix: str, dst_prefix: str) -> None:
         for n in self.d_stats:
             dst.state.parameters[dst_prefix + n] = src.state.parameters[src_prefix + n].data
 

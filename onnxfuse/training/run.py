@@ -57,6 +57,7 @@ from onnxfuse.recipe.batches import BatchSource
 from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import LossSpec, PythonLoss
 from onnxfuse.recipe.optim import StepValues
+from onnxfuse.runtime.process import tune_process as tune
 from onnxfuse.runtime.protocol import Runtime
 from onnxfuse.runtime.trainers import build_trainer
 from onnxfuse.recipe.settings import RESUMABLE
@@ -141,15 +142,18 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
 
 
 def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None,
-                 eval_data=None, loss=None) -> VerifyReport:
+                 eval_data=None, loss=None, tune_process: bool = False) -> VerifyReport:
     """The check a fresh ``train_array`` makes before it trains (see ``verify.py``), on demand: the first
     ``config.verify_steps`` steps of every model of the array in ``array_dir`` against the model trained alone,
     with the run's data, batches, loss and hyper-parameters. Nothing is written to ``array_dir``; the report says
-    per model what was compared (``report.ok``, ``report.table()``, ``report.error()``)."""
+    per model what was compared (``report.ok``, ``report.table()``, ``report.error()``). ``tune_process``: as
+    ``train_array``'s."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("check"):
         p = prepare(spec, config, data, eval_data, loss=loss)
+        if tune_process:
+            tune(p.settings.threads, p.settings.device)
         if p.settings.verify_steps < 1:
             raise ConfigError("--verify-steps must be >= 1 to check anything, got 0")
         return _verify(array_dir, fused, spec, None, p.train, p.settings, p.total, min(p.settings.verify_steps, p.total),
@@ -159,7 +163,7 @@ def verify_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | 
 def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | None = None, progress: bool = True,
                 eval_data=None, resume: bool = False, overrides: dict | None = None,
                 on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
-                loss=None) -> TrainResult:
+                loss=None, tune_process: bool = False) -> TrainResult:
     """Train every model of the array in ``array_dir``; ``metrics.csv``, ``checkpoints/`` and ``trained/`` go
     there, holding the folder's lock throughout (``ArrayBusyError`` when another process holds it).
 
@@ -179,18 +183,22 @@ def train_array(array_dir: str | os.PathLike, data=None, config: TrainConfig | N
     ``resume`` continues exactly): a sweep's successive halving stops every array at each rung.
 
     ``loss``: a Python function ``(output [B, N, ...], batch) -> [B]`` in place of the settings' loss (the torch
-    runtime; see ``onnxfuse.recipe.losses.PythonLoss``); a run trained with one resumes only given it again."""
+    runtime; see ``onnxfuse.recipe.losses.PythonLoss``); a run trained with one resumes only given it again.
+
+    ``tune_process``: first make the process-wide settings the command line makes (one torch thread on a CPU
+    unless the settings give ``threads``, denormals flushed, the heap kept: ``onnxfuse.runtime.process``); by
+    default the process is left as it was, but for the torch threads a run's ``threads`` setting asks for."""
     array_dir = os.fspath(array_dir)
     fused, spec = load_array(array_dir)
     with ArrayDir(array_dir).locked("train"):
         return _train(array_dir, fused, spec, data, config, progress, eval_data, resume, overrides, on_step,
-                      stop_at, loss)
+                      stop_at, loss, tune_process)
 
 
 def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config: TrainConfig | None,
            progress: bool, eval_data, resume: bool, overrides: dict | None,
            on_step: Callable[[int, int], None] | None = None, stop_at: int | None = None,
-           loss=None) -> TrainResult:
+           loss=None, tune_process: bool = False) -> TrainResult:
     array = ArrayDir(array_dir)
     current = array.read_run()  # the run whose outputs the folder holds (its record checked before anything)
     point = resume_point(array_dir) if resume else None
@@ -209,6 +217,8 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
     try:
         p = prepare(spec, config, data, eval_data, resuming=point is not None and point.checkpoint is not None,
                     loss=loss)
+        if tune_process:
+            tune(p.settings.threads, p.settings.device)
         if point is not None and point.complete:
             _check_resumed_loss(point.config, p.loss)
         identity = {"settings_hash": settings_hash(p.settings), "data_hash": data_hash(p.train, p.eval)}

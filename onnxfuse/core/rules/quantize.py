@@ -1,6 +1,6 @@
 """Quantization: QuantizeLinear and DequantizeLinear elementwise, their scale and zero point shared by the models
 (what a quantization-aware export writes: constants), so that a fused QuantizeLinear -> DequantizeLinear pair is
-still one pair, which the torch runtime trains as fake quantization (``runtime/torch_forms.py``)."""
+still one pair, which the torch runtime trains as fake quantization (``runtime/torch/patterns.py``)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxfuse.core.layout import Layout, stacked
-from onnxfuse.core.rules._common import const_list, model_axis_stacked, norm_axis
+from onnxfuse.core.rules._common import const_list, norm_axis
 from onnxfuse.core.rules._registry import rule
 
 if TYPE_CHECKING:

@@ -94,7 +94,7 @@ def folded_baddbmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.T
 
 @OPS.register("MatMulAdd", domain="onnxfuse.torch")
 def matmul_add(spec: NodeSpec) -> Kernel:
-    """The torch runtime's own node for a fused Linear under autocast (``runtime/precision.py``'s
+    """The torch runtime's own node for a fused Linear under autocast (``runtime/torch/precision.py``'s
     ``biased_products``): ``A [B, .., M, K] @ W [B, 1.., K, N] + C [B, 1.., N]`` as one baddbmm."""
     return kern(folded_baddbmm, 0, 1, 2)
 

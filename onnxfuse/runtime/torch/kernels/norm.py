@@ -99,7 +99,7 @@ def layer_norm(spec: NodeSpec) -> Kernel:
 
 @OPS.register("LayerNormAffine", domain="onnxfuse.torch")
 def layer_norm_affine(spec: NodeSpec) -> Kernel:
-    """``LayerNormalization(x, 1, 0) -> Mul(W) -> Add(C)`` of a fused LayerNorm (``runtime/precision.py``'s
+    """``LayerNormalization(x, 1, 0) -> Mul(W) -> Add(C)`` of a fused LayerNorm (``runtime/torch/precision.py``'s
     ``norms_in_fp32``); x ``[B, .., *S]`` over the normalized axes S from ``axis``, W and C ``[B, 1.., *S]``.
     Without autocast, or for a float32 input, those three ops (their bits). Under autocast for a bf16 / fp16
     input, each model's ``F.layer_norm(x[b], S, W[b], C[b])``: the mixed-dtype kernel the model alone runs, its

@@ -1,5 +1,5 @@
 """Quantization: QuantizeLinear, DequantizeLinear, and the runtime's own ``FakeQuantize`` for the pair of them that
-quantization-aware training exports (``runtime/torch_forms.py``'s ``fake_quantize``): what torch's fake-quant
+quantization-aware training exports (``runtime/torch/patterns.py``'s ``fake_quantize``): what torch's fake-quant
 modules compute, with their straight-through gradient.
 
     q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)        QuantizeLinear (integer output)

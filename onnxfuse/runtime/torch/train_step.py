@@ -32,8 +32,6 @@ machine's key (:func:`record_key`). Compiled code is cached by inductor under th
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import json
 import logging
@@ -51,7 +49,7 @@ from onnxfuse.recipe.optim import StepValues
 from onnxfuse.core.errors import ConfigError, DataError
 from onnxfuse.recipe.runtimes import LossScale, check_compile, check_precision
 from onnxfuse.runtime.protocol import Observed
-from onnxfuse.runtime.precision import LossScales, autocast, warn_if_emulated
+from onnxfuse.runtime.torch.precision import LossScales, autocast, warn_if_emulated
 
 __all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
            "record_key", "machine_description", "read_times", "times_path", "compiled"]
@@ -132,25 +130,6 @@ def record_key(workload: str, batch: dict[str, torch.Tensor], device: torch.devi
     return graph_key(workload, batch_shapes(batch), machine_description(device))
 
 
-@functools.cache
-def keep_heap() -> bool:
-    """Keep the memory a step frees for the next step (glibc's ``malloc``; elsewhere nothing changes). A step
-    frees its intermediates (MiBs) at its end and allocates them again at the next one; glibc hands freed memory
-    at the top of its heap back to the system beyond a threshold it moves itself, and the next step then takes a
-    page fault for every 4 KiB page of it again. Measured on a compiled Transformer LM step (B = 16, 1 thread):
-    1,800-2,700 page faults and 4-5 ms of kernel time per 50 ms step in some stretches, none in others; a step
-    11.8 % behind the compiled torch.func ensemble became even with it. Fixed thresholds (blocks up to 32 MiB
-    from the heap, none returned below 1 GiB free) keep a training process at its peak memory instead, as
-    jemalloc or tcmalloc would. A process-wide setting, made once; returns whether it was made."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # no mallopt here (not glibc)
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-
 @dataclass(frozen=True)
 class Decision:
     compile: bool
@@ -218,8 +197,6 @@ class TrainStep:
         if precision == "fp16":
             loss_scale = loss_scale or LossScale((LossScale.INIT,) * B)
         self.scaler = LossScales(loss_scale, device) if precision == "fp16" else None
-        if device.type == "cpu":
-            keep_heap()
         self.alive = torch.ones(B, dtype=torch.bool, device=device)
         self.failed_at = torch.zeros(B, dtype=torch.int64, device=device)
         self.failed_loss = torch.zeros(B, device=device)
@@ -622,7 +599,7 @@ class ArrayStep:
     ``compile``: ``on`` (default) captures the step with ``torch.compile``, ``off`` runs it eagerly. Fault
     isolation is the run loop's: a model whose loss, gradient or update is not finite is frozen from that step
     on (``observe().failed_at``), until ``restart()``. ``precision``: ``fp32`` (default), ``bf16`` or ``fp16``
-    (the forward and the loss under ``torch.autocast``; see ``onnxfuse.runtime.precision``); for fp16
+    (the forward and the loss under ``torch.autocast``; see ``onnxfuse.runtime.torch.precision``); for fp16
     ``loss_scale`` is each model's initial scale (one value or B) or a ``LossScale``, GradScaler's defaults
     when not given, and ``observe().scale`` each model's scale now."""
 
@@ -630,12 +607,12 @@ class ArrayStep:
                  loss_scale=None):
         import copy
 
-        from onnxfuse.runtime.torch_graph import TorchOptions
+        from onnxfuse.runtime.torch.program import TorchOptions
 
         self.array, self.loss = array, loss
         train = copy.deepcopy(array._graph)
         if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
-            from onnxfuse.runtime.precision import autocast_graph
+            from onnxfuse.runtime.torch.precision import autocast_graph
 
             train = autocast_graph(train, array.trainable + array.buffer_names)
         stats, stat_outputs = batchnorm_outputs(train, set(array.buffer_names))
@@ -678,7 +655,7 @@ class ArrayStep:
 def train_step(array, optimizer, loss: Callable, compile: str = "on", precision: str = "fp32",
                loss_scale=None) -> ArrayStep:
     """See :class:`ArrayStep`. Its arguments are checked here, the Python API's edge (one ConfigError line)."""
-    from onnxfuse.runtime.array_module import check_array
+    from onnxfuse.runtime.torch.array_module import check_array
 
     check_array(array, "train_step")
     if getattr(optimizer, "array", None) is not array:

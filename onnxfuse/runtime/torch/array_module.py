@@ -39,9 +39,9 @@ from onnxfuse.core._graph import Names
 from onnxfuse.core.passes import FusedGraph, fuse_models, save_array
 from onnxfuse.core.semantics import padding_lookups
 from onnxfuse.core.split import split_weights
-from onnxfuse.runtime.ort_artifacts import weights_as_inputs_pass
-from onnxfuse.runtime.precision import DOMAIN, autocast_graph
-from onnxfuse.runtime.torch_graph import OnnxModule, TorchOptions
+from onnxfuse.runtime.graph_passes import weights_as_inputs_pass
+from onnxfuse.runtime.torch.precision import DOMAIN, autocast_graph
+from onnxfuse.runtime.torch.program import OnnxModule, TorchOptions
 
 __all__ = ["FusedArray", "fuse", "ArrayProgram", "keep_padding_rows", "check_array"]
 

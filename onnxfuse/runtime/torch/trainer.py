@@ -1,6 +1,6 @@
 """The PyTorch runtime: the fused ONNX graph trained by torch autograd, on any device torch supports.
 
-The trainer is a :class:`~onnxfuse.runtime.array_module.FusedArray` (the array as a torch module: the fused
+The trainer is a :class:`~onnxfuse.runtime.torch.array_module.FusedArray` (the array as a torch module: the fused
 weights as its parameters and buffers, held once) and its ``onnxfuse.optim`` optimizer, the same objects a user's
 own loop trains, with two programs over the array's weights, built by the same passes the ONNX Runtime runtime
 uses and converted to torch (``torch_graph``); none of the training maths is written twice:
@@ -26,7 +26,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.passes import FusedGraph
 from onnxfuse.core.split import to_inference
 from onnxfuse.core.weights import ArraySpec
-from onnxfuse.runtime.ort_artifacts import add_loss_pass, inference_loss_pass
+from onnxfuse.runtime.graph_passes import add_loss_pass, inference_loss_pass
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import CPU, Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
@@ -46,7 +46,7 @@ def _device_available(device: Device | str) -> str | None:
 
 
 class TorchTrainer:
-    """The fused array trained by PyTorch. Same interface and state names as :class:`FusedTrainer`; ``array`` and
+    """The fused array trained by PyTorch. Same interface and state names as :class:`OrtTrainer`; ``array`` and
     ``optimizer`` are the FusedArray and ``onnxfuse.optim`` optimizer it trains. Its device, precision and compile
     mode were checked where they were given (``trainers.make_trainer``, a run's ``RunSettings``): none is checked
     here again."""
@@ -59,25 +59,15 @@ class TorchTrainer:
                  loss_scale: LossScale | None = None, seed: int = 0):
         import torch
 
-        from onnxfuse.runtime.array_module import FusedArray
-        from onnxfuse.runtime.torch_graph import TorchOptions
-        from onnxfuse.runtime.torch_optim import from_config
-        from onnxfuse.runtime.train_step import TrainStep, batchnorm_outputs, graph_key
+        from onnxfuse.runtime.torch.array_module import FusedArray
+        from onnxfuse.runtime.torch.program import TorchOptions
+        from onnxfuse.runtime.torch.optimizers import from_config
+        from onnxfuse.runtime.torch.train_step import TrainStep, batchnorm_outputs, graph_key
 
         if optimizer.B != spec.B:
             raise ConfigError(f"optimizer configured for {optimizer.B} models but the array has B={spec.B}")
-        if not device.is_cuda:
-            # One thread unless asked: torch's OpenMP threads wait for each other at every parallel region, and
-            # when another process holds one of the cores a step takes 10-50x as long (measured on a 2-core machine:
-            # a demo step 480 ms with 2 threads, 34 ms with 1). A fixed default also keeps results independent of
-            # the machine's load (the thread count changes how reductions are split). A process-wide setting.
-            torch.set_num_threads(threads or 1)
-        elif threads:
+        if threads:  # asked (a run's threads setting); the process's other settings: runtime/process.py
             torch.set_num_threads(threads)
-        # Denormal floats (weights or moments of a model that stalled) make x86 arithmetic many times slower (a
-        # demo step took 20x as long); flushing them to zero changes values only below 1e-38. The ORT runtime sets
-        # the same for its sessions. (A process-wide setting in torch.)
-        torch.set_flush_denormal(True)
         self.spec, self._opt, self.loss = spec, optimizer, get_loss(loss)
         self.device = device
         self.torch_device = device.torch()
@@ -95,7 +85,7 @@ class TorchTrainer:
         # computed by torch's own kernel) as outputs 1 and 2, which the optimizer writes for the models whose step
         # it applies
         if precision != "fp32":  # each model's arithmetic alone under autocast (a Linear's bias in its product, ...)
-            from onnxfuse.runtime.precision import autocast_graph
+            from onnxfuse.runtime.torch.precision import autocast_graph
 
             fused = autocast_graph(fused, sum(spec.parameter_names(), []))
         train = copy.deepcopy(fused)
@@ -104,7 +94,7 @@ class TorchTrainer:
         self.python = self.loss if isinstance(self.loss, PythonLoss) else None
         options = TorchOptions(update_stats=False)
         if self.python is None:
-            from onnxfuse.runtime.precision import loss_in_fp32
+            from onnxfuse.runtime.torch.precision import loss_in_fp32
 
             # in bf16 / fp16 the loss reads the output in float32, as torch.autocast runs its losses
             wide = (lambda m: m) if precision == "fp32" else (lambda m: loss_in_fp32(m, spec.outputs[0]["name"]))
@@ -153,7 +143,7 @@ class TorchTrainer:
     @compiled.setter
     def compiled(self, value: bool) -> None:
         """Take a decision made before (a resumed run's, the array's before halving re-fused it)."""
-        from onnxfuse.runtime.train_step import Decision
+        from onnxfuse.runtime.torch.train_step import Decision
 
         self.stepper.decision = Decision(bool(value), "the run's decision before")
 
@@ -222,7 +212,7 @@ class TorchTrainer:
         return seen
 
     def step(self, feeds: dict[str, np.ndarray], values: StepValues | None = None) -> np.ndarray:
-        """One training step of every model; returns the per-model losses [B] (see ``FusedTrainer.step``)."""
+        """One training step of every model; returns the per-model losses [B] (see ``OrtTrainer.step``)."""
         self.launch(feeds, values)
         return self.observe().losses
 
@@ -235,7 +225,7 @@ class TorchTrainer:
 
     def _eval_batch(self, batch: dict) -> tuple:
         """In the training step's precision (bf16, fp16: under the same autocast)."""
-        from onnxfuse.runtime.precision import autocast
+        from onnxfuse.runtime.torch.precision import autocast
 
         with autocast(self.precision, self.torch_device):
             if self.python is None:
@@ -250,7 +240,7 @@ class TorchTrainer:
         if decision is None or not decision.compile:
             return self._eval_batch
         if self._eval_compiled is None:
-            from onnxfuse.runtime.train_step import batch_shapes, compiled as compile_method
+            from onnxfuse.runtime.torch.train_step import batch_shapes, compiled as compile_method
 
             compiled, first = compile_method(self._eval_batch), {}
 

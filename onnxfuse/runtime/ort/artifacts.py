@@ -6,7 +6,7 @@ Passes, in order (each a function of the model):
 0. ``legalize``              rewrite what onnxruntime-training 1.19 cannot differentiate (LayerNorm outputs,
                             ReduceMax, HardSwish, ConvTranspose, Resize, ...) into equivalent trainable forms
    ``static_shapes_pass``   every tensor's shape declared (some of ORT's gradient kernels read declared shapes)
-1. ``add_loss_pass``        per-model losses [B] and their sum (the gradient root)
+1. ``add_loss_pass``        per-model losses [B] and their sum (the gradient root; ``graph_passes``, both runtimes')
 2. ``batchnorm_pass``       BatchNorm in training mode computes batch statistics only (dummy running stats,
                             momentum 0, so outputs 1 and 2 are the batch mean and biased variance); the running
                             statistics are updated with torch's rule, including the unbiased variance n/(n-1)
@@ -17,12 +17,12 @@ Passes, in order (each a function of the model):
 5. ``update_pass``          drop ORT's gradient accumulation, append the running-stat writes and the optimizer
                             update (one flat [B, P] update that reads every gradient, so no parameter is
                             overwritten before the backward pass is done with it)
-6. ``eval_model``           BatchNorm on running statistics, Dropout off, same parameter names
+6. ``eval_model``           BatchNorm on running statistics, Dropout off, same parameter names (``graph_passes``'
+                            ``inference_loss_pass`` and ``weights_as_inputs_pass``)
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import re
@@ -45,9 +45,10 @@ from onnxfuse.core.standard import standard_onnx
 from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
-from onnxfuse.recipe.losses import LossSpec, add_loss
+from onnxfuse.recipe.losses import LossSpec
 from onnxfuse.recipe.optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
 from onnxfuse.runtime.ort.legalize import legalize
+from onnxfuse.runtime.graph_passes import add_loss_pass, inference_loss_pass, weights_as_inputs_pass
 from onnxfuse.runtime.protocol import parameter_names
 
 __all__ = ["TrainingArtifacts", "build_artifacts", "ort_failure"]
@@ -86,23 +87,6 @@ def static_shapes_pass(model: onnx.ModelProto) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:  # the graph is checked elsewhere; without the shapes ORT infers what it can
         return model
-
-
-def add_loss_pass(model: onnx.ModelProto, spec: ArraySpec, loss: LossSpec
-                  ) -> tuple[onnx.ModelProto, onnx.ValueInfoProto | None]:
-    if len(spec.outputs) != 1:
-        raise ConfigError(f"the model has {len(spec.outputs)} outputs; training needs exactly one "
-                                    "(the logits or prediction the loss reads)")
-    out = spec.outputs[0]
-    gb = GraphBuilder(model.graph, onnx_opset(model), "loss/")
-    _, _, labels = add_loss(gb, loss, out["name"], out["shape"], spec.B)
-    gb.flush()
-    if labels is not None:  # the 'model' loss takes none
-        model.graph.input.append(labels)
-    del model.graph.output[:]
-    model.graph.output.extend([_value_info("loss", onnx.TensorProto.FLOAT, []),
-                               _value_info("per_model_loss", onnx.TensorProto.FLOAT, [spec.B])])
-    return model, labels
 
 
 def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
@@ -422,42 +406,6 @@ def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: l
     g.input.insert(n_user_inputs, hyper_vi)
     if "com.microsoft" not in {o.domain for o in tm.opset_import}:
         tm.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-
-
-def inference_loss_pass(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec) -> onnx.ModelProto:
-    """The inference-mode fused graph (BatchNorm on running statistics, Dropout off) + the per-model loss: outputs
-    ``[per_model_loss [B], the fused model outputs...]``, inputs the graph's own plus ``labels`` (unless the loss
-    takes none). Both runtimes evaluate with it."""
-    from onnxfuse.core.split import to_inference
-
-    m = to_inference(copy.deepcopy(fused))
-    model_outputs = [o.name for o in m.graph.output]
-    gb = GraphBuilder(m.graph, onnx_opset(m), "loss/")
-    _, per_model, labels = add_loss(gb, loss, spec.outputs[0]["name"], spec.outputs[0]["shape"], spec.B)
-    gb.flush()
-    if labels is not None:
-        m.graph.input.append(labels)
-    outs = {o.name: o for o in m.graph.output}
-    del m.graph.output[:]
-    m.graph.output.extend([_value_info(per_model, onnx.TensorProto.FLOAT, [spec.B])] + [outs[n] for n in model_outputs])
-    return m
-
-
-def weights_as_inputs_pass(model: onnx.ModelProto, names: Sequence[str],
-                           absent: Sequence[onnx.ValueInfoProto] = ()) -> onnx.ModelProto:
-    """``model`` with graph inputs appended for ``names``, in that order: an initializer of that name moves to the
-    inputs (the runtime feeds it); a name the graph has no initializer for is declared from ``absent``."""
-    by_name = {t.name: t for t in model.graph.initializer}
-    absent_by_name = {vi.name: vi for vi in absent}
-    for name in names:
-        if name in by_name:
-            t = by_name.pop(name)
-            model.graph.input.append(_value_info(name, t.data_type, list(t.dims)))
-        else:
-            model.graph.input.append(absent_by_name[name])
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(by_name.values())
-    return model
 
 
 def eval_model(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, params: list[str],

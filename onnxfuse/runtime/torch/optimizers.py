@@ -1,4 +1,4 @@
-"""``onnxfuse.optim``: per-model optimizers for a :class:`~onnxfuse.runtime.array_module.FusedArray` in the user's
+"""``onnxfuse.optim``: per-model optimizers for a :class:`~onnxfuse.runtime.torch.array_module.FusedArray` in the user's
 own training loop, and the optimizer ``onnxfuse train`` runs.
 
     opt = onnxfuse.optim.AdamW(arr, lr=[1e-3, 3e-4, 1e-4], weight_decay=0.01)     # one value, or one per model
@@ -95,13 +95,13 @@ def _clip_graph(B: int, shapes: Sequence[Sequence[int]], opset: int = 17) -> onn
 
 
 def _module(model: onnx.ModelProto, device: torch.device):
-    from onnxfuse.runtime.torch_graph import OnnxModule
+    from onnxfuse.runtime.torch.program import OnnxModule
 
     return OnnxModule(model, trainable=[], buffers=[]).to(device)
 
 
 def _check_array(array, caller: str) -> None:
-    from onnxfuse.runtime.array_module import check_array
+    from onnxfuse.runtime.torch.array_module import check_array
 
     check_array(array, caller)
 
@@ -440,4 +440,4 @@ def clip_grad_norm_(array, max_norm) -> torch.Tensor:
     return norm.reshape(B)
 
 
-from onnxfuse.runtime.train_step import ArrayStep, train_step  # noqa: E402  (the compiled step over these classes)
+from onnxfuse.runtime.torch.train_step import ArrayStep, train_step  # noqa: E402  (the compiled step over these classes)

@@ -16,14 +16,14 @@ import onnx
 from onnxfuse.core.errors import ORT_CUDA_FIX, ConfigError
 from onnxfuse.core.weights import ArraySpec
 
-from onnxfuse.runtime.ort_artifacts import build_artifacts, ort_failure
+from onnxfuse.runtime.ort.artifacts import build_artifacts, ort_failure
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import CPU, Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
 from onnxfuse.recipe.optim import OptimizerConfig, StepValues
 from onnxfuse.runtime.protocol import Observed, check_feeds, evaluate
 
-__all__ = ["FusedTrainer", "check_device"]
+__all__ = ["OrtTrainer", "check_device"]
 
 
 def check_device(device: Device | str) -> Device:
@@ -56,7 +56,7 @@ def _readable(path: str) -> list[onnx.ModelProto]:
         return []
 
 
-class FusedTrainer:
+class OrtTrainer:
     """The ORT training Module of one fused array. ``step(feeds)`` trains all B models on one batch.
 
     ``loss`` is a loss name, or a :class:`LossSpec` with options from ``get_loss(name, label_smoothing=...,

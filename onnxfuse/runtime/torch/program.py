@@ -34,7 +34,7 @@ from onnxfuse.core.registry import op_key, op_names
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core.source import FLOAT_TYPES, METADATA_KEY
 
-from onnxfuse.runtime.torch_forms import torch_forms
+from onnxfuse.runtime.torch.patterns import torch_forms
 from onnxfuse.runtime.torch.kernels import (HOST_OPS, OPS, RANDOM_OPS, Kernel, NodeSpec, RandomStreams, SubProgram,
                                             TorchOptions, UnsupportedTorchOpError, node_outputs, supported_ops)
 
