@@ -1,4 +1,4 @@
-"""The README's figures for the regression models (tests/test_regressions.py): the largest relative error of each
+"""The README's figures for the regression models (tests/fuzz/test_regressions.py): the largest relative error of each
 kind the harness measured against torch, over B = 1, 2, 3.
 
     python benchmarks/equivalence_figures.py [case ...]

@@ -16,10 +16,10 @@ Columns:
   one line, the torch runtime trains it), ``nothing to differentiate`` (integer or boolean data only, or an
   output that does not depend on the data's values), ``no kernel`` (ORT cannot even run it), ``–`` (excluded, or
   no test graph), or ``no:`` and ORT's own reason;
-- **test**: the tests of ``tests/test_torch_ops.py`` that run the kernel against onnxruntime (or ONNX's reference
+- **test**: the tests of ``tests/runtime/torch/test_kernels.py`` that run the kernel against onnxruntime (or ONNX's reference
   implementation) on one-node graphs, which are also the graphs the ORT column probes.
 
-``tests/test_op_table.py`` regenerates every column but the probed one and compares: a missing or wrong row fails.
+``tests/runtime/torch/test_op_table.py`` regenerates every column but the probed one and compares: a missing or wrong row fails.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-KERNEL_TESTS = os.path.join(ROOT, "tests", "test_torch_ops.py")
+KERNEL_TESTS = os.path.join(ROOT, "tests", "runtime", "torch", "test_kernels.py")
 DOC = os.path.join(ROOT, "docs", "ops.md")
 BEGIN = "<!-- op table: python benchmarks/op_table.py writes what follows -->"
 END = "<!-- op table ends -->"
@@ -83,14 +83,16 @@ def _tests_naming(path: str, ops) -> dict[str, list[str]]:
 
 
 def tests_by_op(ops) -> dict[str, list[str]]:
-    """The tests that run each op's kernel: tests/test_torch_ops.py's (against onnxruntime), else those of the
+    """The tests that run each op's kernel: tests/runtime/torch/test_kernels.py's (against onnxruntime), else those of the
     other test files that name it (``file::test``)."""
     own = _tests_naming(KERNEL_TESTS, ops)
-    folder = os.path.dirname(KERNEL_TESTS)
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("test_") and name.endswith(".py") and name != os.path.basename(KERNEL_TESTS):
-            for op, found in _tests_naming(os.path.join(folder, name), [o for o in ops if not own[o]]).items():
-                own[op] += [f"{name}::{t}" for t in found]
+    tests = os.path.join(ROOT, "tests")
+    files = sorted((os.path.join(d, f) for d, _, fs in os.walk(tests) for f in fs
+                    if f.startswith("test_") and f.endswith(".py") and os.path.join(d, f) != KERNEL_TESTS),
+                   key=os.path.basename)
+    for path in files:
+        for op, found in _tests_naming(path, [o for o in ops if not own[o]]).items():
+            own[op] += [f"{os.path.basename(path)}::{t}" for t in found]
     return own
 
 
@@ -115,7 +117,7 @@ def static_columns() -> list[Row]:
 
 
 def _samples() -> dict[str, list[tuple]]:
-    """The one-node graphs (with their inputs) that tests/test_torch_ops.py builds for each op, recorded by running
+    """The one-node graphs (with their inputs) that tests/runtime/torch/test_kernels.py builds for each op, recorded by running
     those tests with their comparison helpers wrapped."""
     import pytest
 
@@ -123,7 +125,7 @@ def _samples() -> dict[str, list[tuple]]:
 
     class Recorder:
         def pytest_collection_finish(self, session):
-            module = sys.modules.get("test_torch_ops")
+            module = sys.modules.get("tests.runtime.torch.test_kernels")
             for name in ("compare", "compare_reference", "gradients"):
                 original = getattr(module, name)
 
@@ -212,7 +214,7 @@ NOTHING = "nothing to differentiate"
 ORT_VERDICTS = ("yes", "no gradient", "no kernel", NOTHING, "–")  # or "legalized (...)", or "no: <ORT's reason>"
 
 HEADER = ["| op | opset | torch kernel (`runtime/torch/kernels/`) | fusion (`core/rules/`) | ORT training "
-          "(probed) | test (`tests/test_torch_ops.py`) |", "|---|---|---|---|---|---|"]
+          "(probed) | test (`tests/runtime/torch/test_kernels.py`) |", "|---|---|---|---|---|---|"]
 
 
 def render(rows: list[Row]) -> str:

@@ -1,7 +1,7 @@
 """The README's table in "Mixed precision": each model of a bf16 / fp16 array against the same model trained alone
 by plain torch under torch.autocast (+ GradScaler for fp16), ``||fused - alone|| / ||alone - alone in fp32||``
 over every weight and buffer, at step 1 and after 6 steps. The cases and the training are
-tests/test_precision.py's. Run from the repository root: python benchmarks/precision_ratios.py"""
+tests/runtime/torch/test_precision.py's. Run from the repository root: python benchmarks/precision_ratios.py"""
 import os
 import sys
 

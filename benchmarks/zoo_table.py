@@ -4,7 +4,7 @@
 
 Columns: parameters of one model; nodes of one exported model after static values are resolved (what fusion
 sees); nodes of the fused graph; fused fraction; layout changes the engine inserted; the op types the trainability
-legalization rewrote. Equivalence with torch is what tests/test_zoo.py checks, not this script.
+legalization rewrote. Equivalence with torch is what tests/exporters/test_zoo.py checks, not this script.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ FORWARD_TOL, SGD_TOL, STAT_TOL, ADAMW_TOL = 1e-4, 1e-4, 1e-5, 1e-3
 # the fused program's own, independent of torch's: two programs with independent errors of equal size are sqrt(2)
 # times as far apart as each is from float32 (errors add in quadrature). AdamW makes that limit real on a tensor
 # whose gradient is near 0, where a rounding flips the sign of a whole step (fuzz seed 50: attention's q/k/v
-# weights on an AVX2 CPU, 1.16). A defect moves a model by its steps, 10-100x further. tests/test_precision.py
+# weights on an AVX2 CPU, 1.16). A defect moves a model by its steps, 10-100x further. tests/runtime/torch/test_precision.py
 # bounds its cases by the same two.
 STEP1_RATIO, DRIFT_RATIO = 0.5, 2 ** 0.5
 # the runtimes a reduced precision is checked on, by precision: the torch runtime's step, and a user's own loop

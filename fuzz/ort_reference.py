@@ -3,7 +3,7 @@ own (unfused) exported graph, with torch.optim's update rules and torch's BatchN
 
     state, losses = train_alone(module, "cross-entropy", "sgd", 1e-3, {"momentum": 0.9}, batches, workdir)
 
-tests/test_zoo.py and the fuzzer's harness use it where torch and ONNX Runtime's kernels themselves disagree.
+tests/exporters/test_zoo.py and the fuzzer's harness use it where torch and ONNX Runtime's kernels themselves disagree.
 
 What it uses, and nothing else:
 

@@ -5,7 +5,7 @@ The package's folders are its layers, each importing only the ones before it (do
 (what a run is made of: settings, data, losses, optimizers, schedules), ``runtime`` (what trains the fused graph:
 torch, ONNX Runtime), ``measure`` (benchmarks, sizing, measured forms), ``training`` (the run), ``placement``,
 ``sweep``, ``integrations`` and ``cli``. This module is the package's face: ``__all__`` and docs/python-api.md are
-the public API (tests/test_public_api.py holds them to each other); no module of the package imports it.
+the public API (tests/structure/test_public_api.py holds them to each other); no module of the package imports it.
 """
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ from onnxfuse.exporters import export_module, zoo
 
 ort.set_default_logger_severity(3)
 
+#: the repository's root (README.md, docs/, benchmarks/), whatever folder of tests/ a test is in
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _torchvision_importable() -> None:
     """PyPI's torchvision wheel does not load its C++ ops beside torch's CPU build (2.13.0+cpu), and its import
@@ -225,11 +228,11 @@ def write_spec(folder, raw) -> str:
 
 # The files whose tests compare numbers with torch alone, float64 or ONNX Runtime: what another CPU's kernels can
 # move. `make test-isa` runs them (marker "numerical") with torch, oneDNN and MKL told to use a lower instruction set
-# (Makefile's ISA_ENV); .ci/run runs them under AVX2 after `make test`.
+# (onnxfuse.runtime._machine.ISA_ENV); .ci/run runs them under AVX2 after `make test`.
 NUMERICAL = {"test_dynamo_export", "test_forms", "test_fuse_forward", "test_fuzz", "test_gan", "test_hfta_models",
              "test_legalize", "test_losses", "test_optim_schedules", "test_precision", "test_real_models", "test_recurrent",
-             "test_regressions", "test_rules", "test_rules_axes", "test_semantics", "test_torch_forms",
-             "test_torch_loop", "test_torch_ops", "test_training", "test_verify", "test_verify_sensitivity",
+             "test_regressions", "test_rules", "test_rules_axes", "test_semantics", "test_patterns",
+             "test_users_loop", "test_kernels", "test_trains_like_alone", "test_verify", "test_verify_sensitivity",
              "test_zoo"}
 
 

@@ -1,6 +1,6 @@
 """Every training setting, declared once: its type, default, range, whether it may differ per model, and its help.
 
-Every other view of a setting is made from these declarations (``tests/test_settings_once.py`` derives each):
+Every other view of a setting is made from these declarations (``tests/recipe/test_settings_once.py`` derives each):
 
 - the fields of ``TrainConfig`` (the settings as given) and of ``RunSettings`` (the settings a run reads),
   ``train_config.py``; the record a run writes (run.json, checkpoints, a sweep's plan) is ``TrainConfig.as_dict()``;

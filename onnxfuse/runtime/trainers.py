@@ -29,7 +29,7 @@ __all__ = ["TRAINERS", "resolve_runtime", "build_trainer", "make_trainer"]
 log = logging.getLogger("onnxfuse.train")
 
 
-# the class that trains for each runtime of RUNTIMES (tests/test_settings_once.py: the same names)
+# the class that trains for each runtime of RUNTIMES (tests/recipe/test_settings_once.py: the same names)
 TRAINERS: dict[str, type[Runtime]] = {"torch": TorchTrainer, "ort": OrtTrainer}
 
 

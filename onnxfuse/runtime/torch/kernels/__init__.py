@@ -13,7 +13,7 @@ nodes verbatim) and every op the load passes emit, in opsets 13..20, including t
 float32 data, and the int64/bool shape arithmetic around it. Shape-like inputs that are not constants are read with
 ``.tolist()``; ``torch_graph`` keeps shape arithmetic on the host, so that is no device synchronisation.
 
-Adding an op = one ``@op("OpType")`` builder in its family's module and one test in tests/test_torch_ops.py.
+Adding an op = one ``@op("OpType")`` builder in its family's module and one test in tests/runtime/torch/test_kernels.py.
 """
 from __future__ import annotations
 
