@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.onnxfuse-installed
 # EXTRA=cpu: both runtimes (Python 3.10-3.12); EXTRA=torch: the torch runtime alone (any Python torch supports,
 # e.g. make demo PYTHON=python3.13 EXTRA=torch TORCH=torch). The sweep extra (Ray, TensorBoard, Optuna) always.
 TORCH  ?= torch==2.13.0
-# torchvision for tests (tests/test_verify_sensitivity.py builds its regnet_x_400mf): the release made for that
+# torchvision for tests (tests/training/test_verify_sensitivity.py builds its regnet_x_400mf): the release made for that
 # torch, installed with it so that pip keeps the torch above (TORCHVISION= leaves it out; that test then skips)
 TORCHVISION ?= torchvision==0.28.0
 EXTRA  ?= cpu
@@ -41,14 +41,14 @@ test-all: $(STAMP)
 # the numerical tests (marker "numerical": tests/conftest.py's NUMERICAL) with torch, oneDNN and MKL held to a lower
 # instruction set than this CPU may have, one run per name in ISA: avx2, or default (SSE, torch's unvectorized
 # kernels). ONNX Runtime picks its kernels by the CPU alone (no setting): its tests run as on the machine.
+# The variables of each name are onnxfuse.runtime._machine's ISA_ENV (what `onnxfuse bench --isa` sets too).
 ISA ?= avx2 default
-ISA_ENV_avx2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-ISA_ENV_default := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+ISA_ENV = $$($(BIN)/python -c 'import sys; from onnxfuse.runtime._machine import isa_env; \
+	  print(" ".join(f"{k}={v}" for k, v in isa_env(sys.argv[1]).items()))' $(1))
 test-isa: $(STAMP)
-	@$(foreach isa,$(ISA),$(if $(ISA_ENV_$(isa)),,$(error ISA=$(isa): one of avx2, default)))
-	@set -e; $(foreach isa,$(ISA),echo "== numerical tests, $(ISA_ENV_$(isa)):" \
-	  "$$(env $(ISA_ENV_$(isa)) $(BIN)/python -c 'from onnxfuse.runtime._machine import cpu_description as d; print(d())')"; \
-	  env $(ISA_ENV_$(isa)) $(BIN)/python -m pytest -q -m "numerical and not slow";)
+	@set -e; $(foreach isa,$(ISA),vars="$(call ISA_ENV,$(isa))"; echo "== numerical tests, $$vars:" \
+	  "$$(env $$vars $(BIN)/python -c 'from onnxfuse.runtime._machine import cpu_description as d; print(d())')"; \
+	  env $$vars $(BIN)/python -m pytest -q -m "numerical and not slow";)
 
 # a differential fuzz campaign: N random models from seed SEED on, each fused at B = 1, 2, 3 (nodes in the form
 # STRATEGY: default, grouped or per-model), trained on RUNTIME (ort, torch, loop: the array as a torch module in a plain loop, both or all) and compared with torch;

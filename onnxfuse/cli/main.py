@@ -17,6 +17,7 @@ from onnxfuse.core.errors import (ConfigError, OnnxFuseError, TrainingStoppedErr
                                   shell)
 from onnxfuse.core.split import WHICH
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIME_CHOICES
+from onnxfuse.runtime._machine import ISA_ENV
 
 __all__ = ["main", "build_parser", "add_export_parser", "add_fuse_parser", "add_train_parser", "add_check_parser",
            "add_split_parser", "add_report_parser", "add_demo_parser", "add_bench_parser", "add_plan_parser",
@@ -201,7 +202,8 @@ def cmd_bench(args) -> int:
     run_bench(models=[m for m in args.models.split(",") if m], B=_numbers(args.B, "--B", int), device=args.device,
               modes=[m for m in args.modes.split(",") if m], batch=args.batch, steps=args.steps, rounds=args.rounds,
               warmup=args.warmup, out=args.output, budget_s=args.budget_s, threads=args.threads,
-              strategy=args.strategy, precisions=[p for p in args.precision.split(",") if p], progress=not args.quiet)
+              strategy=args.strategy, precisions=[p for p in args.precision.split(",") if p], progress=not args.quiet,
+              isa=args.isa)
     return 0
 
 
@@ -470,6 +472,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "one's default: 1 for the torch runtime, onnxruntime's own)")
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
                    help="the fusion strategy of the fused modes (see `onnxfuse fuse --strategy`)")
+    p.add_argument("--isa", choices=list(ISA_ENV), default="native",
+                   help="the instruction set torch, oneDNN and MKL are held to while measuring: native (what this CPU "
+                   "has), avx512, avx2 (as a CPU with that much and no more), default (torch's unvectorized kernels); "
+                   "recorded in bench.json and the tables")
     p.add_argument("--precision", default="fp32",
                    help=f"comma-separated, of {', '.join(PRECISIONS)} (default fp32): every mode in each, the forward "
                    "and loss under torch.autocast for bf16 / fp16, fp16 with GradScaler loss scaling (the ort modes: "

@@ -22,14 +22,16 @@ from onnxfuse.core._io import atomic_files, claim_output
 from onnxfuse.core.errors import ConfigError, shell
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.runtimes import PRECISIONS, RUNTIMES, check_precision
-from onnxfuse.runtime._machine import cpu_description
+from onnxfuse.runtime._machine import cpu_description, isa_env, isa_in_effect
 
 from onnxfuse.measure.bench_concurrent import Concurrent, cores
 from onnxfuse.measure.bench_modes import (BASELINE, CEILING, CEILINGS, COMPILED, FUSED_MODES, MODE_TITLES, MODES,
                                           ORT_MODES, Workload, adamw_step, dense_loss, file_workload, fused_step,
-                                          hfta_loss, modes_of_models, peak_mib, runs_in, seq_ort_step,
+                                          hfta_loss, modes_of_models, peak_mib, reset_rss_peak, rss_peak_mib, runs_in,
+                                          seq_ort_step,
                                           seq_torch_step, summed, vmap_loss, zoo_workload)
-from onnxfuse.measure.bench_report import machine, table, verdicts, wide_table, write_csv, write_png
+from onnxfuse.measure.bench_report import (machine, scaling_table, table, verdicts, wide_table, write_csv,
+                                           write_png)
 from onnxfuse.measure.workloads import OnnxFile, interleaved_rounds, is_onnx_file, load_onnx_file
 
 __all__ = ["run_bench", "command", "MODES", "MODE_TITLES", "BASELINE"]
@@ -107,13 +109,22 @@ def _measure(work: Workload, steps: int, warmup: int, rounds: int, device, modes
             torch.cuda.synchronize(device)
 
     cuda = device.type == "cuda"
-    peaks: dict[tuple, float] = {k: 0.0 for k in keys}
+    peaks: dict[tuple, float | None] = {k: 0.0 for k in keys}
+    resident: dict[tuple, float | None] = {}
 
     def reset_peak(key: tuple) -> None:
-        torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        else:  # on a CPU, the memory a mode's steps take above what the process held before them
+            resident[key] = reset_rss_peak()
 
     def read_peak(key: tuple) -> None:
-        peaks[key] = max(peaks[key], peak_mib(device))
+        if cuda:
+            peaks[key] = max(peaks[key], peak_mib(device))
+        elif resident.get(key) is None:
+            peaks[key] = None
+        elif peaks[key] is not None:
+            peaks[key] = max(peaks[key], rss_peak_mib() - resident[key])
 
     with contextlib.ExitStack() as stack:  # the concurrent mode's processes stop however this ends
         make = {p: _makers(work, p, p == precisions[0], shared, device, folder, threads, strategy, stack)
@@ -121,8 +132,7 @@ def _measure(work: Workload, steps: int, warmup: int, rounds: int, device, modes
         steppers, setup_s = _build(keys, make)
         threads_now = torch.get_num_threads()
         first_s, first_loss = _first_steps(steppers, keys, warmup, sync)
-        times = interleaved_rounds({k: steppers[k] for k in keys}, rounds, steps, sync,
-                                   reset_peak if cuda else None, read_peak if cuda else None,
+        times = interleaved_rounds({k: steppers[k] for k in keys}, rounds, steps, sync, reset_peak, read_peak,
                                    runs_steps={k for k in keys if k[0] == "concurrent"})
         for k in keys:
             if k[0] == "concurrent":
@@ -132,9 +142,9 @@ def _measure(work: Workload, steps: int, warmup: int, rounds: int, device, modes
 
 
 def _build(keys: list[tuple], make: dict) -> tuple[dict, dict]:
-    """Every mode built before any runs, the concurrent processes last: building the torch runtime sets the
-    process's torch threads (to 1 unless --threads), which compiled graphs are specialized on and the concurrent
-    processes split. The steps, and the seconds each took to build (fusing, sessions, optimizers, processes: not
+    """Every mode built before any runs, the concurrent processes last: a mode's building may set the process's
+    torch threads (the torch runtime does when ``threads`` is given), which compiled graphs are specialized on and
+    the concurrent processes split. The steps, and the seconds each took to build (fusing, sessions, optimizers, processes: not
     timed)."""
     steppers, setup_s = {}, {}
     for mode, p in sorted(keys, key=lambda k: k[0] == "concurrent"):
@@ -176,7 +186,7 @@ def _row(work: Workload, p: str, mine: dict, steppers: dict, setup_s: dict, firs
                          if CEILING in mine else None),
             "round_s": mine[mode], "setup_s": setup_s[mode, p], "first_call_s": first_s[mode, p],
             "first_loss": first_loss[mode, p],
-            "peak_mib": peaks[mode, p] if cuda or mode == "concurrent" else None}
+            "peak_mib": peaks[mode, p]}
     if "concurrent" in result:
         result["concurrent"]["threads_per_process"] = steppers["concurrent", p].threads if not cuda else None
     return {"model": work.name, "source": work.source, "B": B, "precision": p, "batch": n,
@@ -233,7 +243,7 @@ def _check(models: Sequence[str], Bs: Sequence[int], modes: Sequence[str], batch
 
 def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequence[str], batch: int, steps: int,
             rounds: int, warmup: int, out: str, budget_s: float = 0, threads: int = 0,
-            strategy: str = "default", precisions: Sequence[str] = ("fp32",)) -> str:
+            strategy: str = "default", precisions: Sequence[str] = ("fp32",), isa: str = "native") -> str:
     """The `onnxfuse bench` command line that reproduces a run."""
     words = ["onnxfuse", "bench", "--models", ",".join(models), "--B", ",".join(map(str, B)), "--device", device,
              "--modes", ",".join(modes), "--batch", str(batch), "--steps", str(steps), "--rounds", str(rounds),
@@ -242,6 +252,7 @@ def command(models: Sequence[str], B: Sequence[int], device: str, modes: Sequenc
     words += ["--threads", str(threads)] if threads else []
     words += ["--strategy", strategy] if strategy != "default" else []
     words += ["--precision", ",".join(precisions)] if list(precisions) != ["fp32"] else []
+    words += ["--isa", isa] if isa != "native" else []
     return shell(*words, "-o", out)
 
 
@@ -250,13 +261,17 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
               device: Device | str = "cpu", modes: Sequence[str] = MODES, batch: int = 32, steps: int = 10,
               rounds: int = 3,
               warmup: int = 3, out: str | os.PathLike = "onnxfuse-bench", budget_s: float = 0, threads: int = 0,
-              strategy: str = "default", progress: bool = True, precisions: Sequence[str] = ("fp32",)) -> list[dict]:
+              strategy: str = "default", progress: bool = True, precisions: Sequence[str] = ("fp32",),
+              isa: str = "native") -> list[dict]:
     """Measure every mode for every model, B and precision (docs/benchmarks.md); write bench.json, bench.csv,
     bench.md and bench.png to ``out``; return one dict per (model, B, precision) with each mode's samples/s and
     ratios (to the modes in the same precision) under ``row["modes"][mode]``; ``precisions``: of
     :data:`~onnxfuse.recipe.runtimes.PRECISIONS`. ``budget_s`` > 0: no new measurement starts after that many
     seconds. ``strategy``: the fusion strategy of the fused modes (``onnxfuse fuse --strategy``; ``auto`` measures
-    each node's forms on the mode's own runtime first, outside the timed rounds)."""
+    each node's forms on the mode's own runtime first, outside the timed rounds). ``isa``: the instruction set
+    torch, oneDNN and MKL are held to (``onnxfuse.runtime._machine.ISA_ENV``: native, avx512, avx2, default); they
+    read it when they load, so a run under another one than this process's is measured in a process of its own
+    (the same command with those variables), whose rows are returned."""
     import torch
 
     models, Bs = list(models), list(B)
@@ -264,9 +279,12 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
     _check(models, Bs, modes, batch, steps, rounds, warmup, precisions)
     where = Device.of(device, "device: ")
     out = os.fspath(out)
+    if not isa_in_effect(isa):
+        return _in_own_process(command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s,
+                                       threads, strategy, precisions, isa), isa, out, progress)
     with claim_output(out, "bench", replace=False):  # its folder: no other command writes there meanwhile
         cmd = command(models, Bs, str(where), modes, batch, steps, rounds, warmup, out, budget_s, threads, strategy,
-                      precisions)
+                      precisions, isa)
         say = print if progress else (lambda *a, **k: None)
         dev = _set_up_process(where, threads)
         notes = []
@@ -276,7 +294,7 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         runs = modes_of_models(models, measured, files, notes)
         env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cpu_count": os.cpu_count(),
-               "cpu": cpu_description()}  # every figure says which CPU (model, instruction set, cores) it comes from
+               "cpu": cpu_description(), "isa": isa}  # every figure says which CPU (model, instruction set, cores)
         say(f"onnxfuse bench on {device} ({machine(env, dev.type)}), torch {env['torch']} ({env['threads']} threads), batch "
             f"{batch} per model, AdamW, {steps} steps x {rounds} rounds after {warmup} warm-up; modes "
             f"{','.join(measured)}; precision {','.join(precisions)}")
@@ -285,32 +303,48 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         rows = _measure_all(models, Bs, files, runs, dev, batch, steps, warmup, rounds, threads, strategy, precisions,
                             budget_s, notes, say)
         ran = sorted({r["threads"] for r in rows})
-        if ran:  # building the torch runtime sets the process's threads (1 unless --threads): what the rounds ran
+        if ran:  # the threads the rounds ran with (set up above: 1 on a CPU unless --threads)
             env["threads"] = ran[0] if len(ran) == 1 else ran
         text = table(rows, measured)
         _write_outputs(out, cmd, env, measured, precisions, notes, rows, dev, text)
         say(text)
+        if len({r["B"] for r in rows}) > 1:
+            say("\nHow the fused array scales with B:\n" + scaling_table(rows))
         say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
         return rows
 
 
+def _in_own_process(cmd: str, isa: str, out: str, progress: bool) -> list[dict]:
+    """``cmd`` (an ``onnxfuse bench`` command line) run by this Python with the variables of ``isa``; its rows."""
+    import shlex
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "onnxfuse", *shlex.split(cmd)[1:]] + ([] if progress else ["-q"])
+    done = subprocess.run(argv, env={**os.environ, **isa_env(isa)}, stdout=None if progress else subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise ConfigError(f"the bench under isa {isa} failed (exit {done.returncode}): "
+                          f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
+    with open(os.path.join(out, "bench.json")) as f:
+        return json.load(f)["rows"]
+
+
 def _set_up_process(where: Device, threads: int):
-    """The torch device to measure on, this process set up for it: ``threads`` torch threads (when given),
-    cuDNN's autotuner on CUDA, the fused step's allocator setting on the CPU (every mode gets it)."""
+    """The torch device to measure on, this process set up as ``onnxfuse train``'s is, for every mode
+    (``runtime/process.tune_process``: ``threads`` torch threads, 1 on a CPU when not given; denormals flushed;
+    the kept heap on a CPU), and cuDNN's autotuner on CUDA."""
     import torch
+
+    from onnxfuse.runtime.process import tune_process
 
     why = where.available()
     if why is not None:
         raise ConfigError(why)
     dev = where.torch()
-    if threads:
-        torch.set_num_threads(threads)
+    tune_process(threads or None, dev.type)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    else:
-        from onnxfuse.runtime.process import keep_heap
-
-        keep_heap()  # what a training process of the command line has (runtime/process.py), for every mode
     return dev
 
 
@@ -371,6 +405,8 @@ def _write_outputs(out: str, cmd: str, env: dict, measured: list[str], precision
                    rows: list[dict], dev, text: str) -> None:
     """bench.json, bench.csv, bench.md and bench.png: the four files or none (a full disk leaves no bench.json
     alone)."""
+    several_B = len({r["B"] for r in rows}) > 1
+    scaling = ("\nHow the fused array scales with B:\n\n" + scaling_table(rows) + "\n") if several_B else ""
     with atomic_files(out) as stage:
         with stage("bench.json") as path, open(path, "w") as f:
             json.dump({"command": cmd, "env": env, "modes": measured, "precisions": precisions, "notes": notes,
@@ -384,7 +420,9 @@ def _write_outputs(out: str, cmd: str, env: dict, measured: list[str], precision
                     + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
                     + "\n\nWhich mode won, per model, B and precision:\n\n" + verdicts(rows)
                     + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
-                    "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator):\n\n" + text
-                    + "\n")
+                    "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator; on a CPU the resident "
+                    "memory its steps took above what the process held before them, the concurrent processes' "
+                    "whole):\n\n" + text
+                    + "\n" + scaling)
         with stage("bench.png") as path:
             write_png(path, rows, measured, env)

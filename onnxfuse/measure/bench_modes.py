@@ -18,7 +18,7 @@ from onnxfuse.recipe.runtimes import RUNTIMES
 from onnxfuse.measure.workloads import OnnxFile, file_batch, file_protos, zoo_batch, zoo_modules, zoo_protos
 
 __all__ = ["MODES", "MODE_TITLES", "FILE_TITLES", "BASELINE", "CEILING", "CEILINGS", "COMPILED", "FUSED_MODES",
-           "ORT_MODES", "runs_in", "Workload", "zoo_workload", "file_workload", "modes_of_models", "fused_step",
+           "ORT_MODES", "runs_in", "reset_rss_peak", "rss_peak_mib", "Workload", "zoo_workload", "file_workload", "modes_of_models", "fused_step",
            "seq_ort_step", "seq_torch_step", "adamw_step", "vmap_loss", "hfta_loss", "dense_loss", "summed",
            "peak_mib"]
 
@@ -299,6 +299,30 @@ def dense_loss(model, class_last: bool, x, y, B: int) -> tuple[Callable[[], obje
     def loss():
         return _loss(class_last, _output(model, xb), yb)
     return loss, list(model.parameters())
+
+
+def reset_rss_peak() -> float | None:
+    """Reset this process's peak resident memory (Linux's VmHWM, through ``/proc/self/clear_refs``) and return
+    the memory resident now, MiB; None where it cannot be reset (not Linux, or a kernel that refuses)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_mib("VmRSS")
+    except (OSError, ValueError):
+        return None
+
+
+def rss_peak_mib() -> float:
+    """This process's peak resident memory since :func:`reset_rss_peak`, MiB."""
+    return _status_mib("VmHWM")
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"no {field} in /proc/self/status")
 
 
 def peak_mib(device) -> float:

@@ -70,6 +70,26 @@ def verdicts(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(rows: list[dict]) -> str:
+    """How the fused array scales with B, one line per model, precision and B (a run measured at more than one B):
+    the fused array's best mode, its samples/s, the ratio to the better dense mode, and peak memory per model, of
+    the fused mode and of that dense (the memory a step took, over B: see bench.md's note on peak memory)."""
+    def per_model(r: dict, mode: str | None) -> str:
+        peak = r["modes"].get(mode, {}).get("peak_mib") if mode else None
+        return "–" if peak is None else f"{peak / r['B']:,.1f}"
+
+    lines = ["| model | precision | B | fused best | samples/s | ÷ best dense | peak MiB per model, fused | "
+             "peak MiB per model, dense |", "|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["B"])):
+        fused, dense = r.get("fused_best"), r.get("ceiling_best")
+        if fused is None:
+            continue
+        of = "–" if r.get("fused_of_ceiling") is None else f"{r['fused_of_ceiling']:.2f} ({dense})"
+        lines.append(f"| {r['model']} | {r['precision']} | {r['B']} | {fused} | "
+                     f"{r['modes'][fused]['samples_s']:,.0f} | {of} | {per_model(r, fused)} | {per_model(r, dense)} |")
+    return "\n".join(lines)
+
+
 _PER_MODE = ("samples_s", "over_seq_torch", "of_dense", "first_call_s", "first_loss", "peak_mib")
 
 

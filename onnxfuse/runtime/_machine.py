@@ -11,7 +11,7 @@ import functools
 import os
 import platform
 
-__all__ = ["cpu_model", "cpu_isa", "cpu_description", "native_low_precision"]
+__all__ = ["cpu_model", "cpu_isa", "cpu_description", "native_low_precision", "ISA_ENV", "isa_env", "isa_in_effect"]
 
 #: The CPU flags (``/proc/cpuinfo``) that compute each reduced-precision dtype natively: without one, oneDNN and
 #: ATen emulate it by converting to float32 and back around every op.
@@ -52,6 +52,40 @@ def cpu_isa() -> str:
 def cpu_description() -> str:
     """One line naming this CPU for a figure: model, instruction set, cores ("AMD EPYC (AVX2), 2 cores")."""
     return f"{cpu_model()} ({cpu_isa()}), {os.cpu_count()} cores"
+
+
+#: The instruction sets a run can be held to, by the variables torch (ATen), oneDNN and MKL read when they load:
+#: ``native`` what the CPU has; ``avx512`` and ``avx2`` as a CPU with that much and no more; ``default`` torch's
+#: unvectorized kernels (SSE). ``make test-isa`` and ``onnxfuse bench --isa`` read this table. ONNX Runtime
+#: picks its kernels by the CPU alone (no setting).
+ISA_ENV: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+#: the CPU flags an instruction set needs (``/proc/cpuinfo``): ATen's AVX-512 kernels use F, BW, VL and DQ
+_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": ("avx2", "fma")}
+
+
+def isa_env(isa: str) -> dict[str, str]:
+    """The variables that hold torch, oneDNN and MKL to ``isa`` (a key of :data:`ISA_ENV`); a ``ConfigError`` for
+    an unknown name or an instruction set this CPU lacks."""
+    from onnxfuse.core.errors import ConfigError
+
+    if isa not in ISA_ENV:
+        raise ConfigError(f"isa: unknown instruction set '{isa}'; choose from: {', '.join(ISA_ENV)}")
+    flags = set(_cpuinfo().get("flags", "").split())
+    missing = [f for f in _NEEDS.get(isa, ()) if flags and f not in flags]
+    if missing:
+        raise ConfigError(f"isa: this CPU ({cpu_model()}) has no {isa.upper()} (its flags lack {', '.join(missing)});"
+                          f" choose an instruction set it has, e.g. avx2 or default")
+    return ISA_ENV[isa]
+
+
+def isa_in_effect(isa: str) -> bool:
+    """Whether this process's environment already holds the libraries to ``isa``."""
+    return all(os.environ.get(k) == v for k, v in isa_env(isa).items())
 
 
 def native_low_precision(dtype_name: str) -> bool:

@@ -36,6 +36,8 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
         for mode in modes:
             m = row["modes"][mode]
             assert m["samples_s"] > 0 and math.isfinite(m["over_seq_torch"]) and m["of_dense"] > 0, (mode, m)
+            # on Linux, the memory each mode's steps took above what the process held (its peak RSS reset first)
+            assert m["peak_mib"] is not None and m["peak_mib"] >= 0, (mode, m)
         assert row["modes"]["seq-torch"]["over_seq_torch"] == 1.0 and row["modes"]["dense"]["of_dense"] == 1.0
         assert row["peak_mib"] > 0
 
@@ -53,7 +55,13 @@ def test_bench_writes_json_csv_md_and_png(tmp_path, capsys):
     assert result["command"] in md and "onnxfuse bench --models lenet --B 1,2" in md
     # the figures name the CPU they come from: model, instruction set, cores, in bench.json and above the tables
     assert result["env"]["cpu"] == cpu_description() and cpu_description() in md
-    assert md.count("| lenet |") == 2 + 2 * len(modes)  # a line per B, then a line per B and mode
+    # a line per B, then a line per B and mode, then how it scales: a line per B
+    assert md.count("| lenet |") == 2 + 2 * len(modes) + 2
+    scaling = md.split("How the fused array scales with B:", 1)[1]
+    for r in result["rows"]:
+        per_model = r["modes"]["torch"]["peak_mib"] / r["B"]
+        assert (f"| lenet | fp32 | {r['B']} | torch | {r['modes']['torch']['samples_s']:,.0f} | "
+                f"{r['fused_of_ceiling']:.2f} (dense) | {per_model:,.1f} |") in scaling
     assert all(f"- lenet B={r['B']} fp32: {r['winner']} won" in md for r in result["rows"])
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the plot drawn from bench.json: a line per mode whose y data are its ratios to PyTorch one after another
@@ -370,3 +378,30 @@ def test_the_bench_plot_at_one_b_is_a_bar_per_mode_its_ratio_with_the_rounds_spr
     (whiskers,) = [c for c in fig.axes[0].containers if hasattr(c, "has_xerr")]
     (low, _), (high, _) = whiskers.lines[2][0].get_segments()[-1]  # the torch bar's
     assert (low, high) == pytest.approx((2.0, 1.1 / 0.45))
+
+
+def test_bench_under_another_instruction_set_runs_in_a_process_held_to_it(tmp_path, capsys):
+    """``--isa avx2``: the measurement runs in a process whose torch dispatches to AVX2 (torch says so:
+    ``torch.backends.cpu.get_cpu_capability()``, which bench.json's cpu line records), and the command that
+    reproduces it names the instruction set. Where this CPU lacks AVX2, it is one error line."""
+    out = tmp_path / "bench"
+    argv = ["bench", "--models", "lenet", "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
+            "--modes", "seq-torch,torch", "--isa", "avx2", "-o", str(out), "-q"]
+    if "avx2" not in open("/proc/cpuinfo").read():
+        assert main(argv) == 2 and "has no AVX2" in capsys.readouterr().err
+        return
+    assert main(argv) == 0, capsys.readouterr().err
+    result = json.loads((out / "bench.json").read_text())
+    assert result["env"]["isa"] == "avx2" and "(AVX2, oneDNN AVX2)" in result["env"]["cpu"]
+    assert "--isa avx2" in result["command"] and result["rows"][0]["modes"]["torch"]["samples_s"] > 0
+
+
+def test_an_unknown_instruction_set_is_one_line(tmp_path, capsys):
+    from onnxfuse.core.errors import ConfigError
+    from onnxfuse.runtime._machine import isa_env
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--isa", "sse9", "-o", str(tmp_path / "b")])
+    assert "invalid choice: 'sse9'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unknown instruction set 'sse9'; choose from: native, avx512, avx2, default"):
+        isa_env("sse9")
