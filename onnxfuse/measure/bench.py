@@ -156,15 +156,24 @@ def _build(keys: list[tuple], make: dict) -> tuple[dict, dict]:
 
 def _first_steps(steppers: dict, keys: list[tuple], warmup: int, sync: Callable[[], None]) -> tuple[dict, dict]:
     """Each mode's first step alone (compiling, lazy builds; the first warm-up step) and the rest of its warm-up:
-    the first step's seconds and the B models' summed loss before any update (concurrent's: None)."""
+    the first step's seconds and the B models' summed loss before any update (concurrent's: None). A compiled
+    fused step that times its forms on its first steps (``TrainStep.FORMS``) takes them here, untimed, with its
+    first step's seconds: its rounds time the form it keeps."""
     first_s, first_loss = {}, {}
     for key in keys:
         sync()
         with Stopwatch() as first:
             losses = steppers[key]()
             sync()
-        first_s[key] = first.seconds
         first_loss[key] = summed(losses)
+        settled = getattr(steppers[key], "settled", lambda: True)
+        with Stopwatch() as choosing:
+            for _ in range(32):
+                if settled():
+                    break
+                steppers[key]()
+            sync()
+        first_s[key] = first.seconds + choosing.seconds
         for _ in range(warmup - 1):
             steppers[key]()
     return first_s, first_loss

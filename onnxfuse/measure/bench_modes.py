@@ -197,7 +197,11 @@ def fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: 
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
                            device=device, workdir=workdir, threads=threads or None, compile=compile,
                            precision=precision)
-    return lambda: trainer.step(feeds)
+    def step():
+        return trainer.step(feeds)
+    stepper = getattr(trainer, "stepper", None)  # the torch runtime's: a compiled step times its forms first
+    step.settled = (lambda: stepper.settled) if stepper is not None else (lambda: True)
+    return step
 
 
 def seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir: str,

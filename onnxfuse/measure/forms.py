@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
 from onnxfuse.core._io import atomic_write_bytes
-from onnxfuse.runtime._machine import cpu_model
+from onnxfuse.runtime._machine import cpu_isa, cpu_model
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.device import Device
 
@@ -57,13 +57,14 @@ def cache_path() -> str:
 
 
 def _device_key(runtime: str, device: Device, threads: int) -> str:
-    """What a measurement depends on besides the node: the runtime and its version, the device's name, threads."""
+    """What a measurement depends on besides the node: the runtime and its version, the device's name (a CPU's
+    with the instruction set torch dispatches to), threads."""
     import torch
 
     if device.is_cuda:
         name = torch.cuda.get_device_name(device.torch())
     else:
-        name = cpu_model()
+        name = f"{cpu_model()} ({cpu_isa()})"  # another instruction set's kernels are other kernels
     version = torch.__version__
     if runtime == "ort":
         import onnxruntime

@@ -1,6 +1,7 @@
 """One training step of a FusedArray and its ``onnxfuse.optim`` optimizer as one function: forward, loss,
 gradients, fault isolation, the per-model update and every write (weights, optimizer state, BatchNorm
-statistics), with no host read. ``compile`` captures it whole with ``torch.compile`` (inductor):
+statistics), with no host read. ``compile`` captures it with ``torch.compile`` (inductor), whole or in two
+parts, whichever was measured faster (``TrainStep.FORMS``):
 
     step = TrainStep(opt, forward, compile="on")     # forward(weights, batch) -> (loss, per_model [B], new buffers)
     step(batch, values)                              # no host read: losses, ok and failures stay on the device
@@ -184,6 +185,16 @@ class TrainStep:
     empty: nothing recorded)."""
 
     WINDOW = 64  # steps whose coefficients are computed at once when the caller knows them ahead (hold_window)
+    #: how a compiled step is made: ``whole`` (forward, backward and update one graph: torch.func.grad inside
+    #: torch.compile; no Python between them, fastest for small steps: LeNet's compiled step 1.7x the other form)
+    #: or ``partitioned`` (the loss compiled with AOTAutograd's forward/backward partition, which chooses the
+    #: activations the backward keeps, autograd between, the update compiled on its own: ResNet-18's step 17 %
+    #: faster). A run that records its times tries both on a CPU and keeps the faster (see ``_next_form``).
+    FORMS = ("whole", "partitioned")
+    #: the other forms are tried when the whole step takes at least this long: below it the Python between a
+    #: partitioned step's parts costs more than the activations it can save (LeNet at B = 16: 31 ms whole,
+    #: 55 ms partitioned), and trying would cost every small array a second compile
+    TRY_FORMS_FROM_S = 0.1
 
     def __init__(self, optimizer, forward: Callable, buffers: Sequence[str] = (), compile: str = "off",
                  key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None):
@@ -208,6 +219,9 @@ class TrainStep:
         self._table, self._window, self._window_first = None, [], 0
         self._counted = None  # the optimizer step the device count was last set from (None: not yet)
         self._compiled, self._shapes, self._graphed = None, None, None
+        self.form = "whole"  # the compiled step's form (FORMS); measured forms' steady steps, seconds:
+        self._form_s: dict[str, float] = {}
+        self._forms: dict[str, Callable] = {}  # each form compiled so far
         self._compiled_key, self._guarded = None, True  # what the compiled step's update graph is (see _call_compiled)
         self._eager_times: list[float] = []
         self._compiled_times: list[float] = []
@@ -217,25 +231,45 @@ class TrainStep:
         self.compile_s = 0.0
 
     # ---- the step
-    def _body(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
-        arr, names, scaler = self.array, self.array.trainable, self.scaler
+    def _loss(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> tuple:
+        """The summed loss of the trainable ``params`` (each model's scaled by its own loss scale in fp16), with
+        the per-model losses and the new buffer values."""
+        arr, scaler = self.array, self.scaler
         held = {n: arr.buffer(n) for n in arr.buffer_names}
+        with autocast(self.precision, arr.device):
+            loss, per_model, news = self.forward({**held, **dict(zip(arr.trainable, params))}, batch)
+        if scaler is not None:  # each model's loss times its own scale
+            loss = scaler.scaled(per_model)
+        return loss, (per_model.detach(), [v.detach() for v in news])
 
-        def loss_of(ps):
-            with autocast(self.precision, arr.device):
-                loss, per_model, news = self.forward({**held, **dict(zip(names, ps))}, batch)
-            if scaler is not None:  # each model's loss times its own scale
-                loss = scaler.scaled(per_model)
-            return loss, (per_model.detach(), [v.detach() for v in news])
-
+    def _gradients(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], loss_of=None) -> tuple:
+        """``(gradients, per_model, news)``: by ``torch.func.grad`` where dynamo captures the step whole, else by
+        autograd on leaf views of the weights (func.grad's wrappers cost ~30% on a CNN), through ``loss_of``
+        (the loss, compiled on its own in the partitioned form)."""
         if torch.compiler.is_compiling():  # what dynamo captures: the gradient as a function transform
-            grads, (per_model, news) = torch.func.grad(loss_of, has_aux=True)(list(params))
-        else:  # eager: torch autograd on leaf views of the weights (func.grad's wrappers cost ~30% on a CNN)
-            with torch.enable_grad():
-                leaves = [p.detach().requires_grad_(True) for p in params]
-                loss, (per_model, news) = loss_of(leaves)
-                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            grads, (per_model, news) = torch.func.grad(lambda ps: self._loss(ps, batch), has_aux=True)(list(params))
+            return grads, per_model, news
+        with torch.enable_grad():
+            leaves = [p.detach().requires_grad_(True) for p in params]
+            loss, (per_model, news) = (loss_of or self._loss)(leaves, batch)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)], per_model, news
+
+    def _body(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
+        grads, per_model, news = self._gradients(params, batch)
+        self._apply(params, grads, per_model, news, hyper)
+
+    def _partitioned(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
+        """The step with its loss and its update compiled apart (the ``partitioned`` form): AOTAutograd splits the
+        loss into a forward and a backward graph and chooses the activations the backward keeps, autograd runs
+        the backward between them."""
+        grads, per_model, news = self._gradients(params, batch, self._compiled_loss)
+        self._compiled_apply(params, grads, per_model, news, hyper)
+
+    def _apply(self, params: list[torch.Tensor], grads: list[torch.Tensor], per_model: torch.Tensor,
+               news: list[torch.Tensor], hyper: torch.Tensor) -> None:
+        """The update of the models whose step is applied, and the bookkeeping on the device."""
+        arr, scaler = self.array, self.scaler
         B = arr.B
         active = (hyper[0].reshape(B) > 0.5) & self.alive
         stepping = active
@@ -357,6 +391,8 @@ class TrainStep:
             self._call_compiled(params, batch)
             self._sync()
             self._compiled_times.append(time.perf_counter() - t0)
+            if len(self._compiled_times) == 1 and self.opt._key == self._compiled_key:
+                self._guarded = False  # another form's first call compiled it under guards
             if len(self._compiled_times) == COMPILED_PROBE_STEPS:
                 self._recorded_compiled_step()
             return
@@ -365,9 +401,12 @@ class TrainStep:
     def _recorded_compiled_step(self) -> None:
         """The steady-state compiled step into the record (the median of the timed steps after the first); a step
         not faster than the eager one measured here before says so: ``--compile off`` (or ``auto``) is faster."""
-        step_s = float(np.median(self._compiled_times[1:] or self._compiled_times))
+        if self._next_form(float(np.median(self._compiled_times[1:] or self._compiled_times))):
+            return  # the next form is timed first
+        step_s = self._form_s[self.form]
         eager_s = read_times().get(self._record, {}).get("eager_step_s")
-        _record_time(self._record, compiled_step_s=step_s, machine=machine_description(self.array.device))
+        _record_time(self._record, compiled_step_s=step_s, form=self.form,
+                     machine=machine_description(self.array.device))
         log.info("compiled step: %.1f ms (recorded for --compile auto in %s)", step_s * 1000, times_path())
         if self.mode == "on" and eager_s is not None and step_s >= eager_s:
             log.warning("--compile on: compiled steps (%.1f ms) are not faster than the eager steps measured here "
@@ -414,7 +453,9 @@ class TrainStep:
     def _compile(self, params, batch, shapes) -> None:
         _use_cache()
         self._shapes = shapes
-        self._compiled = compiled(self._body)
+        known = read_times().get(self._record, {}) if self._record else {}
+        self.form = known.get("form", "whole") if known.get("form") in self.FORMS else "whole"
+        self._compiled = self._compiled_form(self.form)
         self._sync()
         t0 = time.perf_counter()
         self._compiled(params, batch, self._hyper)  # the first call compiles
@@ -426,6 +467,44 @@ class TrainStep:
             _record_time(self._record, compile_s=self.compile_s, machine=machine_description(self.array.device))
         if self.array.device.type == "cuda":
             self._graphed = _CudaGraphed(self._compiled, self.array.device)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the step's form is chosen: eager or compiled, and a compiled step's form (FORMS) measured or
+        recorded; steps after it run as every later one will (a benchmark's timed steps start there)."""
+        if self.decision is None or (self.decision.compile and self._compiled is None):
+            return False
+        return not self.decision.compile or not self._record or len(self._compiled_times) >= COMPILED_PROBE_STEPS
+
+    def _compiled_form(self, form: str) -> Callable:
+        """The step compiled in ``form`` (compiled on its first call)."""
+        if form not in self._forms:
+            if form == "partitioned":
+                self._compiled_loss, self._compiled_apply = compiled(self._loss), compiled(self._apply)
+                self._forms[form] = self._partitioned
+            else:
+                self._forms[form] = compiled(self._body)
+        return self._forms[form]
+
+    def _next_form(self, step_s: float) -> bool:
+        """After ``form``'s steady step was timed: on a CPU, with no form recorded for this workload yet, compile
+        the next form and time it too (returns True), else keep the fastest measured and record it (False)."""
+        self._form_s[self.form] = step_s
+        untried = [f for f in self.FORMS if f not in self._form_s]
+        recorded = read_times().get(self._record, {}).get("form")
+        worth = self._form_s.get("whole", 0.0) >= self.TRY_FORMS_FROM_S
+        if untried and recorded is None and worth and self.array.device.type == "cpu":
+            self.form, self._compiled_times = untried[0], []
+            self._compiled = self._compiled_form(self.form)
+            self._guarded = True  # the new form's first call compiles under guards
+            return True
+        best = min(self._form_s, key=self._form_s.get)
+        if best != self.form:
+            self.form, self._compiled = best, self._forms[best]
+        if len(self._form_s) > 1:
+            log.info("compiled step forms: %s; keeping %s", ", ".join(
+                f"{f} {t * 1000:.1f} ms" for f, t in self._form_s.items()), best)
+        return False
 
     def _sync(self) -> None:
         _sync(self.array.device)

@@ -262,3 +262,36 @@ def test_compiled_conv_nets_equal_each_model_trained_alone(name, tmp_path):
             opt.step()
         for k, v in mod.state_dict().items():
             assert rel_err(got[b][k], v.detach().numpy()) < 1e-4, (name, b, k)
+
+
+def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compiles_only_that(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """``TrainStep.FORMS``: a compiled run whose whole step is long enough (here: any) compiles the partitioned
+    form too after timing the whole one, keeps the faster and records it; training through the change of form
+    stays each model's own (within rounding of the eager run). A later run of the same workload compiles only
+    the recorded form."""
+    import logging
+
+    from onnxfuse.runtime.torch.train_step import TrainStep, read_times
+
+    monkeypatch.setattr(TrainStep, "TRY_FORMS_FROM_S", 0.0)
+    data = data_file(tmp_path, n=96)
+    cfg = dict(batch_size=16, steps=12, optimizer="adam", lr=[0.01, 0.003], shuffle=False, runtime="torch")
+    arr_c, _ = make_array(tmp_path / "c", 2)
+    arr_e, _ = make_array(tmp_path / "e", 2)
+    with caplog.at_level(logging.INFO, logger="onnxfuse"):
+        train_array(arr_c, data, TrainConfig(compile="on", verify_steps=0, **cfg), progress=False)
+    said = [r.getMessage() for r in caplog.records if "compiled step forms" in r.getMessage()]
+    assert len(said) == 1 and "whole" in said[0] and "partitioned" in said[0], said
+    kept = said[0].rsplit("keeping ", 1)[1]
+    assert kept in TrainStep.FORMS and [t.get("form") for t in read_times().values() if "form" in t][-1] == kept
+    train_array(arr_e, data, TrainConfig(compile="off", verify_steps=0, **cfg), progress=False)
+    compiled, eager = states(arr_c), states(arr_e)
+    for b in range(2):
+        for k in eager[b]:
+            assert rel_err(compiled[b][k], eager[b][k]) < 1e-5, (b, k)
+    caplog.clear()
+    arr_2, _ = make_array(tmp_path / "again", 2)
+    with caplog.at_level(logging.INFO, logger="onnxfuse"):
+        train_array(arr_2, data, TrainConfig(compile="on", verify_steps=0, **cfg), progress=False)
+    assert not [r for r in caplog.records if "compiled step forms" in r.getMessage()]
