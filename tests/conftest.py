@@ -129,6 +129,30 @@ def runtime(request) -> str:
 
 
 # ---- small hand-built graphs (onnx.helper) for rule tests
+def mlp_array(folder, B: int, seed0: int = 0, n: int = 64):
+    """``folder``/array: B of conftest's MLPs fused (inputs [N, 3, 4, 4]); ``folder``/data.npz: ``n`` random
+    samples with 10 classes. Returns ``folder``."""
+    from onnxfuse import fuse_models, save_array
+
+    save_array(fuse_models(export_all(make_modules("mlp", B, seed0=seed0), (8, 3, 4, 4), folder / "jobs")),
+               folder / "array")
+    rng = np.random.default_rng(0)
+    np.savez(folder / "data.npz", input=rng.standard_normal((n, 3, 4, 4)).astype(np.float32),
+             labels=rng.integers(0, 10, n))
+    return folder
+
+
+def holder_pid(folder) -> int | None:
+    """The pid in ``folder``'s lock file (the process that holds it), None when nobody does."""
+    import json
+
+    try:
+        text = open(os.path.join(folder, ".onnxfuse.lock")).read().strip()
+        return json.loads(text).get("pid") if text else None
+    except (OSError, ValueError):
+        return None
+
+
 def graph_model(nodes, inputs, outputs, inits, opset=17):
     g = h.make_graph(nodes, "g", inputs, outputs, inits)
     m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])

@@ -27,7 +27,7 @@ from onnxfuse.runtime._machine import cpu_description, isa_env, isa_in_effect
 from onnxfuse.measure.bench_concurrent import Concurrent, cores
 from onnxfuse.measure.bench_modes import (BASELINE, CEILING, CEILINGS, COMPILED, FUSED_MODES, MODE_TITLES, MODES,
                                           ORT_MODES, Workload, adamw_step, dense_loss, file_workload, fused_step,
-                                          hfta_loss, modes_of_models, peak_mib, reset_rss_peak, rss_peak_mib, runs_in,
+                                          hfta_loss, modes_of_models, peak_mib, runs_in, step_memory,
                                           seq_ort_step,
                                           seq_torch_step, summed, vmap_loss, zoo_workload)
 from onnxfuse.measure.bench_report import (machine, scaling_table, table, verdicts, wide_table, write_csv,
@@ -109,22 +109,13 @@ def _measure(work: Workload, steps: int, warmup: int, rounds: int, device, modes
             torch.cuda.synchronize(device)
 
     cuda = device.type == "cuda"
-    peaks: dict[tuple, float | None] = {k: 0.0 for k in keys}
-    resident: dict[tuple, float | None] = {}
+    peaks: dict[tuple, float | None] = {k: 0.0 if cuda else None for k in keys}
 
     def reset_peak(key: tuple) -> None:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        else:  # on a CPU, the memory a mode's steps take above what the process held before them
-            resident[key] = reset_rss_peak()
+        torch.cuda.reset_peak_memory_stats(device)
 
     def read_peak(key: tuple) -> None:
-        if cuda:
-            peaks[key] = max(peaks[key], peak_mib(device))
-        elif resident.get(key) is None:
-            peaks[key] = None
-        elif peaks[key] is not None:
-            peaks[key] = max(peaks[key], rss_peak_mib() - resident[key])
+        peaks[key] = max(peaks[key], peak_mib(device))
 
     with contextlib.ExitStack() as stack:  # the concurrent mode's processes stop however this ends
         make = {p: _makers(work, p, p == precisions[0], shared, device, folder, threads, strategy, stack)
@@ -132,8 +123,11 @@ def _measure(work: Workload, steps: int, warmup: int, rounds: int, device, modes
         steppers, setup_s = _build(keys, make)
         threads_now = torch.get_num_threads()
         first_s, first_loss = _first_steps(steppers, keys, warmup, sync)
-        times = interleaved_rounds({k: steppers[k] for k in keys}, rounds, steps, sync, reset_peak, read_peak,
+        times = interleaved_rounds({k: steppers[k] for k in keys}, rounds, steps, sync,
+                                   reset_peak if cuda else None, read_peak if cuda else None,
                                    runs_steps={k for k in keys if k[0] == "concurrent"})
+        if not cuda:  # after the rounds, untimed: the memory of one step of each mode
+            peaks.update(step_memory({k: s for k, s in steppers.items() if k[0] != "concurrent"}))
         for k in keys:
             if k[0] == "concurrent":
                 peaks[k] = steppers[k].peak_mib()  # its processes' own
@@ -330,11 +324,16 @@ def _in_own_process(cmd: str, isa: str, out: str, progress: bool) -> list[dict]:
     import sys
 
     argv = [sys.executable, "-m", "onnxfuse", *shlex.split(cmd)[1:]] + ([] if progress else ["-q"])
-    done = subprocess.run(argv, env={**os.environ, **isa_env(isa)}, stdout=None if progress else subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    shown = None if progress else subprocess.DEVNULL  # its progress and log lines pass through
+    done = subprocess.run(argv, env={**os.environ, **isa_env(isa)}, stdout=shown,
+                          stderr=None if progress else subprocess.PIPE, text=True)
     if done.returncode:
-        raise ConfigError(f"the bench under isa {isa} failed (exit {done.returncode}): "
-                          f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
+        import signal
+
+        how = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exit {done.returncode}")
+        said = (done.stderr or "").strip().splitlines()  # (shown above when progress is)
+        raise ConfigError(f"the bench under isa {isa} failed ({how}){': ' + said[-1] if said else ''}")
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)["rows"]
 
@@ -346,12 +345,14 @@ def _set_up_process(where: Device, threads: int):
     import torch
 
     from onnxfuse.runtime.process import tune_process
+    from onnxfuse.runtime.torch.train_step import use_cache
 
     why = where.available()
     if why is not None:
         raise ConfigError(why)
     dev = where.torch()
     tune_process(threads or None, dev.type)
+    use_cache()  # every compiled mode's code in onnxfuse's cache, one folder per instruction set
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True
     return dev
@@ -429,9 +430,9 @@ def _write_outputs(out: str, cmd: str, env: dict, measured: list[str], precision
                     + "".join(f"- {n}\n" for n in notes) + ("\n" if notes else "") + wide_table(rows, measured)
                     + "\n\nWhich mode won, per model, B and precision:\n\n" + verdicts(rows)
                     + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
-                    "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator; on a CPU the resident "
-                    "memory its steps took above what the process held before them, the concurrent processes' "
-                    "whole):\n\n" + text
+                    "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator; on a CPU the memory "
+                    "one step took above what the process held before it, measured untimed after the rounds, the "
+                    "concurrent processes' whole):\n\n" + text
                     + "\n" + scaling)
         with stage("bench.png") as path:
             write_png(path, rows, measured, env)

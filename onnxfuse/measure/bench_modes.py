@@ -18,7 +18,7 @@ from onnxfuse.recipe.runtimes import RUNTIMES
 from onnxfuse.measure.workloads import OnnxFile, file_batch, file_protos, zoo_batch, zoo_modules, zoo_protos
 
 __all__ = ["MODES", "MODE_TITLES", "FILE_TITLES", "BASELINE", "CEILING", "CEILINGS", "COMPILED", "FUSED_MODES",
-           "ORT_MODES", "runs_in", "reset_rss_peak", "rss_peak_mib", "Workload", "zoo_workload", "file_workload", "modes_of_models", "fused_step",
+           "ORT_MODES", "runs_in", "step_memory", "Workload", "zoo_workload", "file_workload", "modes_of_models", "fused_step",
            "seq_ort_step", "seq_torch_step", "adamw_step", "vmap_loss", "hfta_loss", "dense_loss", "summed",
            "peak_mib"]
 
@@ -305,20 +305,40 @@ def dense_loss(model, class_last: bool, x, y, B: int) -> tuple[Callable[[], obje
     return loss, list(model.parameters())
 
 
-def reset_rss_peak() -> float | None:
-    """Reset this process's peak resident memory (Linux's VmHWM, through ``/proc/self/clear_refs``) and return
-    the memory resident now, MiB; None where it cannot be reset (not Linux, or a kernel that refuses)."""
+def step_memory(steppers: dict) -> dict:
+    """``{key: MiB}``: the memory one more step of each stepper takes above what the process holds before it
+    (activations, gradients, temporaries: not the weights and optimizer state it keeps between steps), on Linux
+    with glibc; ``{}`` elsewhere. Untimed, after the rounds: the process's peak resident memory (VmHWM) is reset
+    through ``/proc/self/clear_refs`` before each step, and meanwhile glibc returns every freed block over 64 KiB
+    to the system (the kept heap of a training process would hold them and hide a step's growth); the kept heap
+    is made again after."""
+    import ctypes
+    import gc
+
+    from onnxfuse.runtime.process import keep_heap
+
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_mib("VmRSS")
-    except (OSError, ValueError):
-        return None
-
-
-def rss_peak_mib() -> float:
-    """This process's peak resident memory since :func:`reset_rss_peak`, MiB."""
-    return _status_mib("VmHWM")
+        libc = ctypes.CDLL(None)
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+        open("/proc/self/clear_refs", "w").close()
+    except (OSError, AttributeError, TypeError):
+        return {}
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    out = {}
+    mallopt(M_MMAP_THRESHOLD, 64 << 10)
+    mallopt(M_TRIM_THRESHOLD, 64 << 10)
+    try:
+        for key, step in steppers.items():
+            gc.collect()
+            trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            before = _status_mib("VmRSS")
+            step()
+            out[key] = max(_status_mib("VmHWM") - before, 0.0)
+    finally:
+        keep_heap.__wrapped__()
+    return out
 
 
 def _status_mib(field: str) -> float:

@@ -72,14 +72,14 @@ def verdicts(rows: list[dict]) -> str:
 
 def scaling_table(rows: list[dict]) -> str:
     """How the fused array scales with B, one line per model, precision and B (a run measured at more than one B):
-    the fused array's best mode, its samples/s, the ratio to the better dense mode, and peak memory per model, of
-    the fused mode and of that dense (the memory a step took, over B: see bench.md's note on peak memory)."""
+    the fused array's best mode, its samples/s, the ratio to the better dense mode, and the memory one step takes
+    per model, of the fused mode and of that dense (its peak memory over B: see bench.md's note on peak memory)."""
     def per_model(r: dict, mode: str | None) -> str:
         peak = r["modes"].get(mode, {}).get("peak_mib") if mode else None
         return "–" if peak is None else f"{peak / r['B']:,.1f}"
 
-    lines = ["| model | precision | B | fused best | samples/s | ÷ best dense | peak MiB per model, fused | "
-             "peak MiB per model, dense |", "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| model | precision | B | fused best | samples/s | ÷ best dense | step MiB per model, fused | "
+             "step MiB per model, dense |", "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["B"])):
         fused, dense = r.get("fused_best"), r.get("ceiling_best")
         if fused is None:

@@ -30,22 +30,13 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from tests.conftest import EXE, cli, export_all, have_userns, in_tmpfs, make_modules, one_error_line, snapshot
+from tests.conftest import (EXE, cli, export_all, have_userns, holder_pid, in_tmpfs, make_modules, one_error_line,
+                            snapshot)
 from onnxfuse import ArrayDir, fuse_models, save_array
 from onnxfuse.core.errors import ArrayBusyError, ConfigError, OnnxFuseError
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 FACTORY = "from onnxfuse.exporters.zoo import MLP\n\n\ndef make():\n    return MLP(in_features=48, hidden=32)\n"
-
-
-def holder_pid(folder) -> int | None:
-    import json
-
-    try:
-        text = open(os.path.join(folder, ".onnxfuse.lock")).read().strip()
-        return json.loads(text).get("pid") if text else None
-    except (OSError, ValueError):
-        return None
 
 
 def models_in(folder) -> list[str]:

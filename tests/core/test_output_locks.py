@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import EXE, cli, export_all, make_modules, one_error_line, snapshot
+from tests.conftest import EXE, cli, export_all, holder_pid, make_modules, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -44,16 +44,6 @@ def wait_for(p: subprocess.Popen, condition) -> None:
         assert p.poll() is None, f"the process ended first: {p.communicate()}"
         assert time.time() < deadline, "no progress in 120 s"
         time.sleep(0.02)
-
-
-def holder_pid(folder) -> int | None:
-    import json
-
-    try:
-        text = open(os.path.join(folder, ".onnxfuse.lock")).read().strip()
-        return json.loads(text).get("pid") if text else None
-    except (OSError, ValueError):
-        return None
 
 
 def array_files(folder) -> dict:

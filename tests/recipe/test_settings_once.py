@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import cli, export_all, make_modules, one_error_line
+from tests.conftest import cli, export_all, make_modules, mlp_array, one_error_line
 from onnxfuse import fuse_models, save_array
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.errors import ConfigError
@@ -30,12 +30,7 @@ B, N = 2, 8
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("once")
-    save_array(fuse_models(export_all(make_modules("mlp", B, seed0=3), (N, 3, 4, 4), d / "jobs")), d / "array")
-    rng = np.random.default_rng(0)
-    np.savez(d / "data.npz", input=rng.standard_normal((64, 3, 4, 4)).astype(np.float32),
-             labels=rng.integers(0, 10, 64))
-    return d
+    return mlp_array(tmp_path_factory.mktemp("once"), B, seed0=3)
 
 
 def file_message(tmp_path, text: str) -> str:

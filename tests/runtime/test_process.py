@@ -11,13 +11,11 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from tests.conftest import export_all, make_modules
-from onnxfuse import fuse_models, save_array
+from tests.conftest import mlp_array
 
-B, N = 2, 8
+B = 2
 
 PROBE = r'''
 import ctypes, json, sys
@@ -71,12 +69,7 @@ def probe(*args) -> dict:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("process")
-    save_array(fuse_models(export_all(make_modules("mlp", B, seed0=5), (N, 3, 4, 4), d / "jobs")), d / "array")
-    rng = np.random.default_rng(0)
-    np.savez(d / "data.npz", input=rng.standard_normal((32, 3, 4, 4)).astype(np.float32),
-             labels=rng.integers(0, 10, 32))
-    return d
+    return mlp_array(tmp_path_factory.mktemp("process"), B, seed0=5, n=32)
 
 
 def test_the_python_api_leaves_the_process_as_it_found_it_and_tune_process_tunes_it(work):

@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import types
 from dataclasses import dataclass
@@ -75,13 +76,18 @@ def cache_dir() -> str:
     return root
 
 
-def _use_cache() -> None:
-    """Inductor's cache in ours, unless the user named one (torch sets the variable to its default, a folder under
-    /tmp, the first time it looks: that one is replaced)."""
+def use_cache() -> None:
+    """Inductor's cache in ours, one folder per instruction set torch dispatches to, unless the user named one
+    (torch sets the variable to its default, a folder under /tmp, the first time it looks: that one is replaced).
+    Inductor's cache does not tell them apart: a step compiled natively on an AVX-512 CPU, then loaded from the
+    cache by a process held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``), crashed it with a segmentation fault."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    from onnxfuse.runtime._machine import cpu_isa
+
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor")
+        isa = re.sub(r"[^a-z0-9]+", "-", cpu_isa().lower()).strip("-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor", isa)
 
 
 # ---- compile and step times measured before, for auto
@@ -451,7 +457,7 @@ class TrainStep:
             _record_time(self._record, eager_step_s=eager, machine=machine_description(self.array.device))
 
     def _compile(self, params, batch, shapes) -> None:
-        _use_cache()
+        use_cache()
         self._shapes = shapes
         known = read_times().get(self._record, {}) if self._record else {}
         self.form = known.get("form", "whole") if known.get("form") in self.FORMS else "whole"

@@ -295,3 +295,20 @@ def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compil
     with caplog.at_level(logging.INFO, logger="onnxfuse"):
         train_array(arr_2, data, TrainConfig(compile="on", verify_steps=0, **cfg), progress=False)
     assert not [r for r in caplog.records if "compiled step forms" in r.getMessage()]
+
+
+def test_compiled_code_is_cached_apart_for_each_instruction_set(tmp_path):
+    """A step compiled natively on an AVX-512 CPU and loaded from inductor's cache by a process held to AVX2
+    (ATEN_CPU_CAPABILITY=avx2) crashed it with a segmentation fault: onnxfuse's inductor cache has one folder per
+    instruction set torch dispatches to (as torch itself reports it)."""
+    code = ("import os, torch; from onnxfuse.runtime.torch.train_step import use_cache; use_cache(); "
+            "print(torch.backends.cpu.get_cpu_capability(), os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    folders = {}
+    for isa in ("avx2", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+        env |= {"ATEN_CPU_CAPABILITY": isa, "ONNXFUSE_CACHE_DIR": str(tmp_path)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        capability, folder = out.stdout.split()
+        assert capability == isa.upper() and folder.startswith(str(tmp_path / "inductor")), out.stdout
+        folders[isa] = folder
+    assert folders["avx2"] != folders["default"]
