@@ -172,14 +172,10 @@ SHAPE = (8, 3, 4, 4)  # conftest's MLP: 48 inputs
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
     """3 MLPs exported (jobs/), fused (array/), and a data file."""
-    from tests.conftest import export_all, make_modules
-    from onnxfuse import fuse_models, save_array
+    from tests.conftest import mlp_array
 
     d = tmp_path_factory.mktemp("messages")
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=40), SHAPE, d / "jobs")), d / "array")
-    rng = np.random.default_rng(0)
-    np.savez(d / "data.npz", input=rng.standard_normal((32,) + SHAPE[1:]).astype(np.float32),
-             labels=rng.integers(0, 10, 32))
+    mlp_array(d, 3, seed0=40, n=32)
     return d
 
 

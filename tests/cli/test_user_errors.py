@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.conftest import cli, export_all, fresh_copy, make_modules, one_error_line, snapshot
-from onnxfuse import fuse_models, save_array
+from tests.conftest import cli, fresh_copy, mlp_array, one_error_line, snapshot
 from onnxfuse.cli.main import main
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -21,10 +20,7 @@ SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 def template(tmp_path_factory):
     """3 MLPs fused, a data file, and a finished 10-step SGD-momentum run with checkpoints at 5 and 10."""
     d = tmp_path_factory.mktemp("user_errors")
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=30), SHAPE, d / "jobs")), d / "array")
-    rng = np.random.default_rng(0)
-    np.savez(d / "data.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
-             labels=rng.integers(0, 10, 96))
+    mlp_array(d, 3, seed0=30, n=96)
     assert main(["train", str(d / "array"), "--data", str(d / "data.npz"), "--batch-size", "16", "--steps", "10",
                  "--momentum", "0.9", "--lr", "0.05", "--checkpoint-every", "5", "-q"]) == 0
     return d

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from tests.conftest import (EXE, cli, export_all, fresh_copy, have_userns, in_tmpfs, make_modules, one_error_line,
-                      snapshot)
+from tests.conftest import (EXE, cli, fresh_copy, have_userns, in_tmpfs, make_modules, mlp_array,
+                            one_error_line, snapshot)
 from onnxfuse import fuse_models, save_array
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -85,10 +85,7 @@ def weights(arr) -> dict:
 def template(tmp_path_factory):
     """3 MLPs exported and fused, a data file; copied fresh for each test."""
     d = tmp_path_factory.mktemp("reliability")
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=30), SHAPE, d / "jobs")), d / "array")
-    rng = np.random.default_rng(0)
-    np.savez(d / "data.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
-             labels=rng.integers(0, 10, 96))
+    mlp_array(d, 3, seed0=30, n=96)
     return d
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.conftest import EXE, cli, export_all, make_modules, one_error_line, snapshot
+from tests.conftest import EXE, cli, mlp_array, one_error_line, snapshot
 from onnxfuse import fuse_models, save_array
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -85,10 +85,7 @@ def template(tmp_path_factory):
     from onnxfuse.cli.main import main
 
     d = tmp_path_factory.mktemp("run_state")
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=30), SHAPE, d / "jobs")), d / "array")
-    rng = np.random.default_rng(0)
-    np.savez(d / "data.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
-             labels=rng.integers(0, 10, 96))
+    mlp_array(d, 3, seed0=30, n=96)
     (d / "factory.py").write_text(FACTORY)
     assert main(["train", str(d / "array"), "--data", str(d / "data.npz"), *map(str, RUN_A), "-q"]) == 0
     return d
@@ -298,7 +295,7 @@ def test_a_run_killed_while_its_data_loads_is_the_one_resume_continues(work, cap
     """Run A finished (checkpoints 10 and 20); run B, other settings, is killed in its first seconds, while its
     data loads. A run that then fails before its first step changes nothing; `train --resume` continues B from its
     start, not A (before: "resumed from ... step_00000020" and A's table, exit 0)."""
-    arr, data = work / "array", work / "data.npz"
+    arr = work / "array"
     run_a = read_json(arr / "run.json")["id"]
     env = {**os.environ, "IN_FACTORY": str(work / "in_factory"), "GO": str(work / "go")}
     monkeypatch.setenv("GO", str(work / "go"))
