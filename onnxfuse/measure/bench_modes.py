@@ -312,32 +312,22 @@ def step_memory(steppers: dict) -> dict:
     through ``/proc/self/clear_refs`` before each step, and meanwhile glibc returns every freed block over 64 KiB
     to the system (the kept heap of a training process would hold them and hide a step's growth); the kept heap
     is made again after."""
-    import ctypes
     import gc
 
-    from onnxfuse.runtime.process import keep_heap
+    from onnxfuse.runtime.process import heap_returned
 
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt, trim = libc.mallopt, libc.malloc_trim
-        open("/proc/self/clear_refs", "w").close()
-    except (OSError, AttributeError, TypeError):
-        return {}
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     out = {}
-    mallopt(M_MMAP_THRESHOLD, 64 << 10)
-    mallopt(M_TRIM_THRESHOLD, 64 << 10)
-    try:
+    with heap_returned() as trim:
+        if trim is None or not os.access("/proc/self/clear_refs", os.W_OK):
+            return out
         for key, step in steppers.items():
             gc.collect()
-            trim(0)
+            trim()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             before = _status_mib("VmRSS")
             step()
             out[key] = max(_status_mib("VmHWM") - before, 0.0)
-    finally:
-        keep_heap.__wrapped__()
     return out
 
 

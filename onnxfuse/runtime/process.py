@@ -17,10 +17,11 @@ What :func:`tune_process` sets, and why each is process-wide:
 - glibc's heap kept at its peak (:func:`keep_heap`)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
-__all__ = ["tune_process", "keep_heap"]
+__all__ = ["tune_process", "keep_heap", "heap_returned"]
 
 
 def tune_process(threads: int | None = None, device: object = "cpu") -> None:
@@ -37,6 +38,27 @@ def tune_process(threads: int | None = None, device: object = "cpu") -> None:
         keep_heap()
 
 
+def _libc(name: str):
+    """glibc's function ``name``, or None where there is none (not glibc)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def _heap_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
+    """Set glibc's ``malloc`` thresholds: blocks over ``mmap_bytes`` are mapped apart (and returned when freed),
+    and free memory over ``trim_bytes`` at the heap's top is returned to the system. Returns whether they were set."""
+    mallopt = _libc("mallopt")
+    if mallopt is None:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(M_TRIM_THRESHOLD, trim_bytes))
+
+
+KEPT_MMAP, KEPT_TRIM = 32 << 20, 1 << 30  # keep_heap's thresholds
+
+
 @functools.cache
 def keep_heap() -> bool:
     """Keep the memory a step frees for the next step (glibc's ``malloc``; elsewhere nothing changes). A step
@@ -47,10 +69,19 @@ def keep_heap() -> bool:
     11.8 % behind the compiled torch.func ensemble became even with it. Fixed thresholds (blocks up to 32 MiB
     from the heap, none returned below 1 GiB free) keep a training process at its peak memory instead, as
     jemalloc or tcmalloc would. A process-wide setting, made once; returns whether it was made."""
+    return _heap_thresholds(KEPT_MMAP, KEPT_TRIM)
+
+
+@contextlib.contextmanager
+def heap_returned():
+    """Meanwhile glibc returns every freed block over 64 KiB to the system, so that the resident memory follows
+    what is allocated (a benchmark reads a step's memory so); yields a function that returns what the heap holds
+    free now, or None where this is not glibc (nothing changes then). The kept heap's thresholds after."""
+    trim = _libc("malloc_trim")
+    if trim is None or not _heap_thresholds(64 << 10, 64 << 10):
+        yield None
+        return
     try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # no mallopt here (not glibc)
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+        yield lambda: trim(0)
+    finally:
+        _heap_thresholds(KEPT_MMAP, KEPT_TRIM)
