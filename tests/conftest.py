@@ -142,6 +142,21 @@ def mlp_array(folder, B: int, seed0: int = 0, n: int = 64):
     return folder
 
 
+def fuzz_case(seed: int, tmp_path):
+    """The fuzzer's model of ``seed`` at B = 2, exported: ``(case, paths, per-model inputs)``; a skip where torch
+    cannot export it."""
+    from fuzz.grammar import generate, render
+    from fuzz.harness import _Case, _Invalid, _export
+
+    spec = generate(seed)
+    case = _Case(render(spec), seed, spec.per_model_inputs, 2)
+    try:
+        paths = _export(case, str(tmp_path))
+    except _Invalid as e:
+        pytest.skip(f"torch cannot export seed {seed}: {e}")
+    return case, paths, ("input",) if spec.per_model_inputs else ()
+
+
 def holder_pid(folder) -> int | None:
     """The pid in ``folder``'s lock file (the process that holds it), None when nobody does."""
     import json

@@ -15,7 +15,7 @@ import pytest
 import torch
 from onnx import helper as h
 
-from tests.conftest import graph_model, rand_init, rel_err, vinfo
+from tests.conftest import fuzz_case, graph_model, rand_init, rel_err, vinfo
 from onnxfuse import ArrayDir, InputFileError, fuse_models, save_array
 from onnxfuse.core.standard import own_ops
 from onnxfuse.core.rules import RULES
@@ -183,15 +183,7 @@ FUZZ_FAST = (0, 2, 15, 30)  # recurrent layers among convolutions, routing, norm
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=[] if s in FUZZ_FAST else [pytest.mark.slow])
                                   for s in sorted(set(range(40)) | set(FUZZ_FAST))])
 def test_a_fuzz_grammar_array_opens_in_onnx_runtime(seed, tmp_path):
-    from fuzz.grammar import generate, render
-    from fuzz.harness import _Case, _Invalid, _export
-
-    spec = generate(seed)
-    case = _Case(render(spec), seed, spec.per_model_inputs, 2)
-    try:
-        paths = _export(case, str(tmp_path))
-    except _Invalid as e:
-        pytest.skip(f"torch cannot export seed {seed}: {e}")
-    fa = _fuse(paths, per_model_inputs=("input",) if spec.per_model_inputs else ())
+    case, paths, per_model = fuzz_case(seed, tmp_path)
+    fa = _fuse(paths, per_model_inputs=per_model)
     save_array(fa, tmp_path / "array")
     check_folder(tmp_path / "array", fa.model, {"input": case.inputs().numpy()})

@@ -22,7 +22,7 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from tests.conftest import rel_err, run_onnx
+from tests.conftest import fuzz_case, rel_err, run_onnx
 from onnxfuse import fuse_models
 from onnxfuse.core.standard import standard_onnx
 from onnxfuse.exporters import export_module
@@ -719,21 +719,8 @@ def test_zoo(name, tmp_path):
     _check_original_gradients(paths[0], mods[0], _zoo_input(name, 6, 3))
 
 
-def _fuzz_case(seed, tmp_path):
-    from fuzz.grammar import generate, render
-    from fuzz.harness import _Case, _Invalid, _export
-
-    spec = generate(seed)
-    case = _Case(render(spec), seed, spec.per_model_inputs, 2)
-    try:
-        paths = _export(case, str(tmp_path))
-    except _Invalid as e:
-        pytest.skip(f"torch cannot export seed {seed}: {e}")
-    return case, paths, ("input",) if spec.per_model_inputs else ()
-
-
 def _check_fuzz(seed, tmp_path):
-    case, paths, per_model = _fuzz_case(seed, tmp_path)
+    case, paths, per_model = fuzz_case(seed, tmp_path)
     _check_fused_forward(paths, case.inputs(), per_model)
     x = case.inputs()
     _check_original_gradients(paths[0], case.mods[0], case.model_input(x, 0))
