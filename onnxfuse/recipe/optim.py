@@ -19,7 +19,7 @@ SGD   g = g + wd*p;  buf = mom_c*buf + damp_c*g (step 1: mom_c=0, damp_c=1, i.e.
 Adam  g = g + wd*p (Adam) or p = p*(1 - lr*wd) (AdamW);  m = m + (1-b1)*(g - m);  v = b2*v + (1-b2)*g*g
       vmax = max(vmax, v) (amsgrad);  p = p - (lr/bc1) * m / (sqrt(v or vmax)/sqrt(bc2) + eps),  bc_i = 1 - b_i^t
 
-What every optimizer shares is :meth:`OptimizerConfig.append_update`'s, around the registered maths:
+What every optimizer shares is :meth:`UpdateRule.append_update`'s, around the registered maths:
 
 clip  g = g * min(max_norm / (||g|| + 1e-6), 1)                 (clip_grad_norm_, each model's own norm)
 
@@ -42,7 +42,7 @@ from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, OptimizerSpec, Param, hyper_params, pair, real,
                                       register_optimizer)
 
-__all__ = ["Optimizer", "OptimizerConfig", "make_optimizer", "optimizer_config", "per_model", "OPTIMIZERS",
+__all__ = ["Optimizer", "UpdateRule", "OptimizerConfig", "make_optimizer", "per_model", "OPTIMIZERS",
            "HYPER_INPUT", "STATE_PREFIX", "StepValues", "register_optimizer", "append_clip", "flat_models",
            "unflat_models", "add_param_group"]
 
@@ -242,17 +242,23 @@ register_optimizer(AdamW("adamw", (LR, WEIGHT_DECAY.with_default(1e-2), BETAS, E
 OPTIMIZERS = tuple(_REGISTRY)  # the built-in names (the registry, settings.OPTIMIZERS, is what grows)
 
 
-@dataclass
-class OptimizerConfig:
-    """One registered optimizer for the array: ``hyper`` holds each of its hyper-parameters as a tuple with one
-    value per model (:func:`per_model`); the maths is the registration's (``spec``)."""
+class UpdateRule:
+    """The array's update, as the update graph and a trainer read it: which registered optimizer (``kind``), each
+    of its hyper-parameters as a tuple with one value per model (``hyper``, :func:`per_model`'s form), each model's
+    gradient-clipping coefficient (``max_norm``: its clip_grad_norm, inf for a model not clipped, since
+    min(inf / (norm + 1e-6), 1) = 1 leaves the gradient as it is), and whether a schedule moves the optimizer's
+    cycled value (``momentum_varies``, one-cycle: its state is then kept for every model). The maths is the
+    registration's (``spec``).
+
+    Two things are update rules: a run's settings (``recipe.train_config.RunSettings``, read by the trainer as they
+    are) and :class:`OptimizerConfig`, the one the Python API makes (:func:`make_optimizer`) or an array keeps
+    after it shrinks (:meth:`select`)."""
 
     kind: str
-    hyper: dict[str, tuple]
-    # each model's gradient-clipping coefficient: its clip_grad_norm, inf for a model not clipped (the settings'
-    # None: min(inf / (norm + 1e-6), 1) = 1 leaves the gradient as it is)
-    max_norm: list[float] = field(default_factory=list)
-    momentum_varies: bool = False  # a schedule moves the optimizer's cycled value (one-cycle): keep its state
+    hyper: Mapping[str, tuple]
+    max_norm: Sequence[float]
+    momentum_varies: bool
+    B: int
 
     @property
     def spec(self) -> Optimizer:
@@ -261,14 +267,6 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer '{self.kind}' is not registered with its maths; register an "
                               "onnxfuse.recipe.optim.Optimizer subclass")
         return spec
-
-    @property
-    def B(self) -> int:
-        return len(self.hyper["lr"])
-
-    @property
-    def lr(self) -> list[float]:
-        return self.hyper["lr"]
 
     @property
     def clips(self) -> bool:
@@ -285,6 +283,11 @@ class OptimizerConfig:
             return [None] * self.B
         name, index = (what, None) if isinstance(what, str) else what
         return [v if index is None else v[index] for v in self.hyper[name]]
+
+    def constant_values(self, active: Sequence[bool] | None = None) -> StepValues:
+        """The step values of no schedule: each model's configured lr and cycled value; ``active`` (default: every
+        model)."""
+        return StepValues(list(self.hyper["lr"]), self.cycled(), [True] * self.B if active is None else list(active))
 
     def model_values(self, b: int, values: StepValues) -> dict[str, Any]:
         """Model b's hyper-parameters by name, with this step's lr and cycled value."""
@@ -303,8 +306,8 @@ class OptimizerConfig:
     def select(self, keep: Sequence[int]) -> "OptimizerConfig":
         """The configuration of the models ``keep`` (by position), e.g. after an array shrinks."""
         pick = lambda v: [v[i] for i in keep] if v else v  # noqa: E731
-        return OptimizerConfig(self.kind, {k: tuple(pick(v)) for k, v in self.hyper.items()}, pick(self.max_norm),
-                               self.momentum_varies)
+        return OptimizerConfig(self.kind, {k: tuple(pick(v)) for k, v in self.hyper.items()},
+                               pick(list(self.max_norm)), self.momentum_varies)
 
     # ---- graph side
     def state_names(self) -> list[str]:
@@ -319,8 +322,7 @@ class OptimizerConfig:
         Python-side scalars and rounded once. ``values`` gives this step's lr/momentum/active (default: the
         configured constants, every model active)."""
         B, spec = self.B, self.spec
-        if values is None:
-            values = StepValues(list(self.lr), self.cycled(), [True] * B)
+        values = self.constant_values() if values is None else values
         rows = np.zeros((len(self.rows()), B), dtype=np.float64)
         for b in range(B):
             max_norm = self.max_norm[b] if self.max_norm else np.inf
@@ -376,6 +378,25 @@ class OptimizerConfig:
         return writes, ok
 
 
+@dataclass
+class OptimizerConfig(UpdateRule):
+    """An update rule given as values (:class:`UpdateRule`): the Python API's (:func:`make_optimizer`), a shrunk
+    array's (:meth:`UpdateRule.select`), a fused optimizer's own (``FusedOptimizer.config``)."""
+
+    kind: str
+    hyper: dict[str, tuple]
+    max_norm: list[float] = field(default_factory=list)
+    momentum_varies: bool = False
+
+    @property
+    def B(self) -> int:
+        return len(self.hyper["lr"])
+
+    @property
+    def lr(self) -> list[float]:
+        return self.hyper["lr"]
+
+
 def flat_models(gb: GraphBuilder, names: Sequence[str], B: int) -> str:
     """The model-major tensors ``names`` as one ``[B, P]`` matrix: each viewed as ``[B, -1]``, concatenated."""
     view = gb.const([B, -1], np.int64, "model_view")
@@ -407,15 +428,6 @@ def per_model(values: Sequence) -> tuple:
     return tuple(tuple(x) if isinstance(x, list) else x for x in values)
 
 
-def optimizer_config(kind: str, hyper: Mapping[str, tuple], clip: Sequence[float | None],
-                     momentum_varies: bool = False) -> OptimizerConfig:
-    """The optimizer of an array from validated per-model values (a run's settings, whose tuples it keeps):
-    ``hyper`` each hyper-parameter of ``kind`` as :func:`per_model` gives it, ``clip`` each model's clip_grad_norm
-    (None: not clipped), ``momentum_varies``: a schedule moves the cycled value. Nothing is checked again here."""
-    return OptimizerConfig(kind, dict(hyper), max_norm=[math.inf if c is None else float(c) for c in clip],
-                           momentum_varies=momentum_varies)
-
-
 def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_optimizer", **hyper) -> OptimizerConfig:
     """The optimizer ``kind`` for B models (the Python API's): each hyper-parameter a scalar for all models or one
     per model (None or absent: torch.optim's default, see the registrations above), checked as a config file's
@@ -433,7 +445,8 @@ def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_opti
     raw = {"steps": 1, "optimizer": {"name": kind, **given}, "clip_grad_norm": max_norm}
     cfg = expand_per_model(normalize_config(raw, source="", named=named, with_data=False), B, Origins("", named))
     opt = cfg["optimizer"]
-    return optimizer_config(kind, {k: per_model(v) for k, v in opt.items() if k != "name"}, cfg["clip_grad_norm"])
+    return OptimizerConfig(kind, {k: per_model(v) for k, v in opt.items() if k != "name"},
+                           [math.inf if c is None else float(c) for c in cfg["clip_grad_norm"]])
 
 
 def add_param_group(optimizer, group: dict) -> None:

@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 
 from onnxfuse.core.errors import ConfigError
 
-from onnxfuse.recipe.optim import OptimizerConfig, StepValues
+from onnxfuse.recipe.optim import StepValues, UpdateRule
 from onnxfuse.recipe.settings import (BOOL, REQUIRED, RUN_SETTINGS, SCHEDULES, Param, check_schedule_entry, choice,
                                       integer, real, register_schedule, step_list)
 
@@ -150,7 +150,7 @@ def _stand_in_optimizer() -> type:
 
 def moves_momentum(specs: Sequence[Mapping]) -> bool:
     """Whether a schedule of ``specs`` (one per model) moves the optimizer's cycled hyper-parameter (one-cycle's
-    momentum): the update then keeps its state for every model (``OptimizerConfig.momentum_varies``)."""
+    momentum): the update then keeps its state for every model (``UpdateRule.momentum_varies``)."""
     return any(s["name"] == "onecycle" and s.get("cycle_momentum", True) for s in specs)
 
 
@@ -165,7 +165,7 @@ class PerModelSchedules:
     and writes: the model's lr and its cycled hyper-parameter under its torch name (``momentum``, or ``betas`` for
     one element of a pair), which is how torch's one-cycle finds what to move."""
 
-    def __init__(self, specs: Sequence[dict], opt: OptimizerConfig, steps: int):
+    def __init__(self, specs: Sequence[dict], opt: UpdateRule, steps: int):
         import torch
 
         self.specs, self.cycles, self.taken = list(specs), opt.spec.cycles, 0
@@ -173,12 +173,12 @@ class PerModelSchedules:
         self.optimizers, self.schedulers = [], []
         name = self.cycles if isinstance(self.cycles, str) or self.cycles is None else self.cycles[0]
         for b, s in enumerate(self.specs):
-            defaults = {"lr": opt.lr[b]}
+            defaults = {"lr": opt.hyper["lr"][b]}
             if name is not None:
                 value = opt.hyper[name][b]
                 defaults[name] = tuple(value) if isinstance(value, (list, tuple)) else value
             o = _stand_in_optimizer()([torch.zeros(1, requires_grad=True)], defaults)
-            spec = _full(s, opt.lr[b])  # checked already (a run's plan, check_schedules)
+            spec = _full(s, opt.hyper["lr"][b])  # checked already (a run's plan, check_schedules)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no real steps here

@@ -20,6 +20,7 @@ attributes, ``config.rho``).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -32,7 +33,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.config import check_held_out, expand_per_model, normalize_config, read_config_file
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec, get_loss
-from onnxfuse.recipe.optim import OptimizerConfig, optimizer_config, per_model
+from onnxfuse.recipe.optim import UpdateRule, per_model
 from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.runtimes import LossScale
 from onnxfuse.recipe.schedules import moves_momentum
@@ -243,12 +244,14 @@ def _named(settings: Mapping[str, Any], label) -> dict[str, str]:
 
 
 @_declared(defaults=False)
-class RunSettings:
+class RunSettings(UpdateRule):
     """A run of an array of B models, its settings validated and made for it (:meth:`TrainConfig.for_array`): a
     field per declared run setting, each per-model one a tuple of B (``clip_grad_norm``: None for a model not
     clipped; ``loss_scale``: each model's initial fp16 scale), ``halving`` a tuple, ``device`` a ``Device``,
     ``runtime`` the one chosen, ``keep_best`` the metric best states are kept by (None: none), ``batch_size`` the
-    one the steps train with. What a run (``training/``) reads; nothing here is checked again."""
+    one the steps train with. What a run (``training/``) reads, and the update rule its trainer builds the update
+    graph from (``optim.UpdateRule``: the optimizer, each model's hyper-parameters and clipping); nothing here is
+    checked again."""
 
     B: int
     loss_options: Mapping[str, Any]
@@ -288,10 +291,18 @@ class RunSettings:
         plain = {k: [_plain(list(x) if isinstance(x, tuple) else x) for x in v] for k, v in columns.items()}
         return {k: v for k, v in plain.items() if any(x != v[0] for x in v)}
 
-    def optimizer_config(self) -> OptimizerConfig:
-        """The array's optimizer: each model's hyper-parameters and clipping; its state kept for every model when a
-        schedule moves the cycled value (one-cycle's momentum)."""
-        return optimizer_config(self.optimizer, self.hyper, self.clip_grad_norm, moves_momentum(self.schedules))
+    # ---- the update rule (optim.UpdateRule): what the update graph reads, the run's own values
+    @property
+    def kind(self) -> str:
+        return self.optimizer
+
+    @property
+    def max_norm(self) -> list[float]:
+        return [math.inf if c is None else float(c) for c in self.clip_grad_norm]
+
+    @property
+    def momentum_varies(self) -> bool:
+        return moves_momentum(self.schedules)
 
     def loss_scale_config(self) -> LossScale | None:
         """fp16's per-model loss scaling (None in another precision)."""

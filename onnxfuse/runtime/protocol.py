@@ -9,7 +9,7 @@ and keeps the same state under the same names whichever it is, so a checkpoint w
     load(tensors)       set any of the above by name
 
 ``step(feeds, values)`` trains all B models on one batch with this step's per-model coefficients
-(:meth:`OptimizerConfig.coefficients`) and returns the per-model losses; ``last_ok`` then says which models' steps
+(:meth:`UpdateRule.coefficients`) and returns the per-model losses; ``last_ok`` then says which models' steps
 were applied (fault isolation: a model whose loss, gradient, new parameters or new buffers are not finite keeps
 its whole state, and is frozen from then on: a rejected model is not stepped again until ``steps`` is set, e.g.
 by a resume). ``launch(feeds, values)`` is the same step without reading anything back to the host (the run
@@ -30,7 +30,7 @@ from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, LossSpec
-from onnxfuse.recipe.optim import OptimizerConfig, StepValues
+from onnxfuse.recipe.optim import StepValues, UpdateRule
 
 __all__ = ["Runtime", "Observed", "evaluate", "parameter_names", "check_feeds"]
 
@@ -49,7 +49,7 @@ class Observed:
 
 class Runtime(Protocol):
     spec: ArraySpec
-    opt: OptimizerConfig
+    opt: UpdateRule
     loss: LossSpec
     device: Device
     steps: int

@@ -17,7 +17,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec
-from onnxfuse.recipe.optim import OptimizerConfig
+from onnxfuse.recipe.optim import UpdateRule
 from onnxfuse.recipe.runtimes import (RUNTIME_CHOICES, RUNTIMES, LossScale, check_compile, check_precision,
                                       check_runtime_takes)
 from onnxfuse.runtime.ort.trainer import OrtTrainer
@@ -58,7 +58,7 @@ def resolve_runtime(runtime: str, device: Device | str, precision: str = "fp32",
 
 
 def build_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
-                  optimizer: OptimizerConfig, device: Device, workdir: str | None = None,
+                  optimizer: UpdateRule, device: Device, workdir: str | None = None,
                   threads: int | None = None, compile: str = "off", total_steps: int = 0, precision: str = "fp32",
                   loss_scale: LossScale | None = None, seed: int = 0) -> Runtime:
     """A trainer of ``fused`` on the registered runtime ``runtime``, from arguments checked where they were given
@@ -79,7 +79,7 @@ def build_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: s
 
 
 def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
-                 optimizer: OptimizerConfig, device: Device | str = "cpu", workdir: str | None = None,
+                 optimizer: UpdateRule, device: Device | str = "cpu", workdir: str | None = None,
                  threads: int | None = None, compile: str = "off", total_steps: int = 0, precision: str = "fp32",
                  loss_scale: LossScale | None = None, seed: int = 0) -> Runtime:
     """A trainer of ``fused`` on ``runtime`` (a name or ``auto``), the Python API's: its arguments are checked

@@ -226,7 +226,7 @@ def restore(run: RunState, path: str, st: dict, source: BatchSource) -> float:
         states = split_weights(ArrayDir.state_spec(path), weights, steps=st["trainer_steps"])
         run.fused, run.spec = run.array.refuse(models, states, fuse_models)
         positions = [run.models.index(b) for b in models]
-        run.opt = run.opt0.select(positions)
+        run.opt = run.settings.select(positions)
         run.schedules = run.schedules.select(positions)
         run.loss_scale = run.loss_scale.select(positions) if run.loss_scale else None
         run.models = models

@@ -44,7 +44,7 @@ from onnxfuse.core.weights import ArraySpec, FusedWeight
 
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LABELS, get_loss
-from onnxfuse.recipe.optim import OptimizerConfig
+from onnxfuse.recipe.optim import UpdateRule
 from onnxfuse.runtime.ort.trainer import OrtTrainer, check_device
 
 __all__ = ["FusedGAN", "GANStep", "generator_step_graph"]
@@ -168,7 +168,7 @@ class FusedGAN:
     ``d_optimizer`` give each model its own hyper-parameters, e.g.
     ``make_optimizer("adamw", B, lr=[2e-4, 1e-3], betas=(0.5, 0.999), weight_decay=0)`` (Adam)."""
 
-    def __init__(self, generator, discriminator, g_optimizer: OptimizerConfig, d_optimizer: OptimizerConfig,
+    def __init__(self, generator, discriminator, g_optimizer: UpdateRule, d_optimizer: UpdateRule,
                  device: Device | str = "cpu", workdir: str | None = None, threads: int | None = None):
         import onnxruntime
 

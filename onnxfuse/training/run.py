@@ -57,6 +57,7 @@ from onnxfuse.recipe.batches import BatchSource
 from onnxfuse.recipe.datasets import is_data_factory
 from onnxfuse.recipe.losses import LossSpec, PythonLoss
 from onnxfuse.recipe.optim import StepValues
+from onnxfuse.recipe.schedules import PerModelSchedules
 from onnxfuse.runtime.process import tune_process as tune
 from onnxfuse.runtime.protocol import Runtime
 from onnxfuse.runtime.trainers import build_trainer
@@ -69,7 +70,7 @@ from onnxfuse.training.checkpoints import (CheckpointModels, ResumePoint, check_
 from onnxfuse.training.halving import halving_rung
 from onnxfuse.training.metrics import METRICS_HEADER, Metrics, evaluate, fmt
 from onnxfuse.training.prepare import Prepared, prepare
-from onnxfuse.training.run_state import RunState, mark_diverged, optimizer_and_schedules
+from onnxfuse.training.run_state import RunState, mark_diverged
 from onnxfuse.training.verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
 
 __all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "METRICS_HEADER",
@@ -109,7 +110,7 @@ def _first_steps(source: BatchSource, config: RunSettings, B: int, total: int, K
     """The batches and per-model step values of a fresh run's first K steps, without moving ``source``: the
     steps then train on these same batches (a DataLoader's are drawn once, and kept)."""
     batches = source.peek(K)
-    _, schedules = optimizer_and_schedules(config, B, total)
+    schedules = PerModelSchedules(config.schedules, config, total)
     values = []
     for _ in range(K):
         values.append(schedules.values([True] * B))
@@ -130,9 +131,8 @@ def _verify(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, trainer: Ru
     watch = Stopwatch()
     dropout_off = has_random_dropout(fused)
     if trainer is None or dropout_off or config.precision != "fp32":
-        opt, _ = optimizer_and_schedules(config, spec.B, total)
         trainer = build_trainer(config.runtime, without_dropout(fused) if dropout_off else fused, spec,
-                                loss, opt, config.device, threads=config.threads or None,
+                                loss, config, config.device, threads=config.threads or None,
                                 compile=config.compile if trainer is None else "off", total_steps=K)
     model, one_spec = ArrayDir(array_dir).refuse([0], split_weights(spec, trainer.weights())[:1], fuse_models)
     batches, values = _first_steps(source, config, spec.B, total, K)

@@ -15,7 +15,7 @@ from onnxfuse.core.split import model_steps, split_weights
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.losses import LossSpec
-from onnxfuse.recipe.optim import OptimizerConfig
+from onnxfuse.recipe.optim import UpdateRule
 from onnxfuse.recipe.schedules import PerModelSchedules
 from onnxfuse.recipe.train_config import RunSettings
 from onnxfuse.runtime.protocol import Observed, Runtime
@@ -39,9 +39,11 @@ class RunState:
         self.status: dict[int, dict] = {}  # original model -> {"status": ..., "step": ...}
         self.active = [True] * spec.B
         self.dropped: dict[int, dict[str, np.ndarray]] = {}  # original model -> its state_dict when dropped
-        self.opt0, self.schedules = optimizer_and_schedules(settings, spec.B, total_steps)
+        # the update rule of the current array: the run's settings (a RunSettings is one), a selection of them
+        # after the array shrinks; and each model's schedule at step 0
+        self.opt: UpdateRule = settings
+        self.schedules = PerModelSchedules(settings.schedules, settings, total_steps)
         self.loss_scale = settings.loss_scale_config()  # fp16: the current array's models' initial scales
-        self.opt = self.opt0
         self.fused, self.spec = fused, spec
         self.trainer = self._trainer()
         self.step = 0
@@ -120,13 +122,6 @@ class RunState:
         self.active = [self.active[i] for i in positions]
         self.models = survivors
         self.last_loss = self.last_loss[positions]
-
-
-def optimizer_and_schedules(settings: RunSettings, B: int, total_steps: int
-                            ) -> tuple[OptimizerConfig, PerModelSchedules]:
-    """The array's optimizer configuration and its per-model schedules at step 0."""
-    opt = settings.optimizer_config()
-    return opt, PerModelSchedules(settings.schedules, opt, total_steps)
 
 
 def model_view(data: Dataset, run: RunState) -> Dataset:

@@ -25,7 +25,7 @@ from onnxfuse.core.errors import VerificationError
 from onnxfuse.core.weights import ArraySpec, pack_weights, unpack_weight
 
 from onnxfuse.recipe.losses import LABELS
-from onnxfuse.recipe.optim import STATE_PREFIX, Optimizer, OptimizerConfig, StepValues
+from onnxfuse.recipe.optim import STATE_PREFIX, Optimizer, OptimizerConfig, StepValues, UpdateRule
 from onnxfuse.runtime.protocol import Runtime
 
 log = logging.getLogger("onnxfuse.train")
@@ -364,18 +364,18 @@ def _load(reference: Runtime, state: _ModelState) -> None:
 
 
 # --------------------------------------------------------------------------------------------- the comparison
-def reference_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
+def reference_optimizer(opt: UpdateRule) -> OptimizerConfig:
     """A one-model configuration whose update graph has every term the array's has (weight decay, momentum
     buffer, Nesterov, amsgrad, clipping), so that one reference serves every model: each model's own values are
     fed as coefficients, and a term a model does not use is an exact no-op for it (``g + 0*p``, ``min(inf, 1)``,
     ``buf = 0*buf + 1*g``...), as it is in the array. An optimizer emits a term when some model's value is
-    non-zero / true (``OptimizerConfig.uses``), so per hyper-parameter the reference takes the first such value."""
+    non-zero / true (``UpdateRule.uses``), so per hyper-parameter the reference takes the first such value."""
     some = lambda v: [next((x for x in v if x), v[0])]  # noqa: E731
     return OptimizerConfig(opt.kind, {k: some(v) for k, v in opt.hyper.items()},
                            max_norm=[min(opt.max_norm)] if opt.max_norm else [], momentum_varies=opt.momentum_varies)
 
 
-def _gradients(opt: OptimizerConfig, rows: dict[str, float], before: _ModelState, after: _ModelState,
+def _gradients(opt: UpdateRule, rows: dict[str, float], before: _ModelState, after: _ModelState,
                params: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Per parameter, the gradient the optimizer received at this step, recovered from the state before and
     after it (see the module docstring), in float64; and per parameter the rounding floor of that recovery."""

@@ -189,9 +189,12 @@ def test_the_run_settings_are_made_once_typed_and_per_model():
     assert config.runtime == "auto" and config.keep_best is None and config.batch_size == 32
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.batch_size = 4
-    opt = run.optimizer_config()
-    assert opt.hyper["lr"] is run.hyper["lr"]  # the run's own values, not another form of them
-    assert opt.max_norm == [1.0, float("inf")]  # the coefficient row's form of "no clipping"
+    # the update graph reads the run's settings themselves: no other form of them on the way
+    from onnxfuse.recipe.optim import UpdateRule
+    assert isinstance(run, UpdateRule) and (run.kind, run.B) == ("adam", 2)
+    assert run.max_norm == [1.0, float("inf")]  # the coefficient row's form of "no clipping"
+    rows = run.coefficients(1)
+    assert rows.shape == (len(run.rows()), 2, 1) and rows[run.rows().index("max_norm"), :, 0].tolist() == [1.0, float("inf")]
 
 
 def test_every_view_of_a_setting_is_made_from_the_one_declaration(tmp_path):

@@ -46,7 +46,7 @@ from onnxfuse.core.weights import ArraySpec
 
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.losses import LossSpec
-from onnxfuse.recipe.optim import HYPER_INPUT, STATE_PREFIX, OptimizerConfig
+from onnxfuse.recipe.optim import HYPER_INPUT, STATE_PREFIX, UpdateRule
 from onnxfuse.runtime.ort.legalize import legalize
 from onnxfuse.runtime.graph_passes import add_loss_pass, inference_loss_pass, weights_as_inputs_pass
 from onnxfuse.runtime.protocol import parameter_names
@@ -140,7 +140,7 @@ def batchnorm_pass(model: onnx.ModelProto) -> list[tuple[str, str]]:
     return writes
 
 
-def optimizer_state_pass(model: onnx.ModelProto, params: list[str], opt: OptimizerConfig) -> list[str]:
+def optimizer_state_pass(model: onnx.ModelProto, params: list[str], opt: UpdateRule) -> list[str]:
     """Zero flat [B, P] state buffers (P = parameters per model, in ``params`` order) as initializers."""
     sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer}
     per_model = sum(sizes[p] for p in params) // opt.B
@@ -379,7 +379,7 @@ def padding_rows_pass(tm: onnx.ModelProto, lookups: Sequence[Lookup]) -> None:
 
 
 def update_pass(tm: onnx.ModelProto, writes: list[tuple[str, str]], trainable: list[str],
-                opt: OptimizerConfig, n_user_inputs: int) -> None:
+                opt: UpdateRule, n_user_inputs: int) -> None:
     g = tm.graph
     # ORT's gradient accumulation (grad buffers += grad) is not needed: updates read the fresh gradients. The
     # buffer inputs stay because the training Module binds them.
@@ -428,7 +428,7 @@ def refuse_fake_quantization(model: onnx.ModelProto) -> None:
             "torch (it trains fake quantization with torch's straight-through estimator)")
 
 
-def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt: OptimizerConfig,
+def build_artifacts(fused: onnx.ModelProto, spec: ArraySpec, loss: LossSpec, opt: UpdateRule,
                     folder: str, device: str = "cpu") -> TrainingArtifacts:
     """Write training_model.onnx, eval_model.onnx and checkpoint to ``folder``. A failure of onnxruntime-training
     is one error naming the node it is about (``ort_failure``; ``device``: where the array is to train)."""

@@ -20,7 +20,7 @@ from onnxfuse.runtime.ort.artifacts import build_artifacts, ort_failure
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import CPU, Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
-from onnxfuse.recipe.optim import OptimizerConfig, StepValues
+from onnxfuse.recipe.optim import StepValues, UpdateRule
 from onnxfuse.runtime.protocol import Observed, check_feeds, evaluate
 
 __all__ = ["OrtTrainer", "check_device"]
@@ -63,7 +63,7 @@ class OrtTrainer:
     ignore_index=..., class_axis=..., per_model_labels=...)``. Feeds are numpy arrays by graph input name plus
     ``labels`` (unless the loss is ``model``); per-model inputs and per-model labels are ``[B, N, ...]``."""
 
-    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
+    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: UpdateRule,
                  device: Device = CPU, workdir: str | None = None, threads: int | None = None):
         import onnxruntime
         from onnxruntime.training.api import CheckpointState, Module
@@ -126,7 +126,7 @@ class OrtTrainer:
         models' steps were applied (False: inactive, or a non-finite loss, gradient or update); a model rejected
         while active is not stepped again until ``steps`` is set (see ``runtimes``)."""
         self._steps += 1  # not the setter: that restarts the freeze
-        values = values if values is not None else StepValues(list(self.opt.lr), self.opt.cycled(), [True] * self.spec.B)
+        values = values if values is not None else self.opt.constant_values()
         active = np.asarray(values.active, dtype=bool) & self._alive
         arrays = self._feeds(feeds) + [self.opt.coefficients(self.steps, replace(values, active=active.tolist()))]
         _, per_model, _, ok = self.module(*self._args(arrays))

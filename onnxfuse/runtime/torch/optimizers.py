@@ -17,7 +17,7 @@ every group its own base lr) or on one model's view ``opt.model(b)`` (one schedu
 groups hold no ``params``: every fused tensor holds all B models (``arr.parameters()``); an optimizer knows them
 from its array.
 
-The maths is the update graph ``OptimizerConfig.append_update`` builds (``onnxfuse/recipe/optim.py``), converted to
+The maths is the update graph ``UpdateRule.append_update`` builds (``onnxfuse/recipe/optim.py``), converted to
 torch by ``torch_graph``: the one implementation of SGD, Adam and AdamW that the run loop, the ONNX Runtime
 runtime and these classes all use, mirroring torch.optim's single-tensor code operation by operation with every
 value per model. Its per-model coefficients are computed on the host from the groups at each step (as torch's
@@ -44,7 +44,7 @@ from onnx import helper
 
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.core.errors import ConfigError
-from onnxfuse.recipe.optim import (HYPER_INPUT, STATE_PREFIX, OptimizerConfig, StepValues, add_param_group,
+from onnxfuse.recipe.optim import (HYPER_INPUT, STATE_PREFIX, OptimizerConfig, StepValues, UpdateRule, add_param_group,
                                    append_clip, flat_models, make_optimizer, per_model, unflat_models)
 from onnxfuse.recipe.settings import OPTIMIZERS as REGISTRY
 
@@ -54,7 +54,7 @@ __all__ = ["FusedOptimizer", "SGD", "Adam", "AdamW", "optimizer_class", "from_co
 _FLOAT = onnx.TensorProto.FLOAT
 
 
-def update_graph(opt: OptimizerConfig, params: Sequence[tuple[str, Sequence[int]]],
+def update_graph(opt: UpdateRule, params: Sequence[tuple[str, Sequence[int]]],
                  buffers: Sequence[tuple[str, Sequence[int]]], opset: int = 17) -> tuple[onnx.ModelProto, list[str]]:
     """The optimizer step of ``append_update`` as a graph of its own.
 
@@ -159,12 +159,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._setup(array, make_optimizer(self.kind, array.B, max_norm=max_norm, caller=type(self).__name__, **hyper))
 
     @classmethod
-    def _from_config(cls, array, config: OptimizerConfig) -> "FusedOptimizer":
+    def _from_config(cls, array, config: UpdateRule) -> "FusedOptimizer":
         opt = cls.__new__(cls)
         opt._setup(array, config)
         return opt
 
-    def _setup(self, array, config: OptimizerConfig) -> None:
+    def _setup(self, array, config: UpdateRule) -> None:
         if config.B != array.B:
             raise ConfigError(f"optimizer configured for {config.B} models but the array has B={array.B}")
         self.array, self.B, self.momentum_varies = array, array.B, config.momentum_varies
@@ -229,7 +229,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         max_norm = [math.inf if g["max_norm"] is None else float(g["max_norm"]) for g in groups]
         return OptimizerConfig(self.kind, hyper, max_norm, self.momentum_varies)
 
-    def set_config(self, config: OptimizerConfig) -> None:
+    def set_config(self, config: UpdateRule) -> None:
         """Every model's hyper-parameters and clipping from ``config`` (B models), into the groups."""
         if config.B != self.B or config.kind != self.kind:
             raise ConfigError(f"set_config: a {config.kind} configuration of {config.B} models for a {self.kind} "
@@ -238,7 +238,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             g.update({name: config.hyper[name][b] for name in self.hyper_names})
             g["max_norm"] = config.max_norm[b] if config.max_norm else math.inf
 
-    def _graph_config(self, config: OptimizerConfig) -> OptimizerConfig:
+    def _graph_config(self, config: UpdateRule) -> OptimizerConfig:
         """The configuration the update graph is built from: ``config``'s terms and every term the optimizer was
         made with (a term a model's values do not use is an exact no-op for it, ``g + 0*p``: the graph stays
         when a value falls to zero, and its state with it)."""
@@ -258,7 +258,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     second if i == index else x for i, x in enumerate(g[name]))
         self.active = list(values.active)
 
-    def _build(self, config: OptimizerConfig, buffers: Sequence[str]) -> None:
+    def _build(self, config: UpdateRule, buffers: Sequence[str]) -> None:
         arr = self.array
         params = [(n, list(arr.parameter(n).shape)) for n in arr.trainable]
         shapes = [(n, list(arr.buffer(n).shape)) for n in buffers]
@@ -302,7 +302,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def prepare(self, buffers: Sequence[str] = ()) -> np.ndarray:
         """The host half of a step: the update graph for the groups' values as they are now (rebuilt only when a
-        term changes) and this step's coefficients, ``[K, B, 1]`` float32 (``OptimizerConfig.coefficients``).
+        term changes) and this step's coefficients, ``[K, B, 1]`` float32 (``UpdateRule.coefficients``).
         ``buffers``: the fused buffers whose new values the step writes (BatchNorm statistics)."""
         return self._coefficients(self._graph_for_groups(buffers), self.state["step"] + 1)
 
@@ -323,9 +323,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.set_step_values(upcoming[0])
         return np.stack(rows)
 
-    def _coefficients(self, config: OptimizerConfig, step: int) -> np.ndarray:
+    def _coefficients(self, config: UpdateRule, step: int) -> np.ndarray:
         """Optimizer step ``step``'s ``[K, B, 1]`` coefficients for ``config`` and the models' activity now."""
-        return config.coefficients(step, StepValues(list(config.lr), config.cycled(), list(self.active)))
+        return config.coefficients(step, config.constant_values(self.active))
 
     def _configure(self, buffers: Sequence[str]) -> tuple[OptimizerConfig, OptimizerConfig, tuple]:
         """The configuration of the groups' values now, the one its update graph is made with, and that graph's
@@ -405,8 +405,8 @@ def optimizer_class(kind: str) -> type[FusedOptimizer]:
     return _CLASSES[kind]
 
 
-def from_config(array, config: OptimizerConfig) -> FusedOptimizer:
-    """The optimizer a run configured (``OptimizerConfig``: per-model values, clipping), on ``array``."""
+def from_config(array, config: UpdateRule) -> FusedOptimizer:
+    """The optimizer a run configured (an ``UpdateRule``: per-model values, clipping; a run's settings are one), on ``array``."""
     return optimizer_class(config.kind)._from_config(array, config)
 
 

@@ -11,7 +11,7 @@ uses and converted to torch (``torch_graph``); none of the training maths is wri
     eval     the fused graph in inference mode (``to_inference``) + the per-model loss
 
 A step is: forward, ``backward`` of the summed loss (each model's gradient is its own: the models share no
-weight), and the optimizer's step (``OptimizerConfig.append_update`` as a graph: clipping, SGD / Adam / AdamW,
+weight), and the optimizer's step (``UpdateRule.append_update`` as a graph: clipping, SGD / Adam / AdamW,
 fault isolation) — a few dozen kernels for all B models together, no host transfer but the batch in and the B
 losses out.
 """
@@ -30,7 +30,7 @@ from onnxfuse.runtime.graph_passes import add_loss_pass, inference_loss_pass
 from onnxfuse.recipe.data import Dataset
 from onnxfuse.recipe.device import CPU, Device
 from onnxfuse.recipe.losses import LABELS, LossSpec, PythonLoss, get_loss
-from onnxfuse.recipe.optim import STATE_PREFIX, OptimizerConfig, StepValues
+from onnxfuse.recipe.optim import STATE_PREFIX, StepValues, UpdateRule
 from onnxfuse.recipe.runtimes import LossScale
 from onnxfuse.runtime.protocol import check_feeds, evaluate, parameter_names
 
@@ -53,7 +53,7 @@ class TorchTrainer:
 
     name = "torch"
 
-    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: OptimizerConfig,
+    def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: UpdateRule,
                  device: Device = CPU, workdir: str | None = None, threads: int | None = None,
                  compile: str = "off", total_steps: int = 0, precision: str = "fp32",
                  loss_scale: LossScale | None = None, seed: int = 0):
@@ -125,12 +125,12 @@ class TorchTrainer:
     unavailable = staticmethod(_device_available)
 
     @property
-    def opt(self) -> OptimizerConfig:
+    def opt(self) -> UpdateRule:
         """The per-model configuration; setting one (verification's model alone) sets the optimizer's groups."""
         return self._opt
 
     @opt.setter
-    def opt(self, config: OptimizerConfig) -> None:
+    def opt(self, config: UpdateRule) -> None:
         self._opt = config
         self.optimizer.set_config(config)
 
@@ -199,8 +199,7 @@ class TorchTrainer:
     def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None, ahead=None) -> None:
         """One training step of every model, with no host read (``observe`` reads its results). ``ahead``: see
         ``TrainStep.__call__``."""
-        values = values if values is not None else StepValues(list(self.opt.lr), self.opt.cycled(),
-                                                               [True] * self.spec.B)
+        values = values if values is not None else self.opt.constant_values()
         self.optimizer.set_step_values(values)
         self.stepper(self._feed(feeds), values, ahead)
 
