@@ -42,7 +42,7 @@ from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.recipe.settings import (BOOL, OPTIMIZERS as _REGISTRY, OptimizerSpec, Param, hyper_params, pair, real,
                                       register_optimizer)
 
-__all__ = ["Optimizer", "UpdateRule", "OptimizerConfig", "make_optimizer", "per_model", "OPTIMIZERS",
+__all__ = ["Optimizer", "UpdateRule", "OptimizerConfig", "make_optimizer", "max_norms", "per_model", "OPTIMIZERS",
            "HYPER_INPUT", "STATE_PREFIX", "StepValues", "register_optimizer", "append_clip", "flat_models",
            "unflat_models", "add_param_group"]
 
@@ -428,6 +428,12 @@ def per_model(values: Sequence) -> tuple:
     return tuple(tuple(x) if isinstance(x, list) else x for x in values)
 
 
+def max_norms(clip: Sequence[float | None]) -> list[float]:
+    """Each model's clipping coefficient from its clip_grad_norm: None (not clipped) is inf, which leaves the
+    gradient as it is (min(inf / (norm + 1e-6), 1) = 1): the coefficient row's one form of "no clipping"."""
+    return [math.inf if c is None else float(c) for c in clip]
+
+
 def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_optimizer", **hyper) -> OptimizerConfig:
     """The optimizer ``kind`` for B models (the Python API's): each hyper-parameter a scalar for all models or one
     per model (None or absent: torch.optim's default, see the registrations above), checked as a config file's
@@ -446,7 +452,7 @@ def make_optimizer(kind: str, B: int, max_norm=None, *, caller: str = "make_opti
     cfg = expand_per_model(normalize_config(raw, source="", named=named, with_data=False), B, Origins("", named))
     opt = cfg["optimizer"]
     return OptimizerConfig(kind, {k: per_model(v) for k, v in opt.items() if k != "name"},
-                           [math.inf if c is None else float(c) for c in cfg["clip_grad_norm"]])
+                           max_norms(cfg["clip_grad_norm"]))
 
 
 def add_param_group(optimizer, group: dict) -> None:

@@ -20,7 +20,6 @@ attributes, ``config.rho``).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -33,7 +32,7 @@ from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.config import check_held_out, expand_per_model, normalize_config, read_config_file
 from onnxfuse.recipe.device import Device
 from onnxfuse.recipe.losses import LossSpec, get_loss
-from onnxfuse.recipe.optim import UpdateRule, per_model
+from onnxfuse.recipe.optim import UpdateRule, max_norms, per_model
 from onnxfuse.recipe.ranking import kept_metric
 from onnxfuse.recipe.runtimes import LossScale
 from onnxfuse.recipe.schedules import moves_momentum
@@ -298,7 +297,7 @@ class RunSettings(UpdateRule):
 
     @property
     def max_norm(self) -> list[float]:
-        return [math.inf if c is None else float(c) for c in self.clip_grad_norm]
+        return max_norms(self.clip_grad_norm)
 
     @property
     def momentum_varies(self) -> bool:

@@ -45,7 +45,7 @@ from onnx import helper
 from onnxfuse.core._builder import GraphBuilder
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.recipe.optim import (HYPER_INPUT, STATE_PREFIX, OptimizerConfig, StepValues, UpdateRule, add_param_group,
-                                   append_clip, flat_models, make_optimizer, per_model, unflat_models)
+                                   append_clip, flat_models, make_optimizer, max_norms, per_model, unflat_models)
 from onnxfuse.recipe.settings import OPTIMIZERS as REGISTRY
 
 __all__ = ["FusedOptimizer", "SGD", "Adam", "AdamW", "optimizer_class", "from_config", "clip_grad_norm_",
@@ -226,7 +226,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         hyper = {name: per_model([g[name] for g in groups]) for name in self.hyper_names}
         hyper["lr"] = tuple(float(g["lr"]) for g in groups)
-        max_norm = [math.inf if g["max_norm"] is None else float(g["max_norm"]) for g in groups]
+        max_norm = max_norms([g["max_norm"] for g in groups])
         return OptimizerConfig(self.kind, hyper, max_norm, self.momentum_varies)
 
     def set_config(self, config: UpdateRule) -> None:
@@ -422,7 +422,7 @@ def clip_grad_norm_(array, max_norm) -> torch.Tensor:
     norm before clipping, [B] on the array's device. The maths is ``append_clip``'s, the update graph's."""
     _check_array(array, "onnxfuse.optim.clip_grad_norm_")
     B, device = array.B, array.device
-    limits = [math.inf if m is None else float(m) for m in _per_model_values("max_norm", max_norm, B)]
+    limits = max_norms(_per_model_values("max_norm", max_norm, B))
     if any(m < 0 or math.isnan(m) for m in limits):
         raise ConfigError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
     params = [array.parameter(n) for n in array.trainable]
