@@ -130,9 +130,17 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
     key), the device text parsed once (Device.parse) and asked once whether torch runs there (Device.available),
     the runtime chosen once with what it is asked to do (precision, compile: ``check_runtime_takes``) and no layer
     below checks a precision or a compile mode again (the Python API's checks are never called); the update
-    graph's coefficients carry the lr as given."""
+    graph's coefficients carry the lr as given, and the trainers are handed the run's settings themselves as
+    their update rule (no other shape of them between the run and the update graph)."""
     from onnxfuse.runtime import trainers
     from onnxfuse.runtime.torch import train_step
+    from onnxfuse.training import run, run_state
+
+    rules = []
+    for module in (run, run_state):
+        build = module.build_trainer
+        monkeypatch.setattr(module, "build_trainer", lambda runtime, fused, spec, loss, optimizer, *a, build=build,
+                            **k: rules.append(optimizer) or build(runtime, fused, spec, loss, optimizer, *a, **k))
 
     checked, parsed, fed, asked, chosen, again = [], [], [], [], [], []
     check_value, parse, available = settings.check_value, Device.parse.__func__, Device.available
@@ -172,6 +180,7 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
     array = [row for hyper, row in fed if len(hyper) == B]  # the array's steps (the verification's one-model
     assert len(array) >= 2 and all(hyper == [0.1, 0.01] for hyper, _ in fed if len(hyper) == B)  # reference too)
     assert all(np.array_equal(row, np.float32([0.1, 0.01])) for row in array)
+    assert rules and all(isinstance(rule, RunSettings) for rule in rules), rules
 
 
 def test_the_run_settings_are_made_once_typed_and_per_model():
