@@ -392,10 +392,6 @@ class OptimizerConfig(UpdateRule):
     def B(self) -> int:
         return len(self.hyper["lr"])
 
-    @property
-    def lr(self) -> list[float]:
-        return self.hyper["lr"]
-
 
 def flat_models(gb: GraphBuilder, names: Sequence[str], B: int) -> str:
     """The model-major tensors ``names`` as one ``[B, P]`` matrix: each viewed as ``[B, -1]``, concatenated."""
