@@ -309,10 +309,11 @@ def run_bench(models: Sequence[str] = ("lenet", "resnet18", "transformer_lm"), B
         if ran:  # the threads the rounds ran with (set up above: 1 on a CPU unless --threads)
             env["threads"] = ran[0] if len(ran) == 1 else ran
         text = table(rows, measured)
-        _write_outputs(out, cmd, env, measured, precisions, notes, rows, dev, text)
+        scaling = scaling_table(rows) if len({r["B"] for r in rows}) > 1 else None
+        _write_outputs(out, cmd, env, measured, precisions, notes, rows, dev, text, scaling)
         say(text)
-        if len({r["B"] for r in rows}) > 1:
-            say("\nHow the fused array scales with B:\n" + scaling_table(rows))
+        if scaling is not None:
+            say("\nHow the fused array scales with B:\n" + scaling)
         say(f"wrote bench.json, bench.csv, bench.md, bench.png to {out}/")
         return rows
 
@@ -412,11 +413,9 @@ def _measure_all(models: list[str], Bs: list[int], files: dict[str, OnnxFile], r
 
 
 def _write_outputs(out: str, cmd: str, env: dict, measured: list[str], precisions: list[str], notes: list[str],
-                   rows: list[dict], dev, text: str) -> None:
+                   rows: list[dict], dev, text: str, scaling: str | None) -> None:
     """bench.json, bench.csv, bench.md and bench.png: the four files or none (a full disk leaves no bench.json
-    alone)."""
-    several_B = len({r["B"] for r in rows}) > 1
-    scaling = ("\nHow the fused array scales with B:\n\n" + scaling_table(rows) + "\n") if several_B else ""
+    alone); ``text``: every mode's table, ``scaling``: the B-scaling table (None: one B measured)."""
     with atomic_files(out) as stage:
         with stage("bench.json") as path, open(path, "w") as f:
             json.dump({"command": cmd, "env": env, "modes": measured, "precisions": precisions, "notes": notes,
@@ -432,7 +431,7 @@ def _write_outputs(out: str, cmd: str, env: dict, measured: list[str], precision
                     + "\n\nEvery mode, with the ratio to the dense ceiling, its first step alone (the compile "
                     "time of a compiled mode; not in samples/s) and peak memory (CUDA's allocator; on a CPU the memory "
                     "one step took above what the process held before it, measured untimed after the rounds, the "
-                    "concurrent processes' whole):\n\n" + text
-                    + "\n" + scaling)
+                    "concurrent processes' whole):\n\n" + text + "\n"
+                    + ("" if scaling is None else f"\nHow the fused array scales with B:\n\n{scaling}\n"))
         with stage("bench.png") as path:
             write_png(path, rows, measured, env)
