@@ -102,12 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--onednn", action="store_true", help="add each form's oneDNN kernels (first stage)")
     args = ap.parse_args(argv)
-    from onnxfuse.runtime._machine import cpu_description, isa_env, isa_in_effect
+    from onnxfuse.runtime._machine import cpu_description, rerun_held_to
 
-    wanted = isa_env(args.isa)
-    if not isa_in_effect(args.isa):  # run again with the variables set: torch reads them when it loads
-        return subprocess.call([sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])],
-                               env={**os.environ, **wanted})
+    code = rerun_held_to(args.isa, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])])
+    if code is not None:
+        return code
     print(f"# {cpu_description()}, 1 thread, B = {args.B}, batch {args.batch} per model, {args.rounds} rounds")
     print(f"# python benchmarks/grouped_conv.py {' '.join(argv or sys.argv[1:])}\n")
     results = measure(args.B, args.batch, args.rounds)

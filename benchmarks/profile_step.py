@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -60,7 +59,7 @@ def measure(name: str, B: int, modes: list[str], steps: int, warmup: int, batch:
 
     import torch
 
-    from onnxfuse.measure.bench import _inputs, _makers
+    from onnxfuse.measure.bench import _first_steps, _inputs, _makers
     from onnxfuse.measure.bench_modes import zoo_workload
 
     torch.set_num_threads(1)
@@ -71,11 +70,7 @@ def measure(name: str, B: int, modes: list[str], steps: int, warmup: int, batch:
         out = {}
         for mode in modes:
             step = make[mode]()
-            settled = getattr(step, "settled", lambda: True)
-            for _ in range(warmup + 32):  # a compiled fused step times its forms first (onnxfuse bench: untimed)
-                step()
-                if settled() and _ >= warmup:
-                    break
+            _first_steps({mode: step}, [mode], warmup, lambda: None)  # as the bench's: a compiled form chosen
             out[mode] = profile(step, steps)
             print(f"  {name} B={B} {mode}: {sum(out[mode].values()):.0f} ms per step", file=sys.stderr, flush=True)
     return out
@@ -101,12 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per mode")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
-    from onnxfuse.runtime._machine import cpu_description, isa_env, isa_in_effect
+    from onnxfuse.runtime._machine import cpu_description, rerun_held_to
 
-    wanted = isa_env(args.isa)
-    if not isa_in_effect(args.isa):  # torch reads the variables when it loads: run again with them set
-        return subprocess.call([sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])],
-                               env={**os.environ, **wanted})
+    code = rerun_held_to(args.isa, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])])
+    if code is not None:
+        return code
     print(f"# {cpu_description()}, 1 thread, batch {args.batch} per model, {args.steps} profiled steps per mode")
     print(f"# python benchmarks/profile_step.py {' '.join(argv or sys.argv[1:])}\n")
     for name in args.models.split(","):

@@ -11,7 +11,8 @@ import functools
 import os
 import platform
 
-__all__ = ["cpu_model", "cpu_isa", "cpu_description", "native_low_precision", "ISA_ENV", "isa_env", "isa_in_effect"]
+__all__ = ["cpu_model", "cpu_isa", "cpu_description", "native_low_precision", "ISA_ENV", "isa_env", "isa_in_effect",
+           "rerun_held_to"]
 
 #: The CPU flags (``/proc/cpuinfo``) that compute each reduced-precision dtype natively: without one, oneDNN and
 #: ATen emulate it by converting to float32 and back around every op.
@@ -86,6 +87,17 @@ def isa_env(isa: str) -> dict[str, str]:
 def isa_in_effect(isa: str) -> bool:
     """Whether this process's environment already holds the libraries to ``isa``."""
     return all(os.environ.get(k) == v for k, v in isa_env(isa).items())
+
+
+def rerun_held_to(isa: str, argv: list[str]) -> int | None:
+    """A script's run under ``isa``: None where this process is held to it already (go on here); else ``argv``
+    (the script's command line) run again with :func:`isa_env`'s variables, which torch, oneDNN and MKL read when
+    they load, and its exit status."""
+    import subprocess
+
+    if isa_in_effect(isa):
+        return None
+    return subprocess.call(argv, env={**os.environ, **isa_env(isa)})
 
 
 def native_low_precision(dtype_name: str) -> bool:
