@@ -129,13 +129,15 @@ def runtime(request) -> str:
 
 
 # ---- small hand-built graphs (onnx.helper) for rule tests
-def mlp_array(folder, B: int, seed0: int = 0, n: int = 64):
-    """``folder``/array: B of conftest's MLPs fused (inputs [N, 3, 4, 4]); ``folder``/data.npz: ``n`` random
-    samples with 10 classes. Returns ``folder``."""
+def mlp_array(folder, B: int, seed0: int = 0, n: int | None = 64, array: str = "array", jobs: str = "jobs"):
+    """``folder``/``array``: B of conftest's MLPs, exported to ``folder``/``jobs`` and fused (inputs [N, 3, 4, 4]);
+    ``folder``/data.npz: ``n`` random samples with 10 classes (None: no data file). Returns ``folder``."""
     from onnxfuse import fuse_models, save_array
 
-    save_array(fuse_models(export_all(make_modules("mlp", B, seed0=seed0), (8, 3, 4, 4), folder / "jobs")),
-               folder / "array")
+    save_array(fuse_models(export_all(make_modules("mlp", B, seed0=seed0), (8, 3, 4, 4), folder / jobs)),
+               folder / array)
+    if n is None:
+        return folder
     rng = np.random.default_rng(0)
     np.savez(folder / "data.npz", input=rng.standard_normal((n, 3, 4, 4)).astype(np.float32),
              labels=rng.integers(0, 10, n))

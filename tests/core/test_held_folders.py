@@ -30,12 +30,10 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from tests.conftest import (EXE, cli, export_all, have_userns, holder_pid, in_tmpfs, make_modules, one_error_line,
-                            snapshot)
+from tests.conftest import EXE, cli, have_userns, holder_pid, in_tmpfs, mlp_array, one_error_line, snapshot
 from onnxfuse import ArrayDir, fuse_models, save_array
 from onnxfuse.core.errors import ArrayBusyError, ConfigError, OnnxFuseError
 
-SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 FACTORY = "from onnxfuse.exporters.zoo import MLP\n\n\ndef make():\n    return MLP(in_features=48, hidden=32)\n"
 
 
@@ -46,13 +44,8 @@ def models_in(folder) -> list[str]:
 @pytest.fixture
 def work(tmp_path):
     """P/Q/A, an array two levels down; OTHER, another array; jobs2, its models; data; a factory file."""
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=30), SHAPE, tmp_path / "jobs")),
-               tmp_path / "P" / "Q" / "A")
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=40), SHAPE, tmp_path / "jobs2")),
-               tmp_path / "OTHER")
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "data.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
-             labels=rng.integers(0, 10, 96))
+    mlp_array(tmp_path, 3, seed0=30, n=96, array=os.path.join("P", "Q", "A"))
+    mlp_array(tmp_path, 3, seed0=40, n=None, array="OTHER", jobs="jobs2")
     (tmp_path / "factory.py").write_text(FACTORY)
     return tmp_path
 

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import EXE, cli, export_all, holder_pid, make_modules, one_error_line, snapshot
-from onnxfuse import fuse_models, save_array
+from tests.conftest import EXE, cli, holder_pid, mlp_array, one_error_line, snapshot
 
-SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
 # a factory that waits until the file $ONNXFUSE_TEST_GO exists: an export that is still writing its -o folder
 SLOW_FACTORY = """import os, time
 from onnxfuse.exporters.zoo import MLP
@@ -55,12 +53,8 @@ def array_files(folder) -> dict:
 @pytest.fixture
 def work(tmp_path):
     """An array A and another array OTHER (3 MLPs each, OTHER trained), their jobs, data, a factory file."""
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=30), SHAPE, tmp_path / "jobs")), tmp_path / "A")
-    save_array(fuse_models(export_all(make_modules("mlp", 3, seed0=40), SHAPE, tmp_path / "jobs2")),
-               tmp_path / "OTHER")
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "data.npz", input=rng.standard_normal((96,) + SHAPE[1:]).astype(np.float32),
-             labels=rng.integers(0, 10, 96))
+    mlp_array(tmp_path, 3, seed0=30, n=96, array="A")
+    mlp_array(tmp_path, 3, seed0=40, n=None, array="OTHER", jobs="jobs2")
     (tmp_path / "factory.py").write_text(SLOW_FACTORY)
     return tmp_path
 
