@@ -170,6 +170,24 @@ def holder_pid(folder) -> int | None:
         return None
 
 
+def wait_until(p: subprocess.Popen, condition, what: str = "no progress") -> None:
+    """Poll until ``condition()`` holds while ``p`` runs; a failure if ``p`` ends first (with what it wrote) or
+    after 120 s (the deadline only stops a broken run from hanging the suite)."""
+    import time
+
+    deadline = time.time() + 120
+    while not condition():
+        assert p.poll() is None, f"the process ended first: {p.communicate()}"
+        assert time.time() < deadline, f"{what} in 120 s"
+        time.sleep(0.02)
+
+
+def kill(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and reap it: a process stopped where it stands, as a crash would."""
+    p.kill()
+    p.wait()
+
+
 def graph_model(nodes, inputs, outputs, inits, opset=17):
     g = h.make_graph(nodes, "g", inputs, outputs, inits)
     m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])

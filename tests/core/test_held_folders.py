@@ -21,7 +21,6 @@ import signal
 import stat
 import re
 import subprocess
-import time
 
 import numpy as np
 import onnx
@@ -30,7 +29,8 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from tests.conftest import EXE, cli, have_userns, holder_pid, in_tmpfs, mlp_array, one_error_line, snapshot
+from tests.conftest import (EXE, cli, have_userns, holder_pid, in_tmpfs, mlp_array, one_error_line, snapshot,
+                            wait_until)
 from onnxfuse import ArrayDir, fuse_models, save_array
 from onnxfuse.core.errors import ArrayBusyError, ConfigError, OnnxFuseError
 
@@ -62,11 +62,7 @@ def test_replacing_a_folder_that_holds_a_held_array_is_refused_naming_the_holder
     p = subprocess.Popen([EXE, "train", A, "--data", work / "data.npz", "--batch-size", "16", "--steps", "1000000",
                           "-q", "--compile", "off"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        while not (holder_pid(A) == p.pid and os.path.exists(A / "run.json")):
-            assert p.poll() is None, p.communicate()
-            assert time.time() < deadline, "train did not start in 120 s"
-            time.sleep(0.02)
+        wait_until(p, lambda: holder_pid(A) == p.pid and os.path.exists(A / "run.json"), "train did not start")
         p.send_signal(signal.SIGSTOP)
         before = snapshot(work / "P")
         refused = f"holds '{{}}', which is in use by `onnxfuse train` (pid {p.pid},"

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import EXE, cli, holder_pid, mlp_array, one_error_line, snapshot
+from tests.conftest import EXE, cli, holder_pid, mlp_array, one_error_line, snapshot, wait_until
 
 # a factory that waits until the file $ONNXFUSE_TEST_GO exists: an export that is still writing its -o folder
 SLOW_FACTORY = """import os, time
@@ -34,14 +33,6 @@ def broken():
 def leftovers(folder) -> list[str]:
     """Temporary names (``.X.tmp-*``, ``.X.old-*``) in ``folder``."""
     return sorted(n for n in os.listdir(folder) if ".tmp-" in n or ".old-" in n)
-
-
-def wait_for(p: subprocess.Popen, condition) -> None:
-    deadline = time.time() + 120
-    while not condition():
-        assert p.poll() is None, f"the process ended first: {p.communicate()}"
-        assert time.time() < deadline, "no progress in 120 s"
-        time.sleep(0.02)
 
 
 def array_files(folder) -> dict:
@@ -74,7 +65,7 @@ def test_no_command_writes_into_an_array_while_train_holds_it(work, capsys, monk
     p = subprocess.Popen([EXE, "train", A, "--data", work / "data.npz", "--batch-size", "16", "--steps", str(steps),
                           "--checkpoint-every", "50", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(p, lambda: os.path.isdir(A / "checkpoints") and any(
+        wait_until(p, lambda: os.path.isdir(A / "checkpoints") and any(
             n.startswith("step_") for n in os.listdir(A / "checkpoints")))
         p.send_signal(signal.SIGSTOP)  # holding A's lock, mid-run
         before = array_files(A)
@@ -118,7 +109,7 @@ def test_a_folder_being_written_is_held_and_a_killed_writers_leftovers_are_clear
     export = [EXE, "export", f"{work / 'factory.py'}:make", "--count", "2", "--input-shape", "8,3,4,4", "-o", str(M)]
     p = subprocess.Popen(export, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        wait_for(p, lambda: holder_pid(M) == p.pid)  # M exists, held by the export
+        wait_until(p, lambda: holder_pid(M) == p.pid)  # M exists, held by the export
         for args in (["split", work / "OTHER", "-o", M, "--overwrite", "--initial"], export[1:]):
             code, _, err = cli(capsys, *args)
             line = one_error_line(err)
@@ -132,7 +123,7 @@ def test_a_folder_being_written_is_held_and_a_killed_writers_leftovers_are_clear
     go.unlink()
     M2 = work / "M2"
     p = subprocess.Popen([*export[:-1], str(M2)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    wait_for(p, lambda: holder_pid(M2) == p.pid and leftovers(work))
+    wait_until(p, lambda: holder_pid(M2) == p.pid and leftovers(work))
     p.kill()
     p.wait()
     assert os.listdir(M2) == [".onnxfuse.lock"] and leftovers(work)  # what the kill left

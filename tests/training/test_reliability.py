@@ -12,7 +12,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.conftest import (EXE, cli, fresh_copy, have_userns, in_tmpfs, make_modules, mlp_array,
-                            one_error_line, snapshot)
+                            one_error_line, snapshot, kill, wait_until)
 from onnxfuse import fuse_models, save_array
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -60,20 +59,6 @@ def temporaries(arr) -> list[str]:
 def start_train(arr, *flags, **popen) -> subprocess.Popen:
     return subprocess.Popen([EXE, "train", str(arr), *[str(f) for f in flags]], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, **popen)
-
-
-def wait_until(p: subprocess.Popen, condition) -> None:
-    """Poll until ``condition()`` holds while ``p`` runs (the deadline only stops a broken run from hanging)."""
-    deadline = time.time() + 120
-    while not condition():
-        assert p.poll() is None, f"the run ended first: {p.stderr.read()[-2000:]}"
-        assert time.time() < deadline, "no progress in 120 s"
-        time.sleep(0.02)
-
-
-def kill(p: subprocess.Popen) -> None:
-    p.send_signal(signal.SIGKILL)
-    p.wait()
 
 
 def weights(arr) -> dict:

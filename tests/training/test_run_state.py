@@ -10,7 +10,6 @@ import csv
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.conftest import EXE, cli, mlp_array, one_error_line, snapshot
+from tests.conftest import EXE, cli, kill, mlp_array, one_error_line, snapshot, wait_until
 from onnxfuse import fuse_models, save_array
 
 SHAPE = (8, 3, 4, 4)  # the MLP of conftest: 48 inputs
@@ -63,19 +62,6 @@ def rows(arr) -> list[dict]:
 def files(arr) -> dict:
     """``snapshot`` of the array but its lock file (which names the last holder: a killed one's pid)."""
     return {k: v for k, v in snapshot(arr).items() if k != ".onnxfuse.lock"}
-
-
-def wait_until(p: subprocess.Popen, condition) -> None:
-    deadline = time.time() + 120
-    while not condition():
-        assert p.poll() is None, f"the run ended first: {p.communicate()}"
-        assert time.time() < deadline, "no progress in 120 s"
-        time.sleep(0.02)
-
-
-def kill(p: subprocess.Popen) -> None:
-    p.send_signal(signal.SIGKILL)
-    p.wait()
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
