@@ -445,7 +445,6 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "
     from onnxfuse.core.split import split_weights
     from onnxfuse.recipe.losses import get_loss
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.recipe.optim import StepValues
     from onnxfuse.runtime.trainers import make_trainer
 
     case, B = sub.case, sub.B
@@ -473,7 +472,7 @@ def _train(sub: _Sub, fa, kind: str, folder: str, runtime: str, compile: str = "
                                compile=compile if runtime == "torch" else "off")
         # the run loop's way: this step's values and the next ones' handed ahead (the torch runtime computes a
         # window of steps' coefficients at once; the ort runtime computes each step's)
-        values = StepValues(list(opt.lr), opt.cycled(), [True] * B)
+        values = opt.constant_values()
         for x, y in batches:
             feeds = {"input": x.numpy()}
             feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
@@ -646,7 +645,6 @@ def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime:
     steps [B] (fp16). ``torch``: the runtime's trainer; ``loop``: the array as a module, its forward and a torch loss
     under the user's torch.autocast, onnxfuse.optim."""
     from onnxfuse.core.split import split_weights
-    from onnxfuse.recipe.optim import StepValues
     from onnxfuse.runtime.trainers import make_trainer
     from onnxfuse.runtime.torch.precision import DTYPES
     from onnxfuse.recipe.losses import get_loss
@@ -674,7 +672,7 @@ def _fused_reduced(sub: _Sub, fa, kind: str, lrs, batches, folder: str, runtime:
     loss = get_loss(case.r.loss, class_axis=case.r.class_axis)
     trainer = make_trainer(runtime, fa.model, fa.spec, loss, opt, workdir=os.path.join(folder, kind),
                            compile=compile, precision=precision)
-    values = StepValues(list(opt.lr), opt.cycled(), [True] * B)
+    values = opt.constant_values()
     for t, (x, y) in enumerate(batches):
         feeds = {"input": x.numpy()}
         feeds["labels"] = y.numpy() if case.r.loss == "cross-entropy" else y.numpy().astype(np.float32)
