@@ -24,7 +24,7 @@ from onnxfuse.runtime.ort.trainer import OrtTrainer
 from onnxfuse.runtime.protocol import Runtime
 from onnxfuse.runtime.torch.trainer import TorchTrainer
 
-__all__ = ["TRAINERS", "resolve_runtime", "build_trainer", "make_trainer"]
+__all__ = ["TRAINERS", "resolve_runtime", "build_trainer", "make_trainer", "wants_one_model"]
 
 log = logging.getLogger("onnxfuse.train")
 
@@ -60,17 +60,19 @@ def resolve_runtime(runtime: str, device: Device | str, precision: str = "fp32",
 def build_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
                   optimizer: UpdateRule, device: Device, workdir: str | None = None,
                   threads: int | None = None, compile: str = "off", total_steps: int = 0, precision: str = "fp32",
-                  loss_scale: LossScale | None = None, seed: int = 0) -> Runtime:
+                  loss_scale: LossScale | None = None, seed: int = 0,
+                  one_model: tuple[onnx.ModelProto, ArraySpec] | None = None) -> Runtime:
     """A trainer of ``fused`` on the registered runtime ``runtime``, from arguments checked where they were given
-    (a run's settings, :func:`make_trainer`): nothing is checked here. ``compile``, ``total_steps`` and ``seed``
-    go to the runtime that compiles, ``precision`` and ``loss_scale`` to the one that trains in reduced precision
+    (a run's settings, :func:`make_trainer`): nothing is checked here. ``compile``, ``total_steps``, ``seed`` and
+    ``one_model`` (a model of the array fused alone, for the per-model form of a compiled step) go to
+    the runtime that compiles, ``precision`` and ``loss_scale`` to the one that trains in reduced precision
     (``RUNTIMES``: the torch runtime)."""
     watch = Stopwatch()
     common = {"device": device, "workdir": workdir, "threads": threads}
     match runtime:  # each runtime's class, called by its name (what it takes: its entry of RUNTIMES)
         case "torch":
             trainer = TorchTrainer(fused, spec, loss, optimizer, **common, compile=compile, total_steps=total_steps,
-                                   precision=precision, loss_scale=loss_scale, seed=seed)
+                                   precision=precision, loss_scale=loss_scale, seed=seed, one_model=one_model)
         case "ort":
             trainer = OrtTrainer(fused, spec, loss, optimizer, **common)
     log.debug("runtime %s on %s in %s, compile %s: its trainer built in %.2f s", runtime, device, precision,
@@ -81,7 +83,8 @@ def build_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: s
 def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec,
                  optimizer: UpdateRule, device: Device | str = "cpu", workdir: str | None = None,
                  threads: int | None = None, compile: str = "off", total_steps: int = 0, precision: str = "fp32",
-                 loss_scale: LossScale | None = None, seed: int = 0) -> Runtime:
+                 loss_scale: LossScale | None = None, seed: int = 0,
+                 one_model: tuple[onnx.ModelProto, ArraySpec] | None = None) -> Runtime:
     """A trainer of ``fused`` on ``runtime`` (a name or ``auto``), the Python API's: its arguments are checked
     here, once. ``compile``: capture the step whole (``on``), not (``off``), or decide from ``total_steps``
     (``auto``; a runtime that cannot compile does not); ``precision`` (``PRECISIONS``) and, for fp16,
@@ -91,4 +94,12 @@ def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: st
     check_compile(compile)
     name = resolve_runtime(runtime, device, check_precision(precision), "on" if compile == "on" else "off")
     return build_trainer(name, fused, spec, loss, optimizer, device, workdir, threads, compile, total_steps,
-                         precision, loss_scale, seed)
+                         precision, loss_scale, seed, one_model)
+
+
+def wants_one_model(runtime: str, device: Device | str, compile: str) -> bool:
+    """Whether a trainer would use a one-model graph (``one_model``: a model of the array fused alone): the torch
+    runtime compiling on a CPU, where a compiled step times its forms (``TrainStep.FORMS``), the per-model form
+    among them."""
+    return runtime == "torch" and compile != "off" and not Device.of(device).is_cuda
+

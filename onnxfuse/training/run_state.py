@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 
 from onnxfuse.core.array import ArrayDir
-from onnxfuse.core.passes import fuse_models
+from onnxfuse.core.passes import fuse_models, fused_initial_weights
 from onnxfuse.core.split import model_steps, split_weights
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.data import Dataset
@@ -19,7 +19,7 @@ from onnxfuse.recipe.optim import UpdateRule
 from onnxfuse.recipe.schedules import PerModelSchedules
 from onnxfuse.recipe.train_config import RunSettings
 from onnxfuse.runtime.protocol import Observed, Runtime
-from onnxfuse.runtime.trainers import build_trainer
+from onnxfuse.runtime.trainers import build_trainer, wants_one_model
 from onnxfuse.training.best import KeptBest
 
 
@@ -58,10 +58,14 @@ class RunState:
         os.makedirs(self.workdir, exist_ok=True)
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
         settings = self.settings
+        one = None
+        if wants_one_model(settings.runtime, settings.device, settings.compile):  # the per-model form's graph
+            one = self.array.refuse(self.models[:1], split_weights(self.spec, fused_initial_weights(self.fused),
+                                                                   models=[0]), fuse_models)
         return build_trainer(settings.runtime, self.fused, self.spec, self.loss, self.opt, settings.device,
                              workdir=folder, threads=settings.threads or None, compile=settings.compile,
                              total_steps=self.total, precision=settings.precision, loss_scale=self.loss_scale,
-                             seed=settings.seed)
+                             seed=settings.seed, one_model=one)
 
     # ---- state
     def state(self) -> dict:

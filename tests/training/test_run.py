@@ -295,6 +295,19 @@ def _torch_sgd_alone(mod, lr, batches):
 def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_path):
     """per-model: model b shuffles with its own generator (seed + b); shards: model b trains on shard b. Each
     equals torch training the model alone on exactly those batches."""
+    _check_data_order(order, runtime, tmp_path)
+
+
+def test_the_per_model_form_of_a_compiled_step_gives_each_model_its_own_batches(tmp_path, monkeypatch):
+    """The per-model form (``TrainStep.FORMS``) runs model b on its slice of the per-model input and labels: as
+    torch alone on its own batches (within the compiled steps' bound, 1e-4)."""
+    from onnxfuse.runtime.torch.train_step import TrainStep
+
+    monkeypatch.setattr(TrainStep, "FORMS", ("per-model",))
+    _check_data_order("shards", "torch", tmp_path, compile="on", bound=1e-4)
+
+
+def _check_data_order(order: str, runtime: str, tmp_path, compile: str = "off", bound: float = 1e-5) -> None:
     from onnxfuse.recipe.data import BatchSampler
     from onnxfuse.recipe.datasets import shard
 
@@ -304,7 +317,8 @@ def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_
     rng = np.random.default_rng(5)
     arrays = {"input": rng.standard_normal((60,) + SHAPE[1:]).astype(np.float32), "labels": rng.integers(0, 10, 60)}
     res = train_array(tmp_path / "array", arrays, TrainConfig(batch_size=N, steps=steps, lr=lrs, data_order=order,
-                                                              seed=11, runtime=runtime), progress=False)
+                                                              seed=11, runtime=runtime, compile=compile),
+                       progress=False)
     assert res.steps == steps
     got = states(tmp_path / "array")
     if order == "shards":
@@ -325,7 +339,7 @@ def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_
     for b in range(B):
         ref = _torch_sgd_alone(mods[b], lrs[b], batches[b])
         for k, v in ref.items():
-            assert rel_err(got[b][k], v) < 1e-5, (b, k)
+            assert rel_err(got[b][k], v) < bound, (b, k)
 
 
 def test_epochs_of_a_torch_dataset_and_of_a_dataloader(tmp_path):

@@ -1,7 +1,7 @@
 """One training step of a FusedArray and its ``onnxfuse.optim`` optimizer as one function: forward, loss,
 gradients, fault isolation, the per-model update and every write (weights, optimizer state, BatchNorm
 statistics), with no host read. ``compile`` captures it with ``torch.compile`` (inductor), whole or in two
-parts, whichever was measured faster (``TrainStep.FORMS``):
+parts, or model by model, whichever was measured faster (``TrainStep.FORMS``):
 
     step = TrainStep(opt, forward, compile="on")     # forward(weights, batch) -> (loss, per_model [B], new buffers)
     step(batch, values)                              # no host read: losses, ok and failures stay on the device
@@ -41,7 +41,7 @@ import re
 import time
 import types
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ from onnxfuse.recipe.runtimes import LossScale, check_compile, check_precision
 from onnxfuse.runtime.protocol import Observed
 from onnxfuse.runtime.torch.precision import LossScales, autocast, warn_if_emulated
 
-__all__ = ["TrainStep", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
+__all__ = ["TrainStep", "OneModel", "ArrayStep", "train_step", "batchnorm_outputs", "cache_dir", "auto_decision", "graph_key",
            "record_key", "machine_description", "read_times", "times_path", "compiled"]
 
 log = logging.getLogger("onnxfuse.train")
@@ -107,7 +107,7 @@ def read_times() -> dict:
     return times if isinstance(times, dict) else {}
 
 
-def _record_time(key: str, **values: float | str) -> None:
+def _record_time(key: str, **values: float | str | list) -> None:
     times = read_times()
     rounded = {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
     times[key] = {**times.get(key, {}), **rounded}
@@ -183,6 +183,16 @@ def auto_decision(remaining_steps: int, eager_step_s: float, known: dict | None)
     return Decision(compiled_total < eager_total, why)
 
 
+class OneModel(NamedTuple):
+    """What the ``per-model`` form of a step needs (``TrainStep.FORMS``): ``forward(weights, batch)``, the loss graph
+    of a one-model array of the same graph (``forward``'s outputs for B = 1, over one model's block of each fused
+    weight and buffer), and the batch's inputs that hold one slice per model (``[B, ...]``: per-model inputs and
+    labels). The graph must draw nothing at random: model b's own seeds are in the B-model graph only."""
+
+    forward: Callable
+    per_model_inputs: frozenset
+
+
 class TrainStep:
     """See the module docstring. ``forward(weights, batch)``: the loss graph over ``weights`` (every fused
     parameter and buffer by fused name) returning ``(loss, per_model_loss [B], [new value of each of
@@ -196,15 +206,24 @@ class TrainStep:
     #: or ``partitioned`` (the loss compiled with AOTAutograd's forward/backward partition, which chooses the
     #: activations the backward keeps, autograd between, the update compiled on its own: ResNet-18's step 17 %
     #: faster). A run that records its times tries both on a CPU and keeps the faster (see ``_next_form``).
-    FORMS = ("whole", "partitioned")
+    #: or ``per-model`` (each model's forward and backward in turn, through the graph of a one-model array of the
+    #: same graph compiled once, on its own slices of the weights and the batch, then the one update of all B:
+    #: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few channels per
+    #: model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that graph, see
+    #: :class:`OneModel`).
+    FORMS = ("whole", "partitioned", "per-model")
     #: the other forms are tried when the whole step takes at least this long: below it the Python between a
     #: partitioned step's parts costs more than the activations it can save (LeNet at B = 16: 31 ms whole,
     #: 55 ms partitioned), and trying would cost every small array a second compile
     TRY_FORMS_FROM_S = 0.1
 
     def __init__(self, optimizer, forward: Callable, buffers: Sequence[str] = (), compile: str = "off",
-                 key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None):
+                 key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None,
+                 one_model: "OneModel | None" = None):
         self.opt, self.array, self.forward = optimizer, optimizer.array, forward
+        # the per-model form needs one model's graph, and each model's own loss (fp16 scales the B losses apart)
+        self.one = one_model if precision != "fp16" else None
+        self.forms = tuple(f for f in self.FORMS if f != "per-model" or self.one is not None) or ("whole",)
         self.buffers = list(buffers)
         # compile, precision and loss_scale were checked where they were given: a run's settings, train_step()
         self.mode, self.precision = compile, precision
@@ -228,6 +247,7 @@ class TrainStep:
         self.form = "whole"  # the compiled step's form (FORMS); measured forms' steady steps, seconds:
         self._form_s: dict[str, float] = {}
         self._forms: dict[str, Callable] = {}  # each form compiled so far
+        self._compiled_apply = None  # the update compiled apart (the partitioned and per-model forms')
         self._compiled_key, self._guarded = None, True  # what the compiled step's update graph is (see _call_compiled)
         self._eager_times: list[float] = []
         self._compiled_times: list[float] = []
@@ -271,6 +291,41 @@ class TrainStep:
         the backward between them."""
         grads, per_model, news = self._gradients(params, batch, self._compiled_loss)
         self._compiled_apply(params, grads, per_model, news, hyper)
+
+    def _per_model(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
+        """The step with each model's loss and gradient computed in turn (the ``per-model`` form): model b's graph
+        (``OneModel``, compiled once: every model's has the same shapes) on its block of each fused weight and
+        buffer (block b of the model-major axis 0: a view) and its slice of the per-model inputs, autograd for
+        its backward; the B gradients, losses and new statistics concatenated back into the fused layout, then
+        the one compiled update of all models."""
+        arr, one = self.array, self.one
+        held = {n: arr.buffer(n) for n in arr.buffer_names}
+        lens = [arr.spec.weights[n].block_len for n in arr.trainable]
+        grads: list[list[torch.Tensor]] = [[] for _ in params]
+        losses, news = [], [[] for _ in self.buffers]
+        for b in range(arr.B):
+            mine = {n: t.narrow(0, b * arr.spec.weights[n].block_len, arr.spec.weights[n].block_len)
+                    for n, t in held.items()}
+            feeds = {n: t.narrow(0, b, 1) if n in one.per_model_inputs else t for n, t in batch.items()}
+            with torch.enable_grad():
+                leaves = [p.narrow(0, b * L, L).detach().requires_grad_(True) for p, L in zip(params, lens)]
+                loss, (per_model, new) = self._compiled_one(leaves, mine, feeds)
+                got = torch.autograd.grad(loss, leaves, allow_unused=True)
+            for parts, g, leaf in zip(grads, got, leaves):
+                parts.append(torch.zeros_like(leaf) if g is None else g)
+            losses.append(per_model)
+            for parts, v in zip(news, new):
+                parts.append(v)
+        self._compiled_apply(params, [torch.cat(g) for g in grads], torch.cat(losses), [torch.cat(v) for v in news],
+                             hyper)
+
+    def _one_loss(self, leaves: list[torch.Tensor], buffers: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+                  ) -> tuple:
+        """One model's loss (the per-model form's): its graph over its blocks ``leaves`` (trainable) and
+        ``buffers``, with its per-model loss and new buffer values."""
+        with autocast(self.precision, self.array.device):
+            loss, per_model, news = self.one.forward({**buffers, **dict(zip(self.array.trainable, leaves))}, batch)
+        return loss, (per_model.detach(), [v.detach() for v in news])
 
     def _apply(self, params: list[torch.Tensor], grads: list[torch.Tensor], per_model: torch.Tensor,
                news: list[torch.Tensor], hyper: torch.Tensor) -> None:
@@ -412,6 +467,7 @@ class TrainStep:
         step_s = self._form_s[self.form]
         eager_s = read_times().get(self._record, {}).get("eager_step_s")
         _record_time(self._record, compiled_step_s=step_s, form=self.form,
+                     tried=sorted(self._recorded_forms() | set(self._form_s)),
                      machine=machine_description(self.array.device))
         log.info("compiled step: %.1f ms (recorded for --compile auto in %s)", step_s * 1000, times_path())
         if self.mode == "on" and eager_s is not None and step_s >= eager_s:
@@ -460,7 +516,7 @@ class TrainStep:
         use_cache()
         self._shapes = shapes
         known = read_times().get(self._record, {}) if self._record else {}
-        self.form = known.get("form", "whole") if known.get("form") in self.FORMS else "whole"
+        self.form = known["form"] if known.get("form") in self.forms else self.forms[0]
         self._compiled = self._compiled_form(self.form)
         self._sync()
         t0 = time.perf_counter()
@@ -485,9 +541,14 @@ class TrainStep:
     def _compiled_form(self, form: str) -> Callable:
         """The step compiled in ``form`` (compiled on its first call)."""
         if form not in self._forms:
+            if form in ("partitioned", "per-model") and self._compiled_apply is None:
+                self._compiled_apply = compiled(self._apply)
             if form == "partitioned":
-                self._compiled_loss, self._compiled_apply = compiled(self._loss), compiled(self._apply)
+                self._compiled_loss = compiled(self._loss)
                 self._forms[form] = self._partitioned
+            elif form == "per-model":
+                self._compiled_one = compiled(self._one_loss)
+                self._forms[form] = self._per_model
             else:
                 self._forms[form] = compiled(self._body)
         return self._forms[form]
@@ -496,10 +557,9 @@ class TrainStep:
         """After ``form``'s steady step was timed: on a CPU, with no form recorded for this workload yet, compile
         the next form and time it too (returns True), else keep the fastest measured and record it (False)."""
         self._form_s[self.form] = step_s
-        untried = [f for f in self.FORMS if f not in self._form_s]
-        recorded = read_times().get(self._record, {}).get("form")
-        worth = self._form_s.get("whole", 0.0) >= self.TRY_FORMS_FROM_S
-        if untried and recorded is None and worth and self.array.device.type == "cpu":
+        untried = [f for f in self.forms if f not in self._form_s and f not in self._recorded_forms()]
+        worth = self._form_s.get("whole", step_s) >= self.TRY_FORMS_FROM_S
+        if untried and worth and self.array.device.type == "cpu":
             self.form, self._compiled_times = untried[0], []
             self._compiled = self._compiled_form(self.form)
             self._guarded = True  # the new form's first call compiles under guards
@@ -511,6 +571,12 @@ class TrainStep:
             log.info("compiled step forms: %s; keeping %s", ", ".join(
                 f"{f} {t * 1000:.1f} ms" for f, t in self._form_s.items()), best)
         return False
+
+    def _recorded_forms(self) -> set[str]:
+        """The forms timed for this workload before (the record's; one made before the per-model form existed
+        timed the two before it)."""
+        known = read_times().get(self._record, {}) if self._record else {}
+        return set(known.get("tried", self.FORMS[:2] if "form" in known else ()))
 
     def _sync(self) -> None:
         _sync(self.array.device)

@@ -18,6 +18,7 @@ losses out.
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 import onnx
@@ -35,6 +36,8 @@ from onnxfuse.recipe.runtimes import LossScale
 from onnxfuse.runtime.protocol import check_feeds, evaluate, parameter_names
 
 __all__ = ["TorchTrainer"]
+
+log = logging.getLogger("onnxfuse.train")
 
 
 def _device_available(device: Device | str) -> str | None:
@@ -56,7 +59,8 @@ class TorchTrainer:
     def __init__(self, fused: onnx.ModelProto, spec: ArraySpec, loss: str | LossSpec, optimizer: UpdateRule,
                  device: Device = CPU, workdir: str | None = None, threads: int | None = None,
                  compile: str = "off", total_steps: int = 0, precision: str = "fp32",
-                 loss_scale: LossScale | None = None, seed: int = 0):
+                 loss_scale: LossScale | None = None, seed: int = 0,
+                 one_model: tuple[onnx.ModelProto, ArraySpec] | None = None):
         import torch
 
         from onnxfuse.runtime.torch.array_module import FusedArray
@@ -101,10 +105,12 @@ class TorchTrainer:
             train, _ = add_loss_pass(train, spec, self.loss)
             self._train = self.array.program(wide(train), outputs=["loss", "per_model_loss"] + stat_outputs,
                                              options=options)
+            self._one = self._one_model(one_model, precision, wide, options) if one_model is not None else None
             # eval graph: inference mode + loss (outputs per_model_loss, the model's output)
             self._eval = self.array.program(wide(inference_loss_pass(fused, spec, self.loss))).eval()
             self.inputs = self.graph_inputs + ([LABELS] if self.loss.has_labels else [])
         else:  # the graph's output; the Python function computes the per-model losses from it
+            self._one = None  # the function reads the B models' output at once
             output = spec.outputs[0]["name"]
             self._train = self.array.program(train, outputs=[output] + stat_outputs, options=options)
             self._eval = self.array.program(to_inference(copy.deepcopy(fused)), outputs=[output]).eval()
@@ -119,10 +125,41 @@ class TorchTrainer:
                         str(device), precision) if compile != "off" else ""
         self.compile, self.precision = compile, precision
         self.stepper = TrainStep(self.optimizer, self._loss_forward, self.stats, compile, key, total_steps,
-                                 precision, loss_scale)
+                                 precision, loss_scale, self._one)
         self._eval_compiled = None
 
     unavailable = staticmethod(_device_available)
+
+    def _one_model(self, one: tuple[onnx.ModelProto, ArraySpec], precision: str, wide, options):
+        """The per-model form's graph (``TrainStep.FORMS``): ``one``, a one-model array of the same graph (model
+        0 fused alone), as a loss program over one model's blocks of this array's weights; None (the form is not
+        offered, said at debug level) where its weights are not laid out as this array's are, or the graph draws
+        at random (each model's seed is in the B-model graph only)."""
+        from onnxfuse.runtime.torch.array_module import ArrayProgram, keep_padding_rows
+        from onnxfuse.runtime.torch.kernels._base import RANDOM_OPS
+        from onnxfuse.runtime.torch.train_step import OneModel, batchnorm_outputs
+
+        model, spec = one
+        ours = {n: (w.slot, w.role) for n, w in self.spec.weights.items()}
+        why = ("its weights are laid out otherwise" if {n: (w.slot, w.role) for n, w in spec.weights.items()} != ours
+               else "the graph draws at random" if any(n.op_type in RANDOM_OPS for n in model.graph.node) else None)
+        train = copy.deepcopy(model)
+        if precision != "fp32":
+            from onnxfuse.runtime.torch.precision import autocast_graph
+
+            train = autocast_graph(train, sum(spec.parameter_names(), []))
+        stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
+        if why is None and stats != self.stats:
+            why = "its BatchNorm statistics differ"
+        if why is not None:
+            log.debug("no per-model form of the step: the one-model graph does not match the array (%s)", why)
+            return None
+        train, _ = add_loss_pass(train, spec, self.loss)
+        program = ArrayProgram(self.array, keep_padding_rows(wide(train), spec), ["loss", "per_model_loss"]
+                               + stat_outputs, options)
+        per_model = {i["name"] for i in spec.inputs if i.get("per_model")} | (
+            {LABELS} if self.loss.per_model_labels else set())
+        return OneModel(lambda weights, batch: self._loss_forward(weights, batch, program), frozenset(per_model))
 
     @property
     def opt(self) -> UpdateRule:
@@ -191,9 +228,10 @@ class TorchTrainer:
                               f"tensor of shape [{B}] (the output it reads is [{B}, N, ...])")
         return per_model.sum(), per_model, [output] + rest
 
-    def _loss_forward(self, weights: dict, batch: dict) -> tuple:
-        """The step's forward (``TrainStep``): loss, per-model losses and the new BatchNorm statistics."""
-        loss, per_model, rest = self._forward(self._train, batch, weights)
+    def _loss_forward(self, weights: dict, batch: dict, program=None) -> tuple:
+        """The step's forward (``TrainStep``): loss, per-model losses and the new BatchNorm statistics (``program``:
+        another loss program than the array's, the per-model form's)."""
+        loss, per_model, rest = self._forward(program or self._train, batch, weights)
         return loss, per_model, rest[1:] if self.python is not None else rest
 
     def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None, ahead=None) -> None:
