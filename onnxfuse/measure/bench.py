@@ -82,6 +82,8 @@ def _makers(work: Workload, p: str, first: bool, shared: _Inputs, device, folder
             "ort": lambda: fused_step(work.protos, lrs, loss_name, "ort", "cpu", host,
                                       os.path.join(folder, "ort"), threads, strategy, n),
             "seq-torch": lambda: seq_torch_step(seq, lrs, last, x, y, p),
+            "seq-torch-compiled": lambda: seq_torch_step([copy.deepcopy(m) for m in seq], lrs, last, x, y, p,
+                                                         compiled=True),
             "seq-ort": lambda: seq_ort_step(work.protos, lrs, loss_name, host, os.path.join(folder, "seq-ort"),
                                             threads),
             # each process gets this process's torch threads split B ways, on as many cores as they are

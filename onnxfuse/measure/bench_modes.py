@@ -24,12 +24,14 @@ __all__ = ["MODES", "MODE_TITLES", "FILE_TITLES", "BASELINE", "CEILING", "CEILIN
 
 MODE_TITLES = {"torch": "fused (torch runtime)", "torch-compiled": "fused (torch runtime, compiled)",
                "ort": "fused (ort runtime)", "seq-torch": "PyTorch one after another",
+               "seq-torch-compiled": "PyTorch one after another, compiled",
                "seq-ort": "onnxruntime-training one after another", "concurrent": "B processes at once",
                "vmap": "torch.func ensemble", "vmap-compiled": "torch.func ensemble, compiled",
                "hfta": "HFTA-style fused PyTorch (hand-written)", "hfta-compiled": "HFTA-style, compiled",
                "dense": "one model at batch B*N", "dense-compiled": "one model at batch B*N, compiled"}
 # an ONNX file has no torch module: these modes run its ONNX graph by onnxfuse's converter instead
 FILE_TITLES = {"seq-torch": "the ONNX graph in torch eager (onnxfuse's converter) one after another",
+               "seq-torch-compiled": "the ONNX graph in torch (onnxfuse's converter) one after another, compiled",
                "concurrent": "the ONNX graph in torch eager (onnxfuse's converter), B processes at once",
                "dense": "the ONNX graph in torch eager (onnxfuse's converter) at batch B*N",
                "dense-compiled": "the ONNX graph in torch (onnxfuse's converter) at batch B*N, compiled"}
@@ -190,13 +192,16 @@ def fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: 
 
     from onnxfuse.measure.forms import make_strategy
     from onnxfuse.recipe.optim import make_optimizer
-    from onnxfuse.runtime.trainers import make_trainer
+    from onnxfuse.runtime.trainers import make_trainer, wants_one_model
 
-    fa = fuse_models(protos, labels=[f"model_{b}" for b in range(len(protos))],
+    labels = [f"model_{b}" for b in range(len(protos))]
+    fa = fuse_models(protos, labels=labels,
                      strategy=make_strategy(strategy, runtime, device, batch, threads, compile=compile))
+    # model 0 fused alone: the per-model form of a compiled step (TrainStep.FORMS) runs it on each model's weights
+    one = fuse_models(protos[:1], labels=labels[:1]) if wants_one_model(runtime, device, compile) else None
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
                            device=device, workdir=workdir, threads=threads or None, compile=compile,
-                           precision=precision)
+                           precision=precision, one_model=None if one is None else (one.model, one.spec))
     def step():
         return trainer.step(feeds)
     stepper = getattr(trainer, "stepper", None)  # the torch runtime's: a compiled step times its forms first
@@ -217,20 +222,27 @@ def seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir
 
 
 def seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y,
-                    precision: str = "fp32") -> Callable[[], list]:
+                    precision: str = "fp32", compiled: bool = False) -> Callable[[], list]:
     """The B models one after another, each with its own AdamW and (fp16) its own GradScaler, as B separate
-    trainings would have; a step returns the B losses."""
+    trainings would have; a step returns the B losses. ``compiled``: in the form :func:`adamw_step` compiles
+    (the forward and loss under ``torch.compile``, one function for all B: the models share its code and
+    shapes, so it compiles once; ``AdamW(fused=True)``)."""
     import torch
 
-    opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m, lr in zip(mods, lrs)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, **({"fused": True} if compiled else {}))
+            for m, lr in zip(mods, lrs)]
     scalers = [_scaler(precision, x.device) for _ in mods]
+
+    def loss_of(m):
+        with _autocast(precision, x.device):
+            return _loss(class_last, _output(m, x), y)
+    loss_fn = torch.compile(loss_of, dynamic=False) if compiled else loss_of
 
     def step() -> list:
         losses = []
         for m, o, scaler in zip(mods, opts, scalers):
             o.zero_grad(set_to_none=True)
-            with _autocast(precision, x.device):
-                loss = _loss(class_last, _output(m, x), y)
+            loss = loss_fn(m)
             _update(loss, o, scaler)
             losses.append(loss.detach())
         return losses
