@@ -127,7 +127,7 @@ def modes_of_models(models: Sequence[str], modes: list[str], files: dict[str, On
                 reasons.setdefault(left[m], []).append(m)
         notes.extend(f"{name}: left out {', '.join(ms)}: {why}" for why, ms in reasons.items())
         if name in files:
-            eager = [m for m in (BASELINE, "concurrent") + CEILINGS if m in runs[name]]
+            eager = [m for m in (BASELINE, BASELINE + COMPILED, "concurrent") + CEILINGS if m in runs[name]]
             notes.append(f"{name}: {', '.join(eager)} run{'s' if len(eager) == 1 else ''} the file's ONNX graph "
                          "in torch by onnxfuse's converter (onnxfuse/runtime/torch/program.py), not a torch module; "
                          "model b > 0 is the file's weights plus 1 % seeded noise"

@@ -136,23 +136,25 @@ def test_concurrent_trains_b_processes_at_once_and_stops_them(tmp_path):
 
 
 def test_a_compiled_mode_and_concurrent_on_an_onnx_file(tmp_path, mlp_file):
-    """dense-compiled and concurrent run the file's graph by onnxfuse's converter; the first call (the compile) is
-    reported and not in samples/s."""
+    """seq-torch-compiled, dense-compiled and concurrent run the file's graph by onnxfuse's converter; the first
+    call (the compile) is reported and not in samples/s."""
     out = tmp_path / "bench"
-    modes = ["seq-torch", "concurrent", "dense", "dense-compiled"]
+    modes = ["seq-torch", "seq-torch-compiled", "concurrent", "dense", "dense-compiled"]
     assert main(["bench", "--models", str(mlp_file), "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
                  "--batch", "6", "--modes", ",".join(modes), "-o", str(out)]) == 0
     result = _check_new_modes(out, modes, [str(mlp_file)])
     row = result["rows"][0]
     assert row["ceiling_best"] in ("dense", "dense-compiled") and row["fused_best"] is None
-    assert "seq-torch, concurrent, dense, dense-compiled run the file's ONNX graph" in " ".join(result["notes"])
+    assert ("seq-torch, seq-torch-compiled, concurrent, dense, dense-compiled run the file's ONNX graph"
+            in " ".join(result["notes"]))
 
 
 @pytest.mark.slow
 def test_every_compiled_mode_runs(tmp_path):
     """Each peer compiled and the fused array compiled, on LeNet (each compiles 10-40 s cold on a 2-core CPU)."""
     out = tmp_path / "bench"
-    modes = ["seq-torch", "torch", "torch-compiled", "vmap-compiled", "hfta-compiled", "dense-compiled"]
+    modes = ["seq-torch", "torch", "torch-compiled", "seq-torch-compiled", "vmap-compiled", "hfta-compiled",
+             "dense-compiled"]
     assert main(["bench", "--models", "lenet", "--B", "2", "--steps", "1", "--rounds", "1", "--warmup", "0",
                  "--modes", ",".join(modes), "-o", str(out)]) == 0
     row = _check_new_modes(out, modes, ["lenet"])["rows"][0]
@@ -249,7 +251,7 @@ def test_the_compiled_modes_in_fp16_precision_scale_their_losses(tmp_path):
     """fp16: the fused array compiled and each compiled peer under autocast with GradScaler (fused AdamW), on LeNet
     (each compiles 10-40 s cold on a 2-core CPU)."""
     out = tmp_path / "bench"
-    modes = ["seq-torch", "torch-compiled", "vmap-compiled", "hfta-compiled", "dense-compiled"]
+    modes = ["seq-torch", "torch-compiled", "seq-torch-compiled", "vmap-compiled", "hfta-compiled", "dense-compiled"]
     assert main(["bench", "--models", "lenet", "--B", "2", "--steps", "2", "--rounds", "1", "--warmup", "1",
                  "--modes", ",".join(modes), "--precision", "fp16", "-o", str(out)]) == 0
     row = _check_new_modes(out, modes, ["lenet"])["rows"][0]

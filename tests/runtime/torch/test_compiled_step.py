@@ -239,22 +239,48 @@ def test_a_killed_compiled_run_resumes_bit_identical_to_an_uninterrupted_compile
 @pytest.mark.parametrize("name", ["lenet", "cnn_bn"])
 def test_compiled_conv_nets_equal_each_model_trained_alone(name, tmp_path):
     """Convolutions and BatchNorm (its running statistics written by the compiled update) compiled."""
+    _conv_net_trains_as_torch_alone(name, [0.01, 0.03], 7, tmp_path)
+
+
+def test_the_per_model_form_trains_each_model_as_torch_alone(tmp_path, monkeypatch):
+    """The ``per-model`` form (``TrainStep.FORMS``): each model's forward and backward through a one-model array's
+    graph on its own blocks of the weights, BatchNorm statistics included, then one update. Three models with
+    their own learning rates (model b's block is at b, not only 0), SGD with momentum: within 1e-4 of torch.optim
+    on each model alone (the bound of the whole step's test above), and the form was the one recorded."""
+    from onnxfuse.runtime.torch.train_step import TrainStep, read_times
+
+    monkeypatch.setattr(TrainStep, "FORMS", ("per-model",))
+    before = read_times()
+    _conv_net_trains_as_torch_alone("cnn_bn", [0.01, 0.03, 0.02], 4, tmp_path)
+    assert _forms_recorded_since(before) == ["per-model"]
+
+
+def _forms_recorded_since(before: dict) -> list[str]:
+    """The compiled step forms recorded (``compile-times.json``) since the record was ``before``."""
+    from onnxfuse.runtime.torch.train_step import read_times
+
+    return [t["form"] for k, t in read_times().items() if "form" in t and before.get(k) != t]
+
+
+def _conv_net_trains_as_torch_alone(name: str, lrs: list[float], seed0: int, tmp_path) -> None:
+    """len(lrs) models of conftest's ``name`` fused and trained compiled (6 steps of SGD with momentum, batches of
+    16): each within 1e-4 of torch.optim training it alone."""
     from tests.conftest import MODELS
 
-    shape = MODELS[name][1]
-    mods = make_modules(name, 2, seed0=7)
-    save_array(fuse_models(export_all(mods, shape, tmp_path / "jobs")), tmp_path / "array")
+    shape, B = MODELS[name][1], len(lrs)
+    save_array(fuse_models(export_all(make_modules(name, B, seed0=seed0), shape, tmp_path / "jobs")),
+               tmp_path / "array")
     rng = np.random.default_rng(2)
     x = rng.standard_normal((48,) + shape[1:]).astype(np.float32)
     y = rng.integers(0, 10, 48)
     np.savez(tmp_path / "d.npz", input=x, labels=y)
     train_array(tmp_path / "array", tmp_path / "d.npz",
-                TrainConfig(steps=6, batch_size=16, optimizer="sgd", momentum=0.9, lr=[0.01, 0.03], shuffle=False,
+                TrainConfig(steps=6, batch_size=16, optimizer="sgd", momentum=0.9, lr=lrs, shuffle=False,
                             runtime="torch", compile="on"), progress=False)
     got = states(tmp_path / "array")
     batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)] * 2
-    for b, lr in enumerate([0.01, 0.03]):
-        mod = make_modules(name, 2, seed0=7)[b]
+    for b, lr in enumerate(lrs):
+        mod = make_modules(name, B, seed0=seed0)[b]
         opt = torch.optim.SGD(mod.parameters(), lr=lr, momentum=0.9)
         for xb, yb in batches:
             opt.zero_grad()
@@ -262,40 +288,6 @@ def test_compiled_conv_nets_equal_each_model_trained_alone(name, tmp_path):
             opt.step()
         for k, v in mod.state_dict().items():
             assert rel_err(got[b][k], v.detach().numpy()) < 1e-4, (name, b, k)
-
-
-def test_the_per_model_form_trains_each_model_as_torch_alone_and_as_the_eager_array(tmp_path, monkeypatch):
-    """The ``per-model`` form (``TrainStep.FORMS``): each model's forward and backward through a one-model array's
-    graph on its own blocks of the weights, BatchNorm statistics included, then one update. Three models with
-    their own learning rates (model b's block is at b, not only 0), SGD with momentum: within 1e-4 of torch.optim
-    on each model alone (the bound of the whole step's test above), and the form was the one recorded."""
-    from onnxfuse.runtime.torch.train_step import TrainStep, read_times
-    from tests.conftest import MODELS
-
-    monkeypatch.setattr(TrainStep, "FORMS", ("per-model",))
-    shape = MODELS["cnn_bn"][1]
-    lrs = [0.01, 0.03, 0.02]
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((48,) + shape[1:]).astype(np.float32)
-    y = rng.integers(0, 10, 48)
-    np.savez(tmp_path / "d.npz", input=x, labels=y)
-    save_array(fuse_models(export_all(make_modules("cnn_bn", 3, seed0=4), shape, tmp_path / "jobs")),
-               tmp_path / "array")
-    train_array(tmp_path / "array", tmp_path / "d.npz",
-                TrainConfig(steps=6, batch_size=16, optimizer="sgd", momentum=0.9, lr=lrs, shuffle=False,
-                            runtime="torch", compile="on", verify_steps=0), progress=False)
-    got = states(tmp_path / "array")
-    assert [t.get("form") for t in read_times().values() if "form" in t][-1] == "per-model"
-    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)] * 2
-    for b, lr in enumerate(lrs):
-        mod = make_modules("cnn_bn", 3, seed0=4)[b]
-        opt = torch.optim.SGD(mod.parameters(), lr=lr, momentum=0.9)
-        for xb, yb in batches:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(mod.train()(torch.from_numpy(xb)), torch.from_numpy(yb)).backward()
-            opt.step()
-        for k, v in mod.state_dict().items():
-            assert rel_err(got[b][k], v.detach().numpy()) < 1e-4, (b, k)
 
 
 def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compiles_only_that(tmp_path, monkeypatch,
@@ -309,6 +301,7 @@ def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compil
     from onnxfuse.runtime.torch.train_step import TrainStep, read_times
 
     monkeypatch.setattr(TrainStep, "TRY_FORMS_FROM_S", 0.0)
+    before = read_times()
     data = data_file(tmp_path, n=96)
     cfg = dict(batch_size=16, steps=18, optimizer="adam", lr=[0.01, 0.003], shuffle=False, runtime="torch")
     arr_c, _ = make_array(tmp_path / "c", 2)
@@ -318,7 +311,7 @@ def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compil
     said = [r.getMessage() for r in caplog.records if "compiled step forms" in r.getMessage()]
     assert len(said) == 1 and all(f"{form} " in said[0] for form in TrainStep.FORMS), said
     kept = said[0].rsplit("keeping ", 1)[1]
-    assert kept in TrainStep.FORMS and [t.get("form") for t in read_times().values() if "form" in t][-1] == kept
+    assert kept in TrainStep.FORMS and _forms_recorded_since(before) == [kept]
     train_array(arr_e, data, TrainConfig(compile="off", verify_steps=0, **cfg), progress=False)
     compiled, eager = states(arr_c), states(arr_e)
     for b in range(2):
