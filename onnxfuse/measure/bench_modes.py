@@ -197,7 +197,7 @@ def fused_step(protos: list, lrs: list[float], loss_name, runtime: str, device: 
     labels = [f"model_{b}" for b in range(len(protos))]
     fa = fuse_models(protos, labels=labels,
                      strategy=make_strategy(strategy, runtime, device, batch, threads, compile=compile))
-    # model 0 fused alone: the per-model form of a compiled step (TrainStep.FORMS) runs it on each model's weights
+    # model 0 fused alone: the model-by-model form of a compiled step (TrainStep.FORMS) runs it on each model's weights
     one = fuse_models(protos[:1], labels=labels[:1]) if wants_one_model(runtime, device, compile) else None
     trainer = make_trainer(runtime, fa.model, fa.spec, loss_name, make_optimizer("adamw", len(protos), lr=lrs),
                            device=device, workdir=workdir, threads=threads or None, compile=compile,

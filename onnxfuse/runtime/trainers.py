@@ -64,7 +64,7 @@ def build_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: s
                   one_model: tuple[onnx.ModelProto, ArraySpec] | None = None) -> Runtime:
     """A trainer of ``fused`` on the registered runtime ``runtime``, from arguments checked where they were given
     (a run's settings, :func:`make_trainer`): nothing is checked here. ``compile``, ``total_steps``, ``seed`` and
-    ``one_model`` (a model of the array fused alone, for the per-model form of a compiled step) go to
+    ``one_model`` (a model of the array fused alone, for the model-by-model form of a compiled step) go to
     the runtime that compiles, ``precision`` and ``loss_scale`` to the one that trains in reduced precision
     (``RUNTIMES``: the torch runtime)."""
     watch = Stopwatch()
@@ -99,7 +99,7 @@ def make_trainer(runtime: str, fused: onnx.ModelProto, spec: ArraySpec, loss: st
 
 def wants_one_model(runtime: str, device: Device | str, compile: str) -> bool:
     """Whether a trainer would use a one-model graph (``one_model``: a model of the array fused alone): the torch
-    runtime compiling on a CPU, where a compiled step times its forms (``TrainStep.FORMS``), the per-model form
+    runtime compiling on a CPU, where a compiled step times its forms (``TrainStep.FORMS``), the model-by-model form
     among them."""
     return runtime == "torch" and compile != "off" and not Device.of(device).is_cuda
 

@@ -59,7 +59,7 @@ class RunState:
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
         settings = self.settings
         one = None
-        if wants_one_model(settings.runtime, settings.device, settings.compile):  # the per-model form's graph
+        if wants_one_model(settings.runtime, settings.device, settings.compile):  # the model-by-model form's graph
             one = self.array.refuse(self.models[:1], split_weights(self.spec, fused_initial_weights(self.fused),
                                                                    models=[0]), fuse_models)
         return build_trainer(settings.runtime, self.fused, self.spec, self.loss, self.opt, settings.device,

@@ -298,12 +298,12 @@ def test_data_orders_match_torch_on_each_models_own_batches(order, runtime, tmp_
     _check_data_order(order, runtime, tmp_path)
 
 
-def test_the_per_model_form_of_a_compiled_step_gives_each_model_its_own_batches(tmp_path, monkeypatch):
-    """The per-model form (``TrainStep.FORMS``) runs model b on its slice of the per-model input and labels: as
+def test_the_model_by_model_form_of_a_compiled_step_gives_each_model_its_own_batches(tmp_path, monkeypatch):
+    """The model-by-model form (``TrainStep.FORMS``) runs model b on its slice of the per-model input and labels: as
     torch alone on its own batches (within the compiled steps' bound, 1e-4)."""
     from onnxfuse.runtime.torch.train_step import TrainStep
 
-    monkeypatch.setattr(TrainStep, "FORMS", ("per-model",))
+    monkeypatch.setattr(TrainStep, "FORMS", ("model-by-model",))
     _check_data_order("shards", "torch", tmp_path, compile="on", bound=1e-4)
 
 

@@ -184,7 +184,7 @@ def auto_decision(remaining_steps: int, eager_step_s: float, known: dict | None)
 
 
 class OneModel(NamedTuple):
-    """What the ``per-model`` form of a step needs (``TrainStep.FORMS``): ``forward(weights, batch)``, the loss graph
+    """What the ``model-by-model`` form of a step needs (``TrainStep.FORMS``): ``forward(weights, batch)``, the loss graph
     of a one-model array of the same graph (``forward``'s outputs for B = 1, over one model's block of each fused
     weight and buffer), and the batch's inputs that hold one slice per model (``[B, ...]``: per-model inputs and
     labels). The graph must draw nothing at random: model b's own seeds are in the B-model graph only."""
@@ -206,12 +206,12 @@ class TrainStep:
     #: or ``partitioned`` (the loss compiled with AOTAutograd's forward/backward partition, which chooses the
     #: activations the backward keeps, autograd between, the update compiled on its own: ResNet-18's step 17 %
     #: faster). A run that records its times tries both on a CPU and keeps the faster (see ``_next_form``).
-    #: or ``per-model`` (each model's forward and backward in turn, through the graph of a one-model array of the
+    #: or ``model-by-model`` (each model's forward and backward in turn, through the graph of a one-model array of the
     #: same graph compiled once, on its own slices of the weights and the batch, then the one update of all B:
     #: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few channels per
     #: model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that graph, see
     #: :class:`OneModel`).
-    FORMS = ("whole", "partitioned", "per-model")
+    FORMS = ("whole", "partitioned", "model-by-model")
     #: the other forms are tried when the whole step takes at least this long: below it the Python between a
     #: partitioned step's parts costs more than the activations it can save (LeNet at B = 16: 31 ms whole,
     #: 55 ms partitioned), and trying would cost every small array a second compile
@@ -221,9 +221,9 @@ class TrainStep:
                  key: str = "", total_steps: int = 0, precision: str = "fp32", loss_scale: LossScale | None = None,
                  one_model: "OneModel | None" = None):
         self.opt, self.array, self.forward = optimizer, optimizer.array, forward
-        # the per-model form needs one model's graph, and each model's own loss (fp16 scales the B losses apart)
+        # the model-by-model form needs one model's graph, and each model's own loss (fp16 scales the B losses apart)
         self.one = one_model if precision != "fp16" else None
-        self.forms = tuple(f for f in self.FORMS if f != "per-model" or self.one is not None) or ("whole",)
+        self.forms = tuple(f for f in self.FORMS if f != "model-by-model" or self.one is not None) or ("whole",)
         self.buffers = list(buffers)
         # compile, precision and loss_scale were checked where they were given: a run's settings, train_step()
         self.mode, self.precision = compile, precision
@@ -247,7 +247,7 @@ class TrainStep:
         self.form = "whole"  # the compiled step's form (FORMS); measured forms' steady steps, seconds:
         self._form_s: dict[str, float] = {}
         self._forms: dict[str, Callable] = {}  # each form compiled so far
-        self._compiled_apply = None  # the update compiled apart (the partitioned and per-model forms')
+        self._compiled_apply = None  # the update compiled apart (the partitioned and model-by-model forms')
         self._compiled_key, self._guarded = None, True  # what the compiled step's update graph is (see _call_compiled)
         self._eager_times: list[float] = []
         self._compiled_times: list[float] = []
@@ -293,7 +293,7 @@ class TrainStep:
         self._compiled_apply(params, grads, per_model, news, hyper)
 
     def _per_model(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
-        """The step with each model's loss and gradient computed in turn (the ``per-model`` form): model b's graph
+        """The step with each model's loss and gradient computed in turn (the ``model-by-model`` form): model b's graph
         (``OneModel``, compiled once: every model's has the same shapes) on its block of each fused weight and
         buffer (block b of the model-major axis 0: a view) and its slice of the per-model inputs, autograd for
         its backward; the B gradients, losses and new statistics concatenated back into the fused layout, then
@@ -321,7 +321,7 @@ class TrainStep:
 
     def _one_loss(self, leaves: list[torch.Tensor], buffers: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
                   ) -> tuple:
-        """One model's loss (the per-model form's): its graph over its blocks ``leaves`` (trainable) and
+        """One model's loss (the model-by-model form's): its graph over its blocks ``leaves`` (trainable) and
         ``buffers``, with its per-model loss and new buffer values."""
         with autocast(self.precision, self.array.device):
             loss, per_model, news = self.one.forward({**buffers, **dict(zip(self.array.trainable, leaves))}, batch)
@@ -541,12 +541,12 @@ class TrainStep:
     def _compiled_form(self, form: str) -> Callable:
         """The step compiled in ``form`` (compiled on its first call)."""
         if form not in self._forms:
-            if form in ("partitioned", "per-model") and self._compiled_apply is None:
+            if form in ("partitioned", "model-by-model") and self._compiled_apply is None:
                 self._compiled_apply = compiled(self._apply)
             if form == "partitioned":
                 self._compiled_loss = compiled(self._loss)
                 self._forms[form] = self._partitioned
-            elif form == "per-model":
+            elif form == "model-by-model":
                 self._compiled_one = compiled(self._one_loss)
                 self._forms[form] = self._per_model
             else:
@@ -573,7 +573,7 @@ class TrainStep:
         return False
 
     def _recorded_forms(self) -> set[str]:
-        """The forms timed for this workload before (the record's; one made before the per-model form existed
+        """The forms timed for this workload before (the record's; one made before the model-by-model form existed
         timed the two before it)."""
         known = read_times().get(self._record, {}) if self._record else {}
         return set(known.get("tried", self.FORMS[:2] if "form" in known else ()))

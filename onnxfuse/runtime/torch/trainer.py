@@ -131,7 +131,7 @@ class TorchTrainer:
     unavailable = staticmethod(_device_available)
 
     def _one_model(self, one: tuple[onnx.ModelProto, ArraySpec], precision: str, wide, options):
-        """The per-model form's graph (``TrainStep.FORMS``): ``one``, a one-model array of the same graph (model
+        """The model-by-model form's graph (``TrainStep.FORMS``): ``one``, a one-model array of the same graph (model
         0 fused alone), as a loss program over one model's blocks of this array's weights; None (the form is not
         offered, said at debug level) where its weights are not laid out as this array's are, or the graph draws
         at random (each model's seed is in the B-model graph only)."""
@@ -152,7 +152,7 @@ class TorchTrainer:
         if why is None and stats != self.stats:
             why = "its BatchNorm statistics differ"
         if why is not None:
-            log.debug("no per-model form of the step: the one-model graph does not match the array (%s)", why)
+            log.debug("no model-by-model form of the step: the one-model graph does not match the array (%s)", why)
             return None
         train, _ = add_loss_pass(train, spec, self.loss)
         program = ArrayProgram(self.array, keep_padding_rows(wide(train), spec), ["loss", "per_model_loss"]
@@ -230,7 +230,7 @@ class TorchTrainer:
 
     def _loss_forward(self, weights: dict, batch: dict, program=None) -> tuple:
         """The step's forward (``TrainStep``): loss, per-model losses and the new BatchNorm statistics (``program``:
-        another loss program than the array's, the per-model form's)."""
+        another loss program than the array's, the model-by-model form's)."""
         loss, per_model, rest = self._forward(program or self._train, batch, weights)
         return loss, per_model, rest[1:] if self.python is not None else rest
 

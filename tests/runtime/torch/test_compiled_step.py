@@ -242,17 +242,17 @@ def test_compiled_conv_nets_equal_each_model_trained_alone(name, tmp_path):
     _conv_net_trains_as_torch_alone(name, [0.01, 0.03], 7, tmp_path)
 
 
-def test_the_per_model_form_trains_each_model_as_torch_alone(tmp_path, monkeypatch):
-    """The ``per-model`` form (``TrainStep.FORMS``): each model's forward and backward through a one-model array's
+def test_the_model_by_model_form_trains_each_model_as_torch_alone(tmp_path, monkeypatch):
+    """The ``model-by-model`` form (``TrainStep.FORMS``): each model's forward and backward through a one-model array's
     graph on its own blocks of the weights, BatchNorm statistics included, then one update. Three models with
     their own learning rates (model b's block is at b, not only 0), SGD with momentum: within 1e-4 of torch.optim
     on each model alone (the bound of the whole step's test above), and the form was the one recorded."""
     from onnxfuse.runtime.torch.train_step import TrainStep, read_times
 
-    monkeypatch.setattr(TrainStep, "FORMS", ("per-model",))
+    monkeypatch.setattr(TrainStep, "FORMS", ("model-by-model",))
     before = read_times()
     _conv_net_trains_as_torch_alone("cnn_bn", [0.01, 0.03, 0.02], 4, tmp_path)
-    assert _forms_recorded_since(before) == ["per-model"]
+    assert _forms_recorded_since(before) == ["model-by-model"]
 
 
 def _forms_recorded_since(before: dict) -> list[str]:
@@ -293,7 +293,7 @@ def _conv_net_trains_as_torch_alone(name: str, lrs: list[float], seed0: int, tmp
 def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compiles_only_that(tmp_path, monkeypatch,
                                                                                              caplog):
     """``TrainStep.FORMS``: a compiled run whose whole step is long enough (here: any) compiles the partitioned
-    and the per-model forms too after timing the whole one, keeps the fastest and records it; training through
+    and the model-by-model forms too after timing the whole one, keeps the fastest and records it; training through
     the changes of form stays each model's own (within rounding of the eager run). A later run of the same
     workload compiles only the recorded form."""
     import logging
