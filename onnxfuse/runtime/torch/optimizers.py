@@ -440,4 +440,4 @@ def clip_grad_norm_(array, max_norm) -> torch.Tensor:
     return norm.reshape(B)
 
 
-from onnxfuse.runtime.torch.train_step import ArrayStep, train_step  # noqa: E402  (the compiled step over these classes)
+from onnxfuse.runtime.torch.array_step import ArrayStep, train_step  # noqa: E402  (the compiled step over these classes)
