@@ -133,7 +133,7 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
     graph's coefficients carry the lr as given, and the trainers are handed the run's settings themselves as
     their update rule (no other shape of them between the run and the update graph)."""
     from onnxfuse.runtime import trainers
-    from onnxfuse.runtime.torch import train_step
+    from onnxfuse.runtime.torch import array_step
     from onnxfuse.training import run, run_state
 
     rules = []
@@ -147,7 +147,7 @@ def test_lr_and_device_are_validated_once_from_the_flag_to_the_update_graph(work
     takes = trainers.check_runtime_takes
     monkeypatch.setattr(Device, "available", lambda self: asked.append(str(self)) or available(self))
     monkeypatch.setattr(trainers, "check_runtime_takes", lambda *a, **k: chosen.append(a) or takes(*a, **k))
-    for module in (trainers, train_step):
+    for module in (trainers, array_step):
         for name in ("check_precision", "check_compile"):
             monkeypatch.setattr(module, name, lambda *a, name=name, **k: again.append(name))
 
