@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 
 from onnxfuse.core.array import ArrayDir
+from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.passes import fuse_models, fused_initial_weights
 from onnxfuse.core.split import model_steps, split_weights
 from onnxfuse.core.weights import ArraySpec
@@ -58,14 +59,24 @@ class RunState:
         os.makedirs(self.workdir, exist_ok=True)
         folder = os.path.join(self.workdir, f"artifacts_{len(os.listdir(self.workdir))}_b{len(self.models)}")
         settings = self.settings
-        one = None
-        if wants_one_model(settings.runtime, settings.device, settings.compile):  # the model-by-model form's graph
-            one = self.array.refuse(self.models[:1], split_weights(self.spec, fused_initial_weights(self.fused),
-                                                                   models=[0]), fuse_models)
         return build_trainer(settings.runtime, self.fused, self.spec, self.loss, self.opt, settings.device,
                              workdir=folder, threads=settings.threads or None, compile=settings.compile,
                              total_steps=self.total, precision=settings.precision, loss_scale=self.loss_scale,
-                             seed=settings.seed, one_model=one)
+                             seed=settings.seed, one_model=self._one_model())
+
+    def _one_model(self) -> tuple[onnx.ModelProto, ArraySpec] | None:
+        """The first model of the array fused alone, for the model-by-model form of a compiled step, where a
+        trainer would use it (``wants_one_model``); None, said once, where the array's folder has not its source
+        graph (the step is then timed in its other forms)."""
+        settings = self.settings
+        if not wants_one_model(settings.runtime, settings.device, settings.compile):
+            return None
+        try:
+            return self.array.refuse(self.models[:1], split_weights(self.spec, fused_initial_weights(self.fused),
+                                                                    models=[0]), fuse_models)
+        except InputFileError as e:
+            log.info("compiled step: no model-by-model form (%s)", e)
+            return None
 
     # ---- state
     def state(self) -> dict:

@@ -255,6 +255,21 @@ def test_the_model_by_model_form_trains_each_model_as_torch_alone(tmp_path, monk
     assert _forms_recorded_since(before) == ["model-by-model"]
 
 
+def test_an_array_without_its_source_graph_still_trains_compiled(tmp_path, caplog):
+    """The model-by-model form needs the first model's source graph (``sources/``); an array folder without it
+    trains compiled in the other forms and says once why that form is missing (it trained before the form came)."""
+    import logging
+
+    arr, _ = make_array(tmp_path, 2)
+    os.remove(arr / "sources" / "model_0.onnx")
+    with caplog.at_level(logging.INFO, logger="onnxfuse"):
+        res = train_array(arr, data_file(tmp_path, n=64), TrainConfig(steps=2, batch_size=16, runtime="torch",
+                                                                       compile="on", verify_steps=0), progress=False)
+    assert res.steps == 2
+    said = [r.getMessage() for r in caplog.records if "no model-by-model form" in r.getMessage()]
+    assert len(said) == 1 and "model_0.onnx" in said[0], said
+
+
 def _forms_recorded_since(before: dict) -> list[str]:
     """The compiled step forms recorded (``compile-times.json``) since the record was ``before``."""
     from onnxfuse.runtime.torch.train_step import read_times
