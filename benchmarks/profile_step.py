@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from onnxfuse.runtime._machine import cpu_description, rerun_held_to
 
-    code = rerun_held_to(args.isa, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])])
+    code = rerun_held_to(args.isa, __file__, argv)
     if code is not None:
         return code
     print(f"# {cpu_description()}, 1 thread, batch {args.batch} per model, {args.steps} profiled steps per mode")

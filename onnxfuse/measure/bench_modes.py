@@ -221,6 +221,13 @@ def seq_ort_step(protos: list, lrs: list[float], loss_name, feeds: dict, workdir
     return step
 
 
+def _adamw(params, lr: float, compiled: bool):
+    """A peer's AdamW: as written, or in its compiled form's (``fused=True``: one kernel for the update)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=lr, **({"fused": True} if compiled else {}))
+
+
 def seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y,
                     precision: str = "fp32", compiled: bool = False) -> Callable[[], list]:
     """The B models one after another, each with its own AdamW and (fp16) its own GradScaler, as B separate
@@ -229,8 +236,7 @@ def seq_torch_step(mods: list, lrs: list[float], class_last: bool, x, y,
     shapes, so it compiles once; ``AdamW(fused=True)``)."""
     import torch
 
-    opts = [torch.optim.AdamW(m.parameters(), lr=lr, **({"fused": True} if compiled else {}))
-            for m, lr in zip(mods, lrs)]
+    opts = [_adamw(m.parameters(), lr, compiled) for m, lr in zip(mods, lrs)]
     scalers = [_scaler(precision, x.device) for _ in mods]
 
     def loss_of(m):
@@ -257,7 +263,7 @@ def adamw_step(loss_fn: Callable[[], object], params: list, lr: float, compiled:
     compiled), fp16 through one GradScaler. A step returns the loss."""
     import torch
 
-    opt = torch.optim.AdamW(params, lr=lr, **({"fused": True} if compiled else {}))
+    opt = _adamw(params, lr, compiled)
     scaler = _scaler(precision, device)
 
     def amp_loss():

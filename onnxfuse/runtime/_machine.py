@@ -89,15 +89,17 @@ def isa_in_effect(isa: str) -> bool:
     return all(os.environ.get(k) == v for k, v in isa_env(isa).items())
 
 
-def rerun_held_to(isa: str, argv: list[str]) -> int | None:
-    """A script's run under ``isa``: None where this process is held to it already (go on here); else ``argv``
-    (the script's command line) run again with :func:`isa_env`'s variables, which torch, oneDNN and MKL read when
-    they load, and its exit status."""
+def rerun_held_to(isa: str, script: str, argv: list[str] | None = None) -> int | None:
+    """A script's run under ``isa``: None where this process is held to it already (go on here); else the script
+    (its path, ``__file__``) run again with ``argv`` (default: this process's arguments) and :func:`isa_env`'s
+    variables, which torch, oneDNN and MKL read when they load, and its exit status."""
     import subprocess
+    import sys
 
     if isa_in_effect(isa):
         return None
-    return subprocess.call(argv, env={**os.environ, **isa_env(isa)})
+    command = [sys.executable, os.path.abspath(script), *(argv or sys.argv[1:])]
+    return subprocess.call(command, env={**os.environ, **isa_env(isa)})
 
 
 def native_low_precision(dtype_name: str) -> bool:

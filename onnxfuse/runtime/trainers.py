@@ -102,4 +102,3 @@ def wants_one_model(runtime: str, device: Device | str, compile: str) -> bool:
     runtime compiling on a CPU, where a compiled step times its forms (``TrainStep.FORMS``), the model-by-model form
     among them."""
     return runtime == "torch" and compile != "off" and not Device.of(device).is_cuda
-

@@ -183,10 +183,11 @@ def auto_decision(remaining_steps: int, eager_step_s: float, known: dict | None)
 
 
 class OneModel(NamedTuple):
-    """What the ``model-by-model`` form of a step needs (``TrainStep.FORMS``): ``forward(weights, batch)``, the loss graph
-    of a one-model array of the same graph (``forward``'s outputs for B = 1, over one model's block of each fused
-    weight and buffer), and the batch's inputs that hold one slice per model (``[B, ...]``: per-model inputs and
-    labels). The graph must draw nothing at random: model b's own seeds are in the B-model graph only."""
+    """What the ``model-by-model`` form of a step needs (``TrainStep.FORMS``): ``forward(weights, batch)``, the
+    loss graph of a one-model array of the same graph (``forward``'s outputs for B = 1, over one model's block of
+    each fused weight and buffer), and the batch's inputs that hold one slice per model (``[B, ...]``: per-model
+    inputs and labels). The graph must draw nothing at random: model b's own seeds are in the B-model graph
+    only."""
 
     forward: Callable
     per_model_inputs: frozenset
@@ -205,10 +206,10 @@ class TrainStep:
     #: or ``partitioned`` (the loss compiled with AOTAutograd's forward/backward partition, which chooses the
     #: activations the backward keeps, autograd between, the update compiled on its own: ResNet-18's step 17 %
     #: faster). A run that records its times tries both on a CPU and keeps the faster (see ``_next_form``).
-    #: or ``model-by-model`` (each model's forward and backward in turn, through the graph of a one-model array of the
-    #: same graph compiled once, on its own slices of the weights and the batch, then the one update of all B:
-    #: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few channels per
-    #: model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that graph, see
+    #: or ``model-by-model`` (each model's forward and backward in turn, through the graph of a one-model array of
+    #: the same graph compiled once, on its own slices of the weights and the batch, then the one update of all
+    #: B: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few channels
+    #: per model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that graph, see
     #: :class:`OneModel`).
     FORMS = ("whole", "partitioned", "model-by-model")
     #: the other forms are tried when the whole step takes at least this long: below it the Python between a
@@ -291,20 +292,20 @@ class TrainStep:
         grads, per_model, news = self._gradients(params, batch, self._compiled_loss)
         self._compiled_apply(params, grads, per_model, news, hyper)
 
-    def _per_model(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
-        """The step with each model's loss and gradient computed in turn (the ``model-by-model`` form): model b's graph
-        (``OneModel``, compiled once: every model's has the same shapes) on its block of each fused weight and
-        buffer (block b of the model-major axis 0: a view) and its slice of the per-model inputs, autograd for
-        its backward; the B gradients, losses and new statistics concatenated back into the fused layout, then
-        the one compiled update of all models."""
+    def _model_by_model(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor
+                        ) -> None:
+        """The step with each model's loss and gradient computed in turn (the ``model-by-model`` form): model b's
+        graph (``OneModel``, compiled once: every model's has the same shapes) on its block of each fused weight
+        and buffer (block b of the model-major axis 0: a view) and its slice of the per-model inputs, autograd
+        for its backward; the B gradients, losses and new statistics concatenated back into the fused layout,
+        then the one compiled update of all models."""
         arr, one = self.array, self.one
-        held = {n: arr.buffer(n) for n in arr.buffer_names}
-        lens = [arr.spec.weights[n].block_len for n in arr.trainable]
+        lens, buffer_lens = self._blocks
+        held = {n: (arr.buffer(n), L) for n, L in buffer_lens.items()}
         grads: list[list[torch.Tensor]] = [[] for _ in params]
         losses, news = [], [[] for _ in self.buffers]
         for b in range(arr.B):
-            mine = {n: t.narrow(0, b * arr.spec.weights[n].block_len, arr.spec.weights[n].block_len)
-                    for n, t in held.items()}
+            mine = {n: t.narrow(0, b * L, L) for n, (t, L) in held.items()}
             feeds = {n: t.narrow(0, b, 1) if n in one.per_model_inputs else t for n, t in batch.items()}
             with torch.enable_grad():
                 leaves = [p.narrow(0, b * L, L).detach().requires_grad_(True) for p, L in zip(params, lens)]
@@ -547,7 +548,11 @@ class TrainStep:
                 self._forms[form] = self._partitioned
             elif form == "model-by-model":
                 self._compiled_one = compiled(self._one_loss)
-                self._forms[form] = self._per_model
+                arr = self.array
+                # each model's block length in every trainable tensor and every buffer (the array's own)
+                self._blocks = ([arr.spec.weights[n].block_len for n in arr.trainable],
+                                {n: arr.spec.weights[n].block_len for n in arr.buffer_names})
+                self._forms[form] = self._model_by_model
             else:
                 self._forms[form] = compiled(self._body)
         return self._forms[form]
@@ -556,7 +561,8 @@ class TrainStep:
         """After ``form``'s steady step was timed: on a CPU, with no form recorded for this workload yet, compile
         the next form and time it too (returns True), else keep the fastest measured and record it (False)."""
         self._form_s[self.form] = step_s
-        untried = [f for f in self.forms if f not in self._form_s and f not in self._recorded_forms()]
+        tried = self._recorded_forms()
+        untried = [f for f in self.forms if f not in self._form_s and f not in tried]
         worth = self._form_s.get("whole", step_s) >= self.TRY_FORMS_FROM_S
         if untried and worth and self.array.device.type == "cpu":
             self.form, self._compiled_times = untried[0], []

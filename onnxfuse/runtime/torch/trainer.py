@@ -102,9 +102,7 @@ class TorchTrainer:
 
             # in bf16 / fp16 the loss reads the output in float32, as torch.autocast runs its losses
             wide = (lambda m: m) if precision == "fp32" else (lambda m: loss_in_fp32(m, spec.outputs[0]["name"]))
-            train, _ = add_loss_pass(train, spec, self.loss)
-            self._train = self.array.program(wide(train), outputs=["loss", "per_model_loss"] + stat_outputs,
-                                             options=options)
+            self._train = self._loss_program(train, spec, stat_outputs, wide, options)
             self._one = self._one_model(one_model, precision, wide, options) if one_model is not None else None
             # eval graph: inference mode + loss (outputs per_model_loss, the model's output)
             self._eval = self.array.program(wide(inference_loss_pass(fused, spec, self.loss))).eval()
@@ -133,33 +131,43 @@ class TorchTrainer:
     def _one_model(self, one: tuple[onnx.ModelProto, ArraySpec], precision: str, wide, options):
         """The model-by-model form's graph (``TrainStep.FORMS``): ``one``, a one-model array of the same graph (model
         0 fused alone), as a loss program over one model's blocks of this array's weights; None (the form is not
-        offered, said at debug level) where its weights are not laid out as this array's are, or the graph draws
-        at random (each model's seed is in the B-model graph only)."""
-        from onnxfuse.runtime.torch.array_module import ArrayProgram, keep_padding_rows
+        offered, said at debug level) where its weights are not laid out as this array's are, the graph draws at
+        random (each model's seed is in the B-model graph only) or its BatchNorm statistics are not the array's."""
         from onnxfuse.runtime.torch.kernels._base import RANDOM_OPS
         from onnxfuse.runtime.torch.train_step import OneModel, batchnorm_outputs
 
         model, spec = one
-        ours = {n: (w.slot, w.role) for n, w in self.spec.weights.items()}
-        why = ("its weights are laid out otherwise" if {n: (w.slot, w.role) for n, w in spec.weights.items()} != ours
-               else "the graph draws at random" if any(n.op_type in RANDOM_OPS for n in model.graph.node) else None)
-        train = copy.deepcopy(model)
-        if precision != "fp32":
-            from onnxfuse.runtime.torch.precision import autocast_graph
 
-            train = autocast_graph(train, sum(spec.parameter_names(), []))
-        stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
-        if why is None and stats != self.stats:
-            why = "its BatchNorm statistics differ"
+        def layout(of: ArraySpec) -> dict:
+            return {n: (w.slot, w.role) for n, w in of.weights.items()}
+
+        why = ("its weights are laid out otherwise" if layout(spec) != layout(self.spec)
+               else "the graph draws at random" if any(n.op_type in RANDOM_OPS for n in model.graph.node) else None)
+        if why is None:
+            train = copy.deepcopy(model)
+            if precision != "fp32":
+                from onnxfuse.runtime.torch.precision import autocast_graph
+
+                train = autocast_graph(train, sum(spec.parameter_names(), []))
+            stats, stat_outputs = batchnorm_outputs(train, set(self.buffers))
+            why = "its BatchNorm statistics differ" if stats != self.stats else None
         if why is not None:
             log.debug("no model-by-model form of the step: the one-model graph does not match the array (%s)", why)
             return None
-        train, _ = add_loss_pass(train, spec, self.loss)
-        program = ArrayProgram(self.array, keep_padding_rows(wide(train), spec), ["loss", "per_model_loss"]
-                               + stat_outputs, options)
+        program = self._loss_program(train, spec, stat_outputs, wide, options)
         per_model = {i["name"] for i in spec.inputs if i.get("per_model")} | (
             {LABELS} if self.loss.per_model_labels else set())
         return OneModel(lambda weights, batch: self._loss_forward(weights, batch, program), frozenset(per_model))
+
+    def _loss_program(self, train: onnx.ModelProto, spec: ArraySpec, stat_outputs: list[str], wide, options):
+        """``train`` (an array's training graph, edited: ``spec``'s) with its per-model loss, as a program over
+        this array's weights returning the summed loss, the per-model losses and ``stat_outputs``; ``wide``: the
+        loss read in float32 (reduced precision)."""
+        from onnxfuse.runtime.torch.array_module import ArrayProgram, keep_padding_rows
+
+        train, _ = add_loss_pass(train, spec, self.loss)
+        return ArrayProgram(self.array, keep_padding_rows(wide(train), spec), ["loss", "per_model_loss"] + stat_outputs,
+                            options)
 
     @property
     def opt(self) -> UpdateRule:
@@ -231,7 +239,7 @@ class TorchTrainer:
     def _loss_forward(self, weights: dict, batch: dict, program=None) -> tuple:
         """The step's forward (``TrainStep``): loss, per-model losses and the new BatchNorm statistics (``program``:
         another loss program than the array's, the model-by-model form's)."""
-        loss, per_model, rest = self._forward(program or self._train, batch, weights)
+        loss, per_model, rest = self._forward(self._train if program is None else program, batch, weights)
         return loss, per_model, rest[1:] if self.python is not None else rest
 
     def launch(self, feeds: dict[str, np.ndarray], values: StepValues | None = None, ahead=None) -> None:
