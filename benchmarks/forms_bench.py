@@ -41,9 +41,10 @@ def main(argv=None) -> int:
     from onnxfuse.measure.forms import measured_strategy
     from onnxfuse.recipe.losses import get_loss
     from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.runtime.process import tune_process
     from onnxfuse.runtime.trainers import make_trainer
 
-    torch.set_num_threads(args.threads)
+    tune_process(args.threads)  # the process `onnxfuse train` trains in
     print(f"`python benchmarks/forms_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
     print(f"{args.runtime} runtime, {args.threads} thread(s), batch {args.batch} per model, AdamW; step ms = median "
           f"of {args.rounds} interleaved rounds of {args.steps} steps\n")

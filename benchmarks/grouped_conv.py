@@ -57,9 +57,9 @@ def _step(form: str, B: int, N: int, C: int, H: int):
 
 def measure(B: int, N: int, rounds: int) -> dict[tuple[int, int], dict[str, float]]:
     """{stage: {form: median ms}} over ``rounds`` interleaved rounds (each form once per round, after a warm-up)."""
-    import torch
+    from onnxfuse.runtime.process import tune_process
 
-    torch.set_num_threads(1)
+    tune_process(1)  # the process `onnxfuse train` trains in
     out = {}
     for C, H in STAGES:
         steps = {form: _step(form, B, N, C, H) for form in FORMS}
@@ -80,8 +80,9 @@ def measure(B: int, N: int, rounds: int) -> dict[tuple[int, int], dict[str, floa
 def onednn_kernels(form: str, B: int, N: int, C: int, H: int) -> dict[str, float]:
     """{'primitive implementation': ms} for one forward + backward of ``form`` (its second, warm), from oneDNN's
     verbose log in a child process."""
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import torch; "
-            f"torch.set_num_threads(1); from grouped_conv import _step; s = _step({form!r}, {B}, {N}, {C}, {H}); "
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            "from grouped_conv import _step; from onnxfuse.runtime.process import tune_process; tune_process(1); "
+            f"s = _step({form!r}, {B}, {N}, {C}, {H}); "
             "s(); print('=== warm', flush=True); s()")
     env = {**os.environ, "ONEDNN_VERBOSE": "1"}
     text = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

@@ -61,8 +61,9 @@ def measure(name: str, B: int, modes: list[str], steps: int, warmup: int, batch:
 
     from onnxfuse.measure.bench import _first_steps, _inputs, _makers
     from onnxfuse.measure.bench_modes import zoo_workload
+    from onnxfuse.runtime.process import tune_process
 
-    torch.set_num_threads(1)
+    tune_process(1)  # the process `onnxfuse bench` measures in
     folder = tempfile.mkdtemp(prefix="onnxfuse-profile-")
     work = zoo_workload(name, B, batch, torch.device("cpu"), folder)
     with contextlib.ExitStack() as stack:

@@ -58,9 +58,10 @@ def main(argv=None) -> int:
     from onnxfuse.exporters import export_module
     from onnxfuse.measure.workloads import interleaved_rounds
     from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.runtime.process import tune_process
     from onnxfuse.runtime.trainers import make_trainer
 
-    torch.set_num_threads(args.threads)
+    tune_process(args.threads)  # the process `onnxfuse train` trains in
     print(f"`python benchmarks/recurrent_forms.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
     print(f"{args.runtime} runtime, {args.threads} thread(s), T = {T} rows of {PIXELS}, batch {args.batch} per "
           f"model, AdamW; step ms = median of {args.rounds} interleaved rounds of {args.steps} steps\n")

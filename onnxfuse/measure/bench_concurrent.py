@@ -45,15 +45,13 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
     "stop" (or the pipe closes: the parent is gone). A failure is sent as ("error" or "oom", one line)."""
     import torch
 
+    from onnxfuse.runtime.process import tune_process
+
     try:
         dev = torch.device(device)
-        if dev.type == "cpu":
-            if cores and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-            from onnxfuse.runtime.process import keep_heap
-
-            keep_heap()  # the allocator setting a training process of the command line has (every mode gets it)
+        if dev.type == "cpu" and cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        tune_process(threads, dev.type)  # the process the bench's other modes run in (bench.run's)
         step = seq_torch_step([_worker_module(source).to(dev).train()], [lr], class_last,
                                torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), precision)
         conn.send(("ready", None))
