@@ -89,6 +89,10 @@ class FusedArray(torch.nn.Module):
     def device(self) -> torch.device:
         return self.forwards.device
 
+    def op_types(self) -> set[str]:
+        """The op types of the fused graph's top level."""
+        return {n.op_type for n in self._graph.graph.node}
+
     def parameter(self, name: str) -> torch.nn.Parameter:
         """The fused parameter ``name`` (a fused weight of ``spec``)."""
         return self.onnx_state()[name]

@@ -1,7 +1,8 @@
 """One training step of a FusedArray and its ``onnxfuse.optim`` optimizer as one function: forward, loss,
 gradients, fault isolation, the per-model update and every write (weights, optimizer state, BatchNorm
 statistics), with no host read. ``compile`` captures it with ``torch.compile`` (inductor), whole or in two
-parts, or model by model, whichever was measured faster (``TrainStep.FORMS``):
+parts (its convolutions channels-last or NCHW), or model by model, whichever was measured faster
+(``TrainStep.FORMS``):
 
     step = TrainStep(opt, forward, compile="on")     # forward(weights, batch) -> (loss, per_model [B], new buffers)
     step(batch, values)                              # no host read: losses, ok and failures stay on the device
@@ -33,6 +34,7 @@ machine's key (:func:`record_key`). Compiled code is cached by inductor under th
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -210,8 +212,11 @@ class TrainStep:
     #: the same graph compiled once, on its own slices of the weights and the batch, then the one update of all
     #: B: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few channels
     #: per model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that graph, see
-    #: :class:`OneModel`).
-    FORMS = ("whole", "partitioned", "model-by-model")
+    #: :class:`OneModel`), or ``partitioned-nchw`` (partitioned, with inductor's convolutions left in NCHW: it
+    #: turns a graph with convolutions channels-last, where oneDNN's grouped convolutions with a few channels
+    #: per group are slower than NCHW's blocked ones on an AVX-512 EPYC, ResNet-18's step 10 % faster there;
+    #: offered for graphs with a convolution, see :data:`FORM_OPTIONS`).
+    FORMS = ("whole", "partitioned", "model-by-model", "partitioned-nchw")
     #: the other forms are tried when the whole step takes at least this long: below it the Python between a
     #: partitioned step's parts costs more than the activations it can save (LeNet at B = 16: 31 ms whole,
     #: 55 ms partitioned), and trying would cost every small array a second compile
@@ -223,7 +228,8 @@ class TrainStep:
         self.opt, self.array, self.forward = optimizer, optimizer.array, forward
         # the model-by-model form needs one model's graph, and each model's own loss (fp16 scales the B losses apart)
         self.one = one_model if precision != "fp16" else None
-        self.forms = tuple(f for f in self.FORMS if f != "model-by-model" or self.one is not None) or ("whole",)
+        offered = {"model-by-model": self.one is not None, "partitioned-nchw": has_convolution(self.array)}
+        self.forms = tuple(f for f in self.FORMS if offered.get(f, True)) or ("whole",)
         self.buffers = list(buffers)
         # compile, precision and loss_scale were checked where they were given: a run's settings, train_step()
         self.mode, self.precision = compile, precision
@@ -247,7 +253,7 @@ class TrainStep:
         self.form = "whole"  # the compiled step's form (FORMS); measured forms' steady steps, seconds:
         self._form_s: dict[str, float] = {}
         self._forms: dict[str, Callable] = {}  # each form compiled so far
-        self._compiled_apply = None  # the update compiled apart (the partitioned and model-by-model forms')
+        self._compiled_apply = None  # the update compiled apart (every form's but the whole one's)
         self._compiled_key, self._guarded = None, True  # what the compiled step's update graph is (see _call_compiled)
         self._eager_times: list[float] = []
         self._compiled_times: list[float] = []
@@ -285,11 +291,12 @@ class TrainStep:
         grads, per_model, news = self._gradients(params, batch)
         self._apply(params, grads, per_model, news, hyper)
 
-    def _partitioned(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor) -> None:
-        """The step with its loss and its update compiled apart (the ``partitioned`` form): AOTAutograd splits the
-        loss into a forward and a backward graph and chooses the activations the backward keeps, autograd runs
-        the backward between them."""
-        grads, per_model, news = self._gradients(params, batch, self._compiled_loss)
+    def _partitioned(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor,
+                     loss_of: Callable) -> None:
+        """The step with its loss (``loss_of``: ``_loss`` compiled) and its update compiled apart (the
+        ``partitioned`` forms): AOTAutograd splits the loss into a forward and a backward graph and chooses the
+        activations the backward keeps, autograd runs the backward between them."""
+        grads, per_model, news = self._gradients(params, batch, loss_of)
         self._compiled_apply(params, grads, per_model, news, hyper)
 
     def _model_by_model(self, params: list[torch.Tensor], batch: dict[str, torch.Tensor], hyper: torch.Tensor
@@ -541,11 +548,11 @@ class TrainStep:
     def _compiled_form(self, form: str) -> Callable:
         """The step compiled in ``form`` (compiled on its first call)."""
         if form not in self._forms:
-            if form in ("partitioned", "model-by-model") and self._compiled_apply is None:
+            if form != "whole" and self._compiled_apply is None:
                 self._compiled_apply = compiled(self._apply)
-            if form == "partitioned":
-                self._compiled_loss = compiled(self._loss)
-                self._forms[form] = self._partitioned
+            if form.startswith("partitioned"):
+                self._forms[form] = functools.partial(self._partitioned,
+                                                      loss_of=compiled(self._loss, **FORM_OPTIONS.get(form, {})))
             elif form == "model-by-model":
                 self._compiled_one = compiled(self._one_loss)
                 arr = self.array
@@ -694,10 +701,20 @@ class _CudaGraphed:
         return time.perf_counter() - t0
 
 
-def compiled(method):
+#: inductor's options of a compiled step form (``TrainStep.FORMS``) beyond every form's own (:func:`compiled`)
+FORM_OPTIONS = {"partitioned-nchw": {"layout_optimization": False}}
+
+
+def has_convolution(array) -> bool:
+    """Whether the fused graph of ``array`` convolves (what inductor's layout optimization turns channels-last)."""
+    return any("Conv" in op for op in array.op_types())
+
+
+def compiled(method, **options):
     """``torch.compile`` of a bound method, under a code object of its own: dynamo keeps its compiled entries
     per code object, at most 8 for one function (``recompile_limit``) before it silently runs it eagerly, so every
-    array's step (a fuzz campaign's, a sweep's re-fused arrays) gets its own."""
+    array's step (a fuzz campaign's, a sweep's re-fused arrays) gets its own. ``options``: inductor's, for this
+    function only (:data:`FORM_OPTIONS`)."""
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     # a graph break inside the step (an op the interpreter runs on the host) leaves torch.func.grad's own wrapper
@@ -706,7 +723,8 @@ def compiled(method):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # random ops (Dropout) draw from torch's generator as eager kernels do (inductor's option, for this function
     # only): a compiled run's masks are an eager run's, and a resumed run's RNG state means the same in both
-    return torch.compile(types.MethodType(own, method.__self__), dynamic=False, options={"fallback_random": True})
+    return torch.compile(types.MethodType(own, method.__self__), dynamic=False,
+                         options={"fallback_random": True, **options})
 
 
 def graph_key(*parts) -> str:

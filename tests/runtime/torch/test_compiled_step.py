@@ -255,6 +255,46 @@ def test_the_model_by_model_form_trains_each_model_as_torch_alone(tmp_path, monk
     assert _forms_recorded_since(before) == ["model-by-model"]
 
 
+def test_the_nchw_form_trains_each_model_as_torch_alone_with_its_convolutions_left_nchw(tmp_path, monkeypatch):
+    """The ``partitioned-nchw`` form (``TrainStep.FORMS``): the partitioned step with inductor's layout
+    optimization off for its loss (``FORM_OPTIONS``), so that the grouped convolutions stay NCHW. Within 1e-4 of
+    torch.optim on each model alone, the form recorded, and the option given to torch.compile."""
+    from onnxfuse.runtime.torch import train_step
+    from onnxfuse.runtime.torch.train_step import TrainStep
+
+    given = []
+    compile_ = torch.compile
+
+    def recording(fn, **kw):
+        given.append(kw.get("options", {}))
+        return compile_(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    monkeypatch.setattr(TrainStep, "FORMS", ("partitioned-nchw",))
+    before = train_step.read_times()
+    _conv_net_trains_as_torch_alone("cnn_bn", [0.01, 0.03, 0.02], 5, tmp_path)
+    assert _forms_recorded_since(before) == ["partitioned-nchw"]
+    assert {"fallback_random": True, "layout_optimization": False} in given, given
+
+
+def test_the_nchw_form_is_offered_only_to_graphs_that_convolve(tmp_path):
+    """Without a convolution inductor's layout optimization changes nothing: a second compile of the partitioned
+    form would be all the NCHW form is."""
+    from onnxfuse.recipe.optim import make_optimizer
+    from onnxfuse.runtime.trainers import make_trainer
+    from tests.conftest import MODELS
+
+    def forms(name):
+        shape = MODELS[name][1]
+        graph = fuse_models(export_all(make_modules(name, 2), shape, tmp_path / name))
+        trainer = make_trainer("torch", graph.model, graph.spec, "cross-entropy", make_optimizer("adamw", 2, lr=1e-3),
+                               workdir=str(tmp_path / f"{name}-work"), compile="on")
+        return trainer.stepper.forms
+
+    assert "partitioned-nchw" in forms("cnn_bn")
+    assert "partitioned-nchw" not in forms("mlp") and "partitioned" in forms("mlp")
+
+
 def test_an_array_without_its_source_graph_still_trains_compiled(tmp_path, caplog):
     """The model-by-model form needs the first model's source graph (``sources/``); an array folder without it
     trains compiled in the other forms and says once why that form is missing (it trained before the form came)."""
@@ -308,7 +348,7 @@ def _conv_net_trains_as_torch_alone(name: str, lrs: list[float], seed0: int, tmp
 def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compiles_only_that(tmp_path, monkeypatch,
                                                                                              caplog):
     """``TrainStep.FORMS``: a compiled run whose whole step is long enough (here: any) compiles the partitioned
-    and the model-by-model forms too after timing the whole one, keeps the fastest and records it; training through
+    and the model-by-model forms too after timing the whole one (an MLP: no NCHW form), keeps the fastest and records it; training through
     the changes of form stays each model's own (within rounding of the eager run). A later run of the same
     workload compiles only the recorded form."""
     import logging
@@ -324,9 +364,11 @@ def test_a_compiled_step_times_its_forms_keeps_the_faster_and_a_later_run_compil
     with caplog.at_level(logging.INFO, logger="onnxfuse"):
         train_array(arr_c, data, TrainConfig(compile="on", verify_steps=0, **cfg), progress=False)
     said = [r.getMessage() for r in caplog.records if "compiled step forms" in r.getMessage()]
-    assert len(said) == 1 and all(f"{form} " in said[0] for form in TrainStep.FORMS), said
+    offered = [f for f in TrainStep.FORMS if f != "partitioned-nchw"]  # an MLP: nothing to lay out NCHW
+    assert len(said) == 1 and all(f"{form} " in said[0] for form in offered), said
+    assert "partitioned-nchw" not in said[0], said
     kept = said[0].rsplit("keeping ", 1)[1]
-    assert kept in TrainStep.FORMS and _forms_recorded_since(before) == [kept]
+    assert kept in offered and _forms_recorded_since(before) == [kept]
     train_array(arr_e, data, TrainConfig(compile="off", verify_steps=0, **cfg), progress=False)
     compiled, eager = states(arr_c), states(arr_e)
     for b in range(2):
