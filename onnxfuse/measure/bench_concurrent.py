@@ -51,7 +51,8 @@ def _concurrent_worker(conn, source: tuple, x: np.ndarray, y: np.ndarray, lr: fl
         dev = torch.device(device)
         if dev.type == "cpu" and cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
-        tune_process(threads, dev.type)  # the process the bench's other modes run in (bench.run's)
+        # the process the bench's other modes run in (bench.run's); on CUDA torch's threads left as they were
+        tune_process(threads if dev.type == "cpu" else None, dev.type)
         step = seq_torch_step([_worker_module(source).to(dev).train()], [lr], class_last,
                                torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev), precision)
         conn.send(("ready", None))

@@ -121,8 +121,9 @@ def test_the_command_line_tunes_its_process(work, monkeypatch, capsys):
 def test_every_process_that_measures_is_tuned_as_a_training_process_is():
     """A benchmark script or a bench mode's worker process that set only torch's threads measured in a process
     unlike the one `onnxfuse train` and `onnxfuse bench` run in (denormals kept, glibc's heap returned): a compiled
-    dense ResNet-18 forward and backward took 582 ms there against 422 in a tuned process (AVX2, 2-core EPYC). Threads are set by ``tune_process`` alone;
-    only it and the torch trainer (which applies a run's ``threads`` setting) call ``torch.set_num_threads``."""
+    dense ResNet-18 forward and backward took 582 ms there against 422 in a tuned process (AVX2, 2-core EPYC).
+    Threads are set by ``tune_process`` alone; only it and the torch trainer (which applies a run's ``threads``
+    setting) call ``torch.set_num_threads``."""
     import pathlib
 
     from tests.conftest import ROOT
@@ -131,6 +132,6 @@ def test_every_process_that_measures_is_tuned_as_a_training_process_is():
     root = pathlib.Path(ROOT)
     callers = sorted(str(p.relative_to(root)) for folder in ("onnxfuse", "benchmarks", "fuzz", "examples")
                      for p in (root / folder).rglob("*.py")
-                     if "set_num_threads(" in p.read_text().replace("torch.set_num_threads``", ""))
+                     if "set_num_threads(" in p.read_text())
     assert [c for c in callers if c not in allowed] == [], "call onnxfuse.runtime.process.tune_process instead"
     assert set(callers) == allowed  # the scan finds what it looks for

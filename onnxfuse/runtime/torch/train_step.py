@@ -204,18 +204,18 @@ class TrainStep:
 
     WINDOW = 64  # steps whose coefficients are computed at once when the caller knows them ahead (hold_window)
     #: how a compiled step is made: ``whole`` (forward, backward and update one graph: torch.func.grad inside
-    #: torch.compile; no Python between them, fastest for small steps: LeNet's compiled step 1.7x the other form)
-    #: or ``partitioned`` (the loss compiled with AOTAutograd's forward/backward partition, which chooses the
+    #: torch.compile; no Python between them, fastest for small steps: LeNet's compiled step 1.7x the other form),
+    #: ``partitioned`` (the loss compiled with AOTAutograd's forward/backward partition, which chooses the
     #: activations the backward keeps, autograd between, the update compiled on its own: ResNet-18's step 17 %
-    #: faster). A run that records its times tries both on a CPU and keeps the faster (see ``_next_form``).
-    #: or ``model-by-model`` (each model's forward and backward in turn, through the graph of a one-model array of
-    #: the same graph compiled once, on its own slices of the weights and the batch, then the one update of all
-    #: B: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few channels
-    #: per model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that graph, see
-    #: :class:`OneModel`), or ``partitioned-nchw`` (partitioned, with inductor's convolutions left in NCHW: it
-    #: turns a graph with convolutions channels-last, where oneDNN's grouped convolutions with a few channels
-    #: per group are slower than NCHW's blocked ones on an AVX-512 EPYC, ResNet-18's step 10 % faster there;
-    #: offered for graphs with a convolution, see :data:`FORM_OPTIONS`).
+    #: faster), ``model-by-model`` (each model's forward and backward in turn, through the graph of a one-model
+    #: array of the same graph compiled once, on its own slices of the weights and the batch, then the one update
+    #: of all B: where the fused kernels are slower than B dense ones, a CPU's grouped convolutions with a few
+    #: channels per model, ResNet-18's step 1.3x faster on an AVX2 EPYC; offered where the trainer has that
+    #: graph, see :class:`OneModel`) or ``partitioned-nchw`` (partitioned, with inductor's convolutions left in
+    #: NCHW: it turns a graph with convolutions channels-last, where oneDNN's grouped convolutions with a few
+    #: channels per group are slower than NCHW's blocked ones on an AVX-512 EPYC, ResNet-18's step 10 % faster
+    #: there; offered for graphs with a convolution, see :data:`FORM_OPTIONS`). A run that records its times
+    #: tries the forms offered on a CPU and keeps the fastest (see ``_next_form``).
     FORMS = ("whole", "partitioned", "model-by-model", "partitioned-nchw")
     #: the other forms are tried when the whole step takes at least this long: below it the Python between a
     #: partitioned step's parts costs more than the activations it can save (LeNet at B = 16: 31 ms whole,
