@@ -28,7 +28,8 @@ __all__ = ["main", "build_parser", "add_export_parser", "add_fuse_parser", "add_
 # code"). Said once here; every option that takes one says it in its --help with these words (runs_code).
 RUNS_CODE = ("imported and called, i.e. run as Python code: use only code from someone you trust, as you would a .py "
              "file")
-TRUST_NOTE = ("What runs code: export's factory, train's and check's --data and --eval-data, split's --like, a run "
+TRUST_NOTE = ("What runs code: export's factory, train's and check's --data and --eval-data, fuse's and split's "
+              "--like, a run "
               "config's or sweep spec's model.factory and data, and the factory a sweep folder records for --resume "
               "are each a MODULE:FUNCTION, " + RUNS_CODE + ". So a config file, a sweep spec and a sweep folder are "
               "code.")
@@ -82,14 +83,19 @@ def _fuse(args) -> int:
     from onnxfuse.core.semantics import parse_padding_rows
     from onnxfuse.measure.forms import make_strategy
 
-    files = model_files(args.models)
+    files, labels = model_files(args.models), None
     per_model = [n for n in (args.per_model_inputs or "").split(",") if n]
     say = None if args.quiet else (lambda msg: print(f"onnxfuse: {msg}", file=sys.stderr))
+    if args.like:
+        files, labels = _adopted(args, files, say)
+    elif args.args or args.input_shape:
+        raise ConfigError(f"{'--args' if args.args else '--input-shape'} is for --like's factory; give --like "
+                          "MODULE:FACTORY, or leave it out")
     strategy = make_strategy(args.strategy, args.runtime, args.device, args.batch, args.threads, progress=say,
                              compile=args.compile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fa = fuse_models(files, strict=args.strict, per_model_inputs=per_model, strategy=strategy,
+        fa = fuse_models(files, labels, strict=args.strict, per_model_inputs=per_model, strategy=strategy,
                          padding_rows=parse_padding_rows(args.padding_rows),
                          frozen=[n for n in (args.frozen or "").split(",") if n])
     for w in caught:
@@ -101,6 +107,26 @@ def _fuse(args) -> int:
     if chosen:
         print("forms: " + ", ".join(f"{n} {form}" for form, n in sorted(chosen.items())))
     return 0
+
+
+def _adopted(args, files: list, say) -> tuple[list, list[str]]:
+    """``fuse --like``: each file as the module's (``runtime/torch/like.py``), with what was taken from where."""
+    import os
+
+    from onnxfuse.exporters.factory import factory_args, inputs_from_flags
+    from onnxfuse.runtime.torch.like import adopt_files
+
+    if args.padding_rows or args.frozen:
+        raise ConfigError(f"{'--padding-rows' if args.padding_rows else '--frozen'} and --like: the class says which "
+                          "rows and weights are kept (padding_idx, requires_grad); leave the flag out")
+    shapes = inputs_from_flags(args.input_shape, None)[0] if args.input_shape else None
+    labels = [os.path.basename(os.fspath(f)) for f in files]
+    protos, notes = adopt_files(files, args.like, factory_args(args.args, "--args", where=f"{args.like}: "), shapes,
+                                labels)
+    for note in notes:
+        if say:
+            say(note)
+    return protos, labels
 
 
 def _run_config(args, build: bool = True):
@@ -162,15 +188,18 @@ def cmd_report(args) -> int:
 def cmd_split(args) -> int:
     from onnxfuse.core.split import split_array
 
-    like = None
+    like, keys = None, None
     if args.like:
         from onnxfuse.core.array import ArrayDir
-        from onnxfuse.core.split import check_like, graph_keys
-        from onnxfuse.exporters.torch_export import build_module, module_extra_state
+        from onnxfuse.exporters.state_map import split_plan
+        from onnxfuse.exporters.torch_export import build_module
 
-        module, spec = build_module(args.like, 0), ArrayDir(args.array).load_spec()
-        check_like(spec, module.state_dict(), f"--like {args.like}")
-        like = module_extra_state(module, graph_keys(spec))
+        array = ArrayDir(args.array)
+        array.check_exists()
+        like, keys, notes = split_plan(build_module(args.like, 0), array.load_spec(), array.load_source(0),
+                                       f"--like {args.like}")
+        for note in notes:
+            logging.getLogger("onnxfuse").info(note)
     else:
         from onnxfuse.core.array import ArrayDir
         from onnxfuse.core.split import plain_export_note
@@ -181,7 +210,7 @@ def cmd_split(args) -> int:
         if note:
             logging.getLogger("onnxfuse").warning(note)
     paths = split_array(args.array, args.output, overwrite=args.overwrite, initial=args.initial, like=like,
-                        which=args.which)
+                        which=args.which, keys=keys, allow_missing=args.allow_missing)
     what = "initial weights" if args.initial else f"each model's {args.which} state"
     print(f"wrote {len(paths)} model{'s' if len(paths) != 1 else ''} ({what}) to {args.output}/ (model_b.onnx for "
           "inference, model_b.safetensors state_dicts)")
@@ -308,6 +337,13 @@ def _array_arg(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("array", metavar="ARRAY_DIR", help=f"an array folder, as `onnxfuse fuse -o` writes it{more}")
 
 
+def _factory_args_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
+                   help="the factory's keyword arguments, KEY=VALUE pairs separated by spaces or commas, each value "
+                   "read as YAML (16, 0.1, 1e-3, true, [16, 32], text), e.g. --args vocab_size=128 dropout=0 or "
+                   "--args width=8,p=0.1 (a run config's and a sweep spec's model.args)")
+
+
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `export` subcommand."""
     from onnxfuse.exporters.factory import DEFAULT_OPSET, INPUT_DTYPES
@@ -315,10 +351,7 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="export B torch models (one per seed) to ONNX", epilog=TRUST_NOTE)
     p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. onnxfuse.exporters.zoo:LeNet or models.py:make; "
                    f"{runs_code('it')}")
-    p.add_argument("--args", nargs="+", action="extend", metavar="KEY=VALUE",
-                   help="the factory's keyword arguments, KEY=VALUE pairs separated by spaces or commas, each value "
-                   "read as YAML (16, 0.1, 1e-3, true, [16, 32], text), e.g. --args vocab_size=128 dropout=0 or "
-                   "--args width=8,p=0.1 (a run config's and a sweep spec's model.args)")
+    _factory_args_flag(p)
     p.add_argument("--count", type=at_least(1), required=True, help="number of models B")
     p.add_argument("--seeds", help="comma-separated seeds, one per model (default 0..B-1): torch.manual_seed(seed) "
                    "before each model is built")
@@ -344,7 +377,8 @@ def add_fuse_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `fuse` subcommand."""
     from onnxfuse.measure.forms import STRATEGY_CHOICES
 
-    p = subparsers.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them")
+    p = subparsers.add_parser("fuse", help="check B ONNX models are identical up to weights and fuse them",
+                              epilog=TRUST_NOTE)
     p.add_argument("models", nargs="+", metavar="MODEL.onnx", help="ONNX files (a folder means its *.onnx files)")
     p.add_argument("-o", "--output", required=True, metavar="ARRAY_DIR",
                    help="the array folder to write (fused.onnx, array.json, sources/; a new folder)")
@@ -358,6 +392,16 @@ def add_fuse_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--frozen", metavar="NAME,...",
                    help="for plain torch.onnx.export files: weights (names or glob patterns, e.g. 'encoder.*') "
                    "that are not trained, as requires_grad=False keeps them (onnxfuse export records these itself)")
+    p.add_argument("--like", metavar="MODULE:FACTORY",
+                   help="the torch module the files were exported from (path.py:make, as export takes it), built "
+                   "with --args: the truth of what each weight is (parameters, buffers, ties, padding rows, "
+                   "requires_grad); each file's weights are loaded into it and its forward checked against the "
+                   "module's, and the array trains the module as onnxfuse's exporter writes it; "
+                   f"{runs_code('the factory')}")
+    _factory_args_flag(p)
+    p.add_argument("--input-shape", action="append", metavar="[NAME=]D,D,...",
+                   help="with --like: the sample the files are checked on (default the files' shapes, each "
+                   "symbolic dimension 4), as export takes it")
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="default",
                    help="the form of nodes that can be fused in several ways (convolutions: grouped or per-model; "
                    "LSTM, GRU, RNN: batched, per-model or block-diagonal): "
@@ -414,9 +458,13 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
                    help="each model's final state, or its best one by the run's --keep-best metric (default final); "
                    "each file's metadata says which, from which step (and by which metric value)")
     p.add_argument("--like", metavar="MODULE:FACTORY",
-                   help="the models' torch module (path.py:make, as export takes it): write the keys a plain "
-                        "export's graph cannot hold (tied weights, BatchNorm's num_batches_tracked); "
-                        f"{runs_code('the factory')}")
+                   help="the models' torch module (path.py:make, as export takes it): write its state_dict keys, "
+                        "found in a plain export's graph under other names or tied, from the array's values alone "
+                        "(a key the array has no value for is refused; BatchNorm's num_batches_tracked: the steps "
+                        f"trained); {runs_code('the factory')}")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="write the split without the keys the array records it has no value for (parameters its "
+                        "files lacked that the forward never reads), to load with strict=False")
     p.set_defaults(func=cmd_split)
     return p
 

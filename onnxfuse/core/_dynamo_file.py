@@ -29,7 +29,7 @@ from onnxfuse.core._graph import node_label, outer_reads
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 
 __all__ = ["SIGNATURE_KEY", "DynamoFile", "read_dynamo_file", "exporter_constants", "signature_trainable",
-           "dynamo_file_warnings"]
+           "dynamo_file_warnings", "node_references", "non_persistent_buffers"]
 
 SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"  # on the graph: str(ExportGraphSignature)
 RULE_KEY = "pkg.onnxscript.rewriter.rule_name"  # on a node the optimizer rewrote: the rules applied
@@ -87,10 +87,9 @@ def _non_differentiable(node: onnx.NodeProto, position: int, opset: int) -> bool
 
 def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
     """The dynamo exporter's record in ``proto`` (None when it has no graph signature: not from that exporter)."""
-    text = next((p.value for p in proto.graph.metadata_props if p.key == SIGNATURE_KEY), None)
-    if text is None:
+    specs = _signature_inputs(proto)
+    if specs is None:
         return None
-    specs = list(_INPUT_SPEC.finditer(text.split("# outputs", 1)[0]))
     kinds = {m["target"]: m["kind"] for m in specs if m["target"] is not None}
     param_of_arg = {m["arg"]: m["target"] for m in specs if m["kind"] == "PARAMETER"}
     placeholders = {m["arg"] for m in specs}  # the torch.fx graph's inputs: parameters, buffers, user inputs
@@ -157,6 +156,32 @@ def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
     constants = {t for t in floats - set(kinds)
                  if t not in at_differentiable or (t not in stands_for_param and not computed)}
     return DynamoFile(kinds, constants, sorted(set(merged)), sorted(set(dropped)), computed, lost_batchnorms)
+
+
+def _signature_inputs(proto: onnx.ModelProto) -> list[re.Match] | None:
+    text = next((p.value for p in proto.graph.metadata_props if p.key == SIGNATURE_KEY), None)
+    return None if text is None else list(_INPUT_SPEC.finditer(text.split("# outputs", 1)[0]))
+
+
+def node_references(proto: onnx.ModelProto) -> dict[str, set[str]]:
+    """{node name: the module's parameters and buffers (state_dict keys) the torch.fx node it was exported from
+    names in its arguments}, for the nodes of a dynamo-exported file that record one ({} for another file)."""
+    specs = _signature_inputs(proto) or []
+    target = {m["arg"]: m["target"] for m in specs if m["kind"] in ("PARAMETER", "BUFFER") and m["target"]}
+    out: dict[str, set[str]] = {}
+    for node in proto.graph.node:
+        line = next((p.value for p in node.metadata_props if p.key == FX_NODE_KEY), None)
+        if line is not None:
+            rhs = line.partition(" = ")[2]
+            out[node.name] = {target[a] for a in re.findall(r"%(\w+)", rhs) if a in target}
+    return out
+
+
+def non_persistent_buffers(proto: onnx.ModelProto) -> set[str]:
+    """The buffers a dynamo-exported file's signature marks ``persistent=False``: not in the module's state_dict
+    (transformers' ``position_ids``), so a split must not write them. Empty for another file."""
+    text = next((p.value for p in proto.graph.metadata_props if p.key == SIGNATURE_KEY), "")
+    return set(re.findall(r"BUFFER target='([^']*)' persistent=False", text))
 
 
 def exporter_constants(proto: onnx.ModelProto) -> set[str]:

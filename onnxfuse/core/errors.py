@@ -16,6 +16,7 @@ __all__ = [
     "NotFusibleError",
     "UnsupportedOpError",
     "UntrainableOpError",
+    "ExportMismatchError",
     "ConfigError",
     "DataError",
     "PlacementError",
@@ -58,6 +59,16 @@ class UnsupportedOpError(NotFusibleError):
 class UntrainableOpError(NotFusibleError):
     """A node onnxruntime-training cannot differentiate (or run backward on CPU) and that no legalization rewrite
     can turn into a trainable form."""
+
+
+class ExportMismatchError(NotFusibleError):
+    """An ONNX graph does not compute what the torch module it was exported from computes (an exporter's
+    mistake, an export in another mode, a file that is not that module's): nothing trains it. ``output``: the
+    first graph output that differs; ``node``: the node found to cause it, or ''."""
+
+    def __init__(self, message: str, output: str = "", node: str = ""):
+        super().__init__(message)
+        self.output, self.node = output, node
 
 
 class ConfigError(OnnxFuseError):

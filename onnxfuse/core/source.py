@@ -19,14 +19,18 @@ from onnxfuse.core._io import read_model
 from onnxfuse.core._opset import onnx_opset
 from onnxfuse.core._shapes import complete_shapes, onesided_stft_pass
 from onnxfuse.core.errors import InputFileError
+from onnxfuse.core.guesses import never_trained
 from onnxfuse.core.windows import explicit_windows_pass
 
 __all__ = ["SourceModel", "load_source", "check_every_input_defined", "check_shapes_agree", "resolve_static_pass",
-           "weight_names", "METADATA_KEY", "FLOAT_TYPES", "tensor_shape", "np_dtype"]
+           "weight_names", "METADATA_KEY", "LIKE_KEY", "FLOAT_TYPES", "tensor_shape", "np_dtype"]
 
 # The exporter writes a JSON document under this metadata key: which initializers are trainable parameters,
 # which are buffers, and the state_dict entries that are not in the graph (e.g. num_batches_tracked).
 METADATA_KEY = "onnxfuse"
+# Under it, ``like``: the torch factory the model was built by ({"factory": "MODULE:FACTORY", "args": {...}}), which
+# `onnxfuse export` and `fuse --like` record; the module it builds is the truth split and verification read.
+LIKE_KEY = "like"
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
@@ -80,6 +84,12 @@ class SourceModel:
         weights but the module's buffers); None when the file says neither (every weight is trained)."""
         t = self.meta.get("trainable")
         return set(t) if t is not None else signature_trainable(self.dynamo, self.weight_names)
+
+    @functools.cached_property
+    def never_trained(self) -> dict[str, str]:
+        """Weights no run trains whatever the file says, with why (non-finite values; what the producer writes as
+        an initializer that is a constant): :func:`~onnxfuse.core.guesses.never_trained`."""
+        return never_trained(self.model, self.weight_names)
 
 
 def _metadata(proto: onnx.ModelProto, label: str = "model") -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -24,9 +24,9 @@ from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 from onnxfuse.core.array import ArrayDir, check_output_location, model_file, model_weights_file
 from onnxfuse.core.errors import ConfigError, InputFileError
 from onnxfuse.core.source import METADATA_KEY
-from onnxfuse.core.weights import ArraySpec, unpack_weight
+from onnxfuse.core.weights import MISSING, ArraySpec, unpack_weight
 
-__all__ = ["to_inference", "split_weights", "with_extra_state", "model_steps", "final_states", "split_states",
+__all__ = ["to_inference", "split_weights", "with_extra_state", "missing_keys", "check_missing", "model_steps", "final_states", "split_states",
            "split_array", "check_like", "WHICH"]
 
 log = logging.getLogger("onnxfuse")
@@ -87,18 +87,38 @@ def with_extra_state(state: dict, extra: dict, steps: int, source: str) -> dict:
         if key in state:
             continue
         if e.get("kind") == "alias":
-            aliases[key] = e["of"]
+            aliases[key] = (e["of"], e.get("transposed", False))
+            continue
+        if e.get("kind") == MISSING:  # no value: split_array refuses it, or leaves it out when told to
             continue
         value = np.array(e["value"], dtype=e["dtype"]).reshape(e["shape"])
         if e.get("kind") == "bn_counter":
             value = np.asarray(value + steps, dtype=e["dtype"])
         state[key] = value
-    for key, of in aliases.items():
+    for key, (of, transposed) in aliases.items():
         if of not in state:
             raise InputFileError(f"{source}: state_dict entry '{key}' is an alias of '{of}', which the array does not "
                                  "hold; re-export the model and re-run `onnxfuse fuse`")
-        state[key] = state[of].clone() if hasattr(state[of], "clone") else state[of].copy()
+        value = state[of].T if transposed else state[of]
+        state[key] = value.clone() if hasattr(value, "clone") else np.ascontiguousarray(value).copy()
     return state
+
+
+def missing_keys(spec: ArraySpec, like: dict | None = None) -> list[str]:
+    """The state_dict keys the array holds no value for (extra state of kind ``missing``), sorted."""
+    extra = {**(like or {}), **spec.extra_state[0]}
+    return sorted(k for k, e in extra.items() if e.get("kind") == MISSING)
+
+
+def check_missing(spec: ArraySpec, like: dict | None, allow_missing: bool) -> None:
+    """One ConfigError for an array whose models lack values for some of their keys, unless ``allow_missing``."""
+    missing = missing_keys(spec, like)
+    if missing and not allow_missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigError(f"the array holds no value for {len(missing)} key(s) of the models' state_dicts: {shown} "
+                          "(its files held none, and the forward never reads them), so load_state_dict(strict=True) "
+                          "would fail; pass allow_missing=True to write the split without them, "
+                          "and load it with strict=False")
 
 
 def final_states(array_dir: str | os.PathLike, spec: ArraySpec, initial: bool = False, like: dict | None = None
@@ -163,21 +183,25 @@ def split_states(array_dir: str | os.PathLike, spec: ArraySpec, which: str = "fi
 
 
 def split_array(array_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
-                initial: bool = False, like: dict | None = None, which: str = "final") -> list[str]:
+                initial: bool = False, like: dict | None = None, which: str = "final",
+                keys: Collection[str] | None = None, allow_missing: bool = False) -> list[str]:
     """Write model_{b}.onnx and model_{b}.safetensors for every model of the array; returns the ONNX paths.
 
     The weights are the current run's trained ones (an array without them is refused): each model's final state,
     or with ``which="best"`` its best one by the run's ``--keep-best`` metric; ``initial``: the weights the array
-    was fused with. Each file's metadata says which state it holds (see :func:`split_states`). ``like``: the keys a plain export's graph cannot hold, from the source
-    module (``split --like MODULE:FACTORY``; see :func:`split_weights`). ``out_dir`` may not be, be inside, or
-    contain the array folder. Holds the array folder's lock."""
+    was fused with. Each file's metadata says which state it holds (see :func:`split_states`). ``like``: the keys a
+    plain export's graph holds under other names or cannot hold, as found in the source module (``split --like
+    MODULE:FACTORY``: :func:`onnxfuse.exporters.state_map.split_plan`); ``keys``: the keys each state_dict file
+    holds (default: all). A key the array has no value for is refused unless ``allow_missing``. ``out_dir`` may
+    not be, be inside, or contain the array folder. Holds the array folder's lock."""
     array, out_dir = ArrayDir(array_dir), os.fspath(out_dir)
     array.check_exists()
     check_output_location(out_dir, [array.path])
     if initial and which != "final":
         raise ConfigError(f"initial=True and which={which!r}: split writes one state of each model; give one of them")
+    check_missing(array.load_spec(), like, allow_missing)
     with array.locked("split"):
-        return _split_locked(array, out_dir, overwrite, "initial" if initial else which, like)
+        return _split_locked(array, out_dir, overwrite, "initial" if initial else which, like, keys)
 
 
 def graph_keys(spec: ArraySpec) -> set[str]:
@@ -243,6 +267,10 @@ def plain_export_note(spec: ArraySpec, sources: Sequence[onnx.ModelProto]) -> st
     whose metadata records every state_dict key)."""
     if not sources or any(p.key == METADATA_KEY for p in sources[0].metadata_props):
         return None
+    if sources[0].producer_name not in ("pytorch", ""):  # no torch advice to a Keras user
+        return (f"the models come from {sources[0].producer_name}: the split files hold the graph's tensors under "
+                "the names and in the layouts that exporter wrote (e.g. a Conv kernel as ONNX's [out, in, kH, kW]), "
+                "not a checkpoint of the original framework")
     bn = any(n.op_type == "BatchNormalization" for n in sources[0].graph.node)
     lacks = "BatchNorm's num_batches_tracked, " if bn else ""
     return (f"the models come from a plain export, whose graph holds no record of the state_dict keys it cannot "
@@ -250,8 +278,8 @@ def plain_export_note(spec: ArraySpec, sources: Sequence[onnx.ModelProto]) -> st
             f"--like MODULE:FACTORY (split_array(like=...)) to write every key of the module")
 
 
-def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, like: dict | None = None
-                  ) -> list[str]:
+def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, like: dict | None = None,
+                  keys: Collection[str] | None = None) -> list[str]:
     spec = array.load_spec()
     if which != "initial":
         array.check_one_run()
@@ -265,6 +293,6 @@ def _split_locked(array: ArrayDir, out_dir: str, overwrite: bool, which: str, li
             onnx.helper.set_model_props(src, {**{p.key: p.value for p in src.metadata_props}, **what})
             onnx.save(cleanup_pass(to_inference(src)), os.path.join(tmp, model_file(b)))  # nothing unused kept
             with open(os.path.join(tmp, model_weights_file(b)), "wb") as f:
-                f.write(_safetensors_bytes(state, what))
+                f.write(_safetensors_bytes({k: v for k, v in state.items() if keys is None or k in keys}, what))
             paths.append(os.path.join(out_dir, model_file(b)))
     return paths

@@ -28,9 +28,11 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 from onnxfuse.core.errors import InputFileError
 from onnxfuse.core.records import read_record
 
-__all__ = ["WeightSlot", "FusedWeight", "ArraySpec", "pack_weights", "unpack_weight", "relayout", "ARRAY_FORMAT"]
+__all__ = ["WeightSlot", "FusedWeight", "ArraySpec", "pack_weights", "unpack_weight", "relayout", "ARRAY_FORMAT",
+           "MISSING"]
 
 ARRAY_FORMAT = "onnxfuse-array/1"
+MISSING = "missing"  # the extra_state kind of a key the array holds no value for (split refuses it)
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,17 @@ class _FusedWeightRecord(_Part):
 class _Alias(_Part):
     kind: Literal["alias"]
     of: StrictStr
+    transposed: StrictBool = False  # the 2-D tensor ``of`` holds transposed (an exporter's folded W^T)
+
+
+class _Missing(_Part):
+    """A key the array holds no value for (the file held none and the forward never reads it): split refuses it
+    unless told to leave it out."""
+
+    kind: Literal["missing"]
+    dtype: DType
+    shape: list[Dim]
+    why: StrictStr = ""
 
 
 class _Value(_Part):
@@ -307,7 +320,9 @@ class _Value(_Part):
 
 def _extra_entry(v: Any) -> Any:
     if isinstance(v, dict) and v.get("kind") == "alias":
-        return _Alias.model_validate(v).model_dump()
+        return _Alias.model_validate(v).model_dump(exclude_defaults=True)
+    if isinstance(v, dict) and v.get("kind") == MISSING:
+        return _Missing.model_validate(v).model_dump()
     return _Value.model_validate(v).model_dump()
 
 

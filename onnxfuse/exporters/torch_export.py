@@ -21,16 +21,16 @@ from onnxfuse.core._opset import MAX_OPSET, MIN_OPSET  # the opsets onnxfuse rea
 from onnxfuse.core.array import model_file
 from onnxfuse.core.errors import ConfigError
 from onnxfuse.core.semantics import PADDING_ROWS
-from onnxfuse.core.source import METADATA_KEY
+from onnxfuse.core.source import LIKE_KEY, METADATA_KEY
 from onnxfuse.exporters.factory import DEFAULT_OPSET, call_factory, factory_name, load_factory, model_inputs
 
 __all__ = ["export_module", "export_array", "build_array", "load_factory", "build_module", "trace_inputs",
-           "example_error", "DEFAULT_OPSET"]
+           "example_error", "max_torchscript_opset", "module_extra_state", "DEFAULT_OPSET"]
 
 log = logging.getLogger("onnxfuse.export")
 
 
-def _max_opset() -> int:
+def max_torchscript_opset() -> int:
     """The newest opset torch's TorchScript exporter writes (20 in torch 2.4-2.13)."""
     try:
         from torch.onnx import _constants
@@ -42,10 +42,10 @@ def _max_opset() -> int:
 
 def check_opset(opset) -> int:
     """``opset`` if onnxfuse reads it and the TorchScript exporter writes it; else one ConfigError line."""
-    top = min(_max_opset(), MAX_OPSET)
+    top = min(max_torchscript_opset(), MAX_OPSET)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= top:
         raise ConfigError(f"opset={opset!r} is not supported: torch's TorchScript exporter writes opsets up to "
-                          f"{_max_opset()} and onnxfuse reads opsets {MIN_OPSET} to {MAX_OPSET}; give one in "
+                          f"{max_torchscript_opset()} and onnxfuse reads opsets {MIN_OPSET} to {MAX_OPSET}; give one in "
                           f"{MIN_OPSET}..{top} "
                           f"(default {DEFAULT_OPSET})")
     return opset
@@ -200,14 +200,18 @@ def export_module(
     opset: int = DEFAULT_OPSET,
     dynamic_batch: bool = True,
     input_dtype: str | Mapping[str, str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    record: Mapping[str, Any] | None = None,
 ) -> onnx.ModelProto:
     """Export ``module`` in training mode to ``path`` (None: in memory only, no file); returns the ModelProto.
 
     The example inputs are ``example_inputs``, or made from ``input_shape`` and ``input_dtype`` (one shape, or
     ``{name: shape}`` for a model with several inputs, which names the graph inputs; see :func:`trace_inputs`).
-    The batch dimension (dim 0 of every input and output) is symbolic ``N`` unless ``dynamic_batch=False``.
+    The batch dimension (dim 0 of every input and output) is symbolic ``N`` unless ``dynamic_batch=False``;
+    ``dynamic_axes`` ({input or output name: {axis: name}}, torch.onnx's) says instead which are symbolic.
     Exporting runs one training forward, which moves BatchNorm running statistics: the module's state_dict is
-    restored afterwards and the ONNX initializers hold the values from before the export.
+    restored afterwards and the ONNX initializers hold the values from before the export. ``record``: more entries
+    of the metadata onnxfuse reads (:data:`~onnxfuse.core.source.LIKE_KEY`: the factory the module was built by).
     """
     check_opset(opset)
     _padding_rows(module, set())  # what no runtime can train is refused before torch exports it
@@ -220,7 +224,8 @@ def export_module(
     snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
     was_training = module.training
     module.train()
-    dynamic_axes = {n: {0: "N"} for n in list(input_names) + list(output_names)} if dynamic_batch else None
+    if dynamic_axes is None:
+        dynamic_axes = {n: {0: "N"} for n in list(input_names) + list(output_names)} if dynamic_batch else None
     buf = io.BytesIO()
     ran: list[str] = []  # the BatchNorm layers the exported forward runs
     hooks = [m.register_forward_pre_hook(lambda *_, name=name: ran.append(name))
@@ -248,7 +253,7 @@ def export_module(
         if init.name in snapshot:
             init.CopyFrom(numpy_helper.from_array(snapshot[init.name].cpu().numpy(), init.name))
     inits = {i.name for i in proto.graph.initializer}
-    meta = {**_state_metadata(module, inits), PADDING_ROWS: _padding_rows(module, inits)}
+    meta = {**_state_metadata(module, inits), PADDING_ROWS: _padding_rows(module, inits), **(record or {})}
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(meta))
     proto.ir_version = min(proto.ir_version, 10)
     if path is not None:
@@ -300,8 +305,9 @@ def export_array(
             watch = Stopwatch()
             module = build_module(factory, seed, factory_args, name=name)
             built = watch.seconds
+            like = {LIKE_KEY: {"factory": name, "args": dict(factory_args or {}), "seed": seed}}
             proto = export_module(module, os.path.join(tmp, model_file(b)), input_shape=input_shape,
-                                  input_dtype=input_dtype, **export_kwargs)
+                                  input_dtype=input_dtype, record=like, **export_kwargs)
             log.debug("model %d: %s (seed %d) built in %.2f s, exported in %.2f s (%d nodes, opset %d)", b, name,
                       seed, built, watch.seconds - built, len(proto.graph.node), export_kwargs.get("opset",
                                                                                                  DEFAULT_OPSET))

@@ -2,12 +2,15 @@
 model's loss (:func:`add_loss_pass`: the torch runtime's train program, the ONNX Runtime training graph's forward),
 the inference graph with the loss (:func:`inference_loss_pass`: both runtimes evaluate with it) and the weights as
 graph inputs (:func:`weights_as_inputs_pass`: the torch runtime feeds its parameters, ONNX Runtime's eval graph
-takes its checkpoint's). Each is a function of the model; ONNX Runtime's own passes are in ``ort/artifacts.py``."""
+takes its checkpoint's), and every Dropout off (:func:`without_dropout`: run-time verification and the check of a
+file against its torch module compare without randomness). Each is a function of the model; ONNX Runtime's own
+passes are in ``ort/artifacts.py``."""
 from __future__ import annotations
 
 import copy
 from typing import Sequence
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -18,7 +21,7 @@ from onnxfuse.core.split import to_inference
 from onnxfuse.core.weights import ArraySpec
 from onnxfuse.recipe.losses import LossSpec, add_loss
 
-__all__ = ["add_loss_pass", "inference_loss_pass", "weights_as_inputs_pass"]
+__all__ = ["add_loss_pass", "inference_loss_pass", "weights_as_inputs_pass", "has_random_dropout", "without_dropout"]
 
 
 def _value_info(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
@@ -77,3 +80,40 @@ def weights_as_inputs_pass(model: onnx.ModelProto, names: Sequence[str],
     del model.graph.initializer[:]
     model.graph.initializer.extend(by_name.values())
     return model
+
+
+# ---------------------------------------------------------------------------------------------------- Dropout
+def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:
+    """The value of ``name`` when it is an initializer or a Constant node's output with a tensor value."""
+    for t in model.graph.initializer:
+        if t.name == name:
+            return onnx.numpy_helper.to_array(t)
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            value = next((a for a in node.attribute if a.name == "value"), None)
+            return None if value is None else onnx.numpy_helper.to_array(value.t)
+    return None
+
+
+def has_random_dropout(model: onnx.ModelProto) -> bool:
+    """Whether a Dropout node of ``model`` may drop something: training mode on (or not known to be off) and a
+    ratio that is not a constant 0 (the default ratio is 0.5)."""
+    for node in model.graph.node:
+        if node.op_type != "Dropout" or len(node.input) < 3 or not node.input[2]:
+            continue  # without training_mode, Dropout passes its input through
+        training = _constant(model, node.input[2])
+        ratio = _constant(model, node.input[1]) if node.input[1] else np.array(0.5)
+        if (training is None or bool(training)) and (ratio is None or float(ratio) != 0.0):
+            return True
+    return False
+
+
+def without_dropout(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose Dropout nodes pass their input through (training_mode input removed), everything
+    else (BatchNorm in training mode included) as it is."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            node.input[2] = ""
+    return out

@@ -30,8 +30,7 @@ from onnxfuse.runtime.protocol import Runtime
 
 log = logging.getLogger("onnxfuse.train")
 
-__all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "has_random_dropout",
-           "without_dropout", "RTOL", "ATOL_FRACTION", "LOSS_RTOL", "LOSS_ATOL", "NUDGES", "SENSITIVITY_FACTOR"]
+__all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "RTOL", "ATOL_FRACTION", "LOSS_RTOL", "LOSS_ATOL", "NUDGES", "SENSITIVITY_FACTOR"]
 
 RTOL = 1e-3
 ATOL_FRACTION = 1e-6
@@ -271,43 +270,6 @@ def _nudges(n: int) -> str:
     return f"{n} nudge{'s' if n > 1 else ''}"
 
 
-# ---------------------------------------------------------------------------------------------------- Dropout
-def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    """The value of ``name`` when it is an initializer or a Constant node's output with a tensor value."""
-    for t in model.graph.initializer:
-        if t.name == name:
-            return onnx.numpy_helper.to_array(t)
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            value = next((a for a in node.attribute if a.name == "value"), None)
-            return None if value is None else onnx.numpy_helper.to_array(value.t)
-    return None
-
-
-def has_random_dropout(model: onnx.ModelProto) -> bool:
-    """Whether a Dropout node of ``model`` may drop something: training mode on (or not known to be off) and a
-    ratio that is not a constant 0 (the default ratio is 0.5)."""
-    for node in model.graph.node:
-        if node.op_type != "Dropout" or len(node.input) < 3 or not node.input[2]:
-            continue  # without training_mode, Dropout passes its input through
-        training = _constant(model, node.input[2])
-        ratio = _constant(model, node.input[1]) if node.input[1] else np.array(0.5)
-        if (training is None or bool(training)) and (ratio is None or float(ratio) != 0.0):
-            return True
-    return False
-
-
-def without_dropout(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose Dropout nodes pass their input through (training_mode input removed), everything
-    else (BatchNorm in training mode included) as it is."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    for node in out.graph.node:
-        if node.op_type == "Dropout" and len(node.input) > 2:
-            node.input[2] = ""
-    return out
-
-
 # ------------------------------------------------------------------------------------------ the weight mapping
 def _pieces(spec: ArraySpec, fused: dict[str, np.ndarray], b: int) -> dict[str, np.ndarray]:
     """Model b's original tensors among ``fused`` (by fused name), keyed by model 0's original name: the key the
@@ -401,11 +363,19 @@ def _norm(x: np.ndarray) -> float:
 
 def _compare(fused: dict[str, np.ndarray], alone: dict[str, np.ndarray], floors: dict[str, float], kind: str,
              names: dict[str, str]) -> list[TensorCheck]:
-    """Tensor by tensor: ||fused - alone|| against RTOL * ||alone|| + ATOL_FRACTION * ||all of alone|| + floor."""
-    norms = {key: _norm(r) for key, r in alone.items()}
+    """Tensor by tensor: ||fused - alone|| against RTOL * ||alone|| + ATOL_FRACTION * ||all of alone|| + floor.
+    Equal entries differ by nothing, infinities included (a causal mask's -inf), and norms count finite entries."""
+    alone = {key: np.asarray(r, np.float64) for key, r in alone.items()}
+    norms = {key: _norm(np.where(np.isfinite(r), r, 0.0)) for key, r in alone.items()}
     atol = ATOL_FRACTION * math.sqrt(sum(n * n for n in norms.values()))
-    return [TensorCheck(names.get(key, key), kind, _norm(np.asarray(fused[key], np.float64) - r), norms[key],
-                        RTOL * norms[key] + atol + floors.get(key, 0.0)) for key, r in alone.items()]
+
+    def diff(key: str) -> float:
+        f, r = np.asarray(fused[key], np.float64), alone[key]
+        with np.errstate(invalid="ignore"):
+            return _norm(np.where((f == r) | (np.isnan(f) & np.isnan(r)), 0.0, f - r))
+
+    return [TensorCheck(names.get(key, key), kind, diff(key), norms[key],
+                        RTOL * norms[key] + atol + floors.get(key, 0.0)) for key in alone]
 
 
 def _model_feeds(feeds: dict[str, np.ndarray], per_model: set[str], b: int) -> dict[str, np.ndarray]:

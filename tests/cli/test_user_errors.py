@@ -295,9 +295,29 @@ def _case(name: str, work) -> tuple[list, "str | None"]:
     if name == "CycleError":
         return ["place", _cyclic_model(work / "cyc.onnx"), "--devices", 2, "-o", work / "p", "-q"], \
             "cyc.onnx: the graph has a cycle: 'add' -> 'relu' -> 'add'"
+    if name == "ExportMismatchError":  # TorchScript writes index_add_ over repeated indices as a plain Scatter
+        import sys
+
+        import torch
+
+        (work / "ia.py").write_text(INDEX_ADD)
+        sys.path.insert(0, str(work))
+        try:
+            torch.onnx.export(__import__("ia").IA(), (torch.ones(5, 4),), work / "ia.onnx", dynamo=False,
+                              input_names=["x"])
+        finally:
+            sys.path.remove(str(work))
+            sys.modules.pop("ia", None)
+        return ["fuse", work / "ia.onnx", work / "ia.onnx", "-o", work / "ia", "--like", f"{work / 'ia.py'}:IA"], \
+            "'/ScatterElements'"
     if name == "OutputError":
         return ["split", arr, "--initial", "-o", "/proc/onnxfuse-test/models"], "/proc/onnxfuse-test/models"
     raise AssertionError(f"no case for {name}: add one to _case")
+
+
+INDEX_ADD = ("import torch\nclass IA(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+             "        self.lin = torch.nn.Linear(4, 4)\n        self.register_buffer('dst', torch.tensor([1, 2, 2, 0, 0]))\n"
+             "    def forward(self, x):\n        return torch.zeros(5, 4).index_add_(0, self.dst, self.lin(x))\n")
 
 
 HOLDER = ("import sys, time\nfrom onnxfuse.core._lock import folder_lock\nwith folder_lock(sys.argv[1], 'train'):\n"

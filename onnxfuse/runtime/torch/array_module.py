@@ -183,24 +183,29 @@ class FusedArray(torch.nn.Module):
 
     # ---- per-model state
     @torch.no_grad()
-    def state_dicts(self, like: torch.nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
+    def state_dicts(self, like: torch.nn.Module | None = None, allow_missing: bool = False
+                    ) -> list[dict[str, torch.Tensor]]:
         """B state_dicts of torch tensors on the array's device, every key the source module has (``split``'s),
         for ``module.load_state_dict(sd, strict=True)``: trained weights unpacked, BatchNorm's
         ``num_batches_tracked`` advanced by the training forwards, other state as exported. ``like``: a module
-        of the models' architecture, for an array of plain exports (ONNX files without onnxfuse's metadata):
-        the keys their graphs cannot hold (tied weights, num_batches_tracked) from its structure."""
+        of the models' architecture, for an array of plain exports (ONNX files without onnxfuse's metadata): its
+        keys found in the array (under other names, transposed, tied), from the array's values alone
+        (:func:`~onnxfuse.exporters.state_map.split_plan`: a key the array has no value for is refused). A key
+        the array records as missing is refused unless ``allow_missing``, which leaves it out."""
+        from onnxfuse.core.split import check_missing
+
         fused = {n: t.detach() for n, t in self.onnx_state().items()}
         device = self.device
-        extra = None
+        extra, keys = None, None
         if like is not None:
-            from onnxfuse.core.split import check_like, graph_keys
-            from onnxfuse.exporters.torch_export import module_extra_state
+            from onnxfuse.exporters.state_map import split_plan
 
-            check_like(self.spec, like.state_dict(), f"state_dicts(like=): the {type(like).__name__} given")
-            extra = module_extra_state(like, graph_keys(self.spec))
+            extra, keys, _ = split_plan(like, self.spec, self._sources[0].model if self._sources else self._graph,
+                                        f"state_dicts(like=): the {type(like).__name__} given")
+        check_missing(self.spec, extra, allow_missing)
         dicts = split_weights(self.spec, fused, int(self.forwards), extra)
         return [{k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)).to(device)
-                 for k, v in d.items()} for d in dicts]
+                 for k, v in d.items() if keys is None or k in keys} for d in dicts]
 
     def load_into(self, modules: Sequence[torch.nn.Module]) -> None:
         """Copy each model's state into ``modules[b]`` (``load_state_dict(strict=True)``)."""
@@ -316,7 +321,9 @@ def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Seque
     export's (default ``DEFAULT_OPSET``, the CLI's); ``padding_rows`` / ``frozen``: what a plain export's graph
     cannot say (``fuse_models``'; a torch module's own are recorded by its export). The models must
     be one architecture up to weights (``NotFusibleError`` says where they differ). The array is on the device of
-    the first module's parameters (CPU for files)."""
+    the first module's parameters (CPU for files). The array computes what each torch module computes on
+    ``example_inputs`` (training mode, Dropout off), or ``ExportMismatchError`` names the model and the node
+    found to cause the difference (``runtime/torch/agreement.check_fused``): an exporter's mistake trains nothing."""
     from onnxfuse.exporters.torch_export import DEFAULT_OPSET, export_module  # torch.onnx: imported when exporting
 
     models = list(modules)
@@ -356,7 +363,13 @@ def fuse(modules: Sequence[Any], example_inputs=None, *, per_model_inputs: Seque
                         padding_rows=padding_rows, frozen=frozen)
     arr = FusedArray(graph)
     device = next((p.device for m in torch_modules for p in m.parameters()), None)
-    return arr.to(device) if device is not None else arr
+    arr = arr.to(device) if device is not None else arr
+    if torch_modules:  # the export is checked against the modules: an exporter's mistake trains nothing
+        from onnxfuse.runtime.torch.agreement import check_fused
+
+        check_fused(arr, {b: m for b, m in enumerate(models) if isinstance(m, torch.nn.Module)},
+                    tuple(x.to(arr.device) if isinstance(x, torch.Tensor) else x for x in example), in_names)
+    return arr
 
 
 def _input_names(model, exported: list[str] | None) -> list[str]:

@@ -165,11 +165,10 @@ def norms_in_fp32(model: onnx.ModelProto, state: Collection[str]) -> onnx.ModelP
     for anchor, cast in casts:  # the input's Cast before its normalization, the CastLike after its producer
         at = list(graph.node).index(anchor)
         graph.node.insert(at if cast.op_type == "Cast" else at + 1, cast)
-    for norm, mul, add, node in fused:  # LayerNorm -> Mul -> Add as one node where the LayerNorm was
-        at = list(graph.node).index(norm)
-        for old in (norm, mul, add):
+    for norm, mul, add, node in fused:  # LayerNorm -> Mul -> Add as one node where the Add was: the weight and
+        add.CopyFrom(node)                # bias it reads may be made after the LayerNorm (an Unsqueeze of a merged
+        for old in (norm, mul):           # weight's Identity), never after the Add
             graph.node.remove(old)
-        graph.node.insert(at, node)
     if fused and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return model
