@@ -249,7 +249,7 @@ class FusionState:
             return self._weight_view(fw, slot)
         arrays = [m.array(s) for m, s in zip(self.models, sources)]
         trainable = self.src.trainable
-        if role == "param" and trainable is not None and key not in trainable:
+        if role == "param" and ((trainable is not None and key not in trainable) or key in self.src.never_trained):
             role = "frozen"
         name = key  # the fused weight keeps model 0's initializer name (each is packed once)
         self.inits[name] = pack_weights(slot, arrays)

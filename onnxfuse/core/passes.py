@@ -18,7 +18,8 @@ import onnx
 from onnx import numpy_helper
 
 from onnxfuse.core._clock import Stopwatch
-from onnxfuse.core._dynamo_file import dynamo_file_warnings
+from onnxfuse.core._dynamo_file import dynamo_file_warnings, non_persistent_buffers
+from onnxfuse.core.guesses import guess_warnings
 from onnxfuse.core._graph import cleanup_pass, toposort_pass
 from onnxfuse.core.array import ArrayDir
 from onnxfuse.core.engine import NODE_ORIGINS, FusionResult, Strategy, fuse_aligned
@@ -169,6 +170,12 @@ def _training_semantics(result: FusionResult, sources: list[SourceModel],
         for message in plain_export_warnings(sources[0].model, sources[0].weight_names):
             warnings.warn(message, stacklevel=3)
     record_semantics(result.weights, metas)
+    trained = {fw.sources[0] for fw in result.weights.values() if fw.role == "param"}
+    guessed = sources[0].trainable is None
+    result.summary["guessed"] = len(trained) if guessed else 0  # `train` says how many were guessed
+    for message in (guess_warnings(sources[0].model, sources[0].label, trained, sources[0].never_trained)
+                    if guessed else []):
+        warnings.warn(message, stacklevel=3)
     if result.summary["unfused"]:
         listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])
         more = len(result.summary["unfused"]) - 10
@@ -203,19 +210,25 @@ def _array_spec(model: onnx.ModelProto, result: FusionResult, sources: list[Sour
     )
 
 
-# a state_dict key: dotted module path and name (an export's own constants are "onnx::Reshape_3", "/Constant_output_0")
-_STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)+$")
+# a state_dict key: a name, or a dotted module path and name (an export's own constants are "onnx::Reshape_3",
+# "/Constant_output_0"; the dynamo exporter's "val_3", told from keys by its signature)
+_STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 
 def _extra_state(src: SourceModel) -> dict:
     """State that ``split`` writes besides the trained weights: the exporter's record (aliases, BatchNorm counters,
     constants); for a graph from a plain export, which has none, every non-float initializer named like a
-    state_dict key (a module's integer buffer, e.g. Swin's ``relative_position_index``), as the constant it is."""
+    state_dict key (a module's integer buffer, e.g. Swin's ``relative_position_index`` or a graph network's edge
+    list ``src``), as the constant it is; in a dynamo export, the persistent buffers its signature names."""
     extra = dict(src.meta.get("extra_state", {}))
     if "trainable" in src.meta:
         return extra
+    keys = None if src.dynamo is None else {k for k, kind in src.dynamo.kinds.items() if kind in (
+        "PARAMETER", "BUFFER")} - non_persistent_buffers(src.model)
     for name, t in src.initializers.items():
         if t.data_type in FLOAT_TYPES or name in src.weight_names or name in extra or not _STATE_KEY.match(name):
+            continue
+        if keys is not None and name not in keys:
             continue
         arr = src.array(name)
         extra[name] = {"dtype": str(arr.dtype), "shape": list(arr.shape), "value": arr.reshape(-1).tolist(),

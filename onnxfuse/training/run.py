@@ -50,6 +50,7 @@ from onnxfuse.core._io import atomic_dir
 from onnxfuse.core.array import ArrayDir, load_array
 from onnxfuse.core.errors import (ConfigError, InputFileError, OnnxFuseError, OutOfMemoryError, OutputError,
                                   TrainingStoppedError, as_user_error, shell)
+from onnxfuse.core.guesses import trained_note
 from onnxfuse.core.passes import fuse_models
 from onnxfuse.core.split import split_weights
 from onnxfuse.core.weights import ArraySpec
@@ -71,7 +72,8 @@ from onnxfuse.training.halving import halving_rung
 from onnxfuse.training.metrics import METRICS_HEADER, Metrics, evaluate, fmt
 from onnxfuse.training.prepare import Prepared, prepare
 from onnxfuse.training.run_state import RunState, mark_diverged
-from onnxfuse.training.verify import VerifyReport, has_random_dropout, verify_steps, without_dropout
+from onnxfuse.runtime.graph_passes import has_random_dropout, without_dropout
+from onnxfuse.training.verify import VerifyReport, verify_steps
 
 __all__ = ["TrainConfig", "TrainResult", "train_array", "verify_array", "METRICS_HEADER",
            "RESUMABLE", "settings_hash", "checkpoint_models", "seed_run", "CheckpointModels"]
@@ -219,6 +221,8 @@ def _train(array_dir: str, fused: onnx.ModelProto, spec: ArraySpec, data, config
                     loss=loss)
         if tune_process:
             tune(p.settings.threads, p.settings.device)
+        if point is None:
+            log.info("%s", trained_note(spec))
         if point is not None and point.complete:
             _check_resumed_loss(point.config, p.loss)
         identity = {"settings_hash": settings_hash(p.settings), "data_hash": data_hash(p.train, p.eval)}

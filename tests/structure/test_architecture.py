@@ -206,7 +206,8 @@ def test_the_engine_imports_no_rule_and_placements_data_model_not_its_executor()
 
 def test_the_tests_mirror_the_package():
     """Every folder of tests/ is a package of onnxfuse (``tests/runtime/torch`` checks ``onnxfuse/runtime/torch``),
-    or ``fuzz`` (the fuzzer's campaigns) or ``structure`` (the code's own shape); no test file lies outside them,
+    or ``fuzz`` (the fuzzer's campaigns), ``structure`` (the code's own shape) or ``data`` (files other
+    frameworks' exporters made, beside the scripts that made them); no test file lies outside them,
     and no two share a name."""
     tests = os.path.join(ROOT, "tests")
     seen: dict[str, list[str]] = {}
@@ -217,7 +218,7 @@ def test_the_tests_mirror_the_package():
         if rel == ".":
             assert own == [], f"test files outside the package's folders: {own}"
             continue
-        assert rel.split(os.sep)[0] in ("fuzz", "structure") or os.path.isdir(os.path.join(ROOT, "onnxfuse", rel)), \
+        assert rel.split(os.sep)[0] in ("fuzz", "structure", "data") or os.path.isdir(os.path.join(ROOT, "onnxfuse", rel)), \
             f"tests/{rel} mirrors no package of onnxfuse"
         for f in own:
             seen.setdefault(f, []).append(rel)
