@@ -86,9 +86,11 @@ def never_trained(model: onnx.ModelProto, weights: set[str]) -> dict[str, str]:
             out[name] = "holds non-finite values (a mask): a constant, never trained"
     if producer_of(model).constants_outside_weights:
         readers = _readers(model)
+        computed = {o for n in model.graph.node for o in n.output}
         for name in sorted(weights):
             uses = readers.get(name, [])
-            if name in inits and uses and not any(_slot_of(n, i) for n, i in uses):
+            if name in inits and uses and not any(
+                    _in_weight_slot(n, i, numpy_helper.to_array(inits[name]), computed) for n, i in uses):
                 node = uses[0][0]
                 out[name] = (f"read by '{node_label(node)}' ({node.op_type}) in no weight slot: a constant of the "
                              f"model's code ({producer_of(model).name} writes them as initializers), never trained")
@@ -189,7 +191,7 @@ def _tf2onnx_steps(model: onnx.ModelProto, trained: set[str]) -> list[str]:
     if folded:
         steps.append(f"BatchNormalization folded into {_listed(folded)} with its moving statistics: this array "
                      "trains the folded Conv, without batch statistics, unlike Keras; tf2onnx writes no "
-                     "training-mode BatchNormalization, so train this model in Keras (or rebuild it in torch)")
+                     "training-mode BatchNormalization, so train this model in Keras")
     for n in model.graph.node:
         if n.op_type == "LSTM" and len(n.input) > 3 and n.input[3] in inits:
             b = numpy_helper.to_array(inits[n.input[3]])

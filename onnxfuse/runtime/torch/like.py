@@ -156,11 +156,13 @@ def _export(module: torch.nn.Module, proto: onnx.ModelProto, names: Sequence[str
     what the TorchScript exporter writes)."""
     opset = max(MIN_OPSET, min(max_torchscript_opset(), next((o.version for o in proto.opset_import
                                                                if o.domain in ("", "ai.onnx")), MIN_OPSET)))
+    # an output TorchScript numbered ('303') would clash with its own numbering of the new export
+    outputs = {o.name: o.name if not o.name.isdigit() else f"output_{k}" for k, o in enumerate(proto.graph.output)}
+    axes = {outputs.get(n, n): a for n, a in _axes(proto).items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return export_module(module, None, example_inputs=_call_args(module, names, inputs), input_names=names,
-                             output_names=[o.name for o in proto.graph.output], opset=opset,
-                             dynamic_axes=_axes(proto), record=record)
+                             output_names=list(outputs.values()), opset=opset, dynamic_axes=axes, record=record)
 
 
 def _keep_file(proto: onnx.ModelProto, module: torch.nn.Module, smap: StateMap, record: dict, label: str,
