@@ -24,7 +24,8 @@ FLAGS = {
     "input_dtype": "--input-dtype", "factory_args": "--args",
     # train and split
     "resume": "--resume", "keep_best": "--keep-best", "eval_data": "--eval-data", "eval_fraction": "--eval-fraction",
-    "which": "--which", "initial": "--initial", "like": "--like", "allow_missing": "--allow-missing", "overwrite": "--overwrite",
+    "which": "--which", "initial": "--initial", "like": "--like", "allow_missing": "--allow-missing",
+    "overwrite": "--overwrite",
     # bench and plan
     "models": "--models", "modes": "--modes", "precisions": "--precision", "steps": "--steps", "rounds": "--rounds",
     "warmup": "--warmup", "budget_s": "--budget-s", "threads": "--threads", "device": "--device",

@@ -158,8 +158,13 @@ def read_dynamo_file(proto: onnx.ModelProto) -> DynamoFile | None:
     return DynamoFile(kinds, constants, sorted(set(merged)), sorted(set(dropped)), computed, lost_batchnorms)
 
 
+def _signature(proto: onnx.ModelProto) -> str | None:
+    """The graph signature the dynamo exporter wrote on ``proto``'s graph (None: not from that exporter)."""
+    return next((p.value for p in proto.graph.metadata_props if p.key == SIGNATURE_KEY), None)
+
+
 def _signature_inputs(proto: onnx.ModelProto) -> list[re.Match] | None:
-    text = next((p.value for p in proto.graph.metadata_props if p.key == SIGNATURE_KEY), None)
+    text = _signature(proto)
     return None if text is None else list(_INPUT_SPEC.finditer(text.split("# outputs", 1)[0]))
 
 
@@ -180,8 +185,7 @@ def node_references(proto: onnx.ModelProto) -> dict[str, set[str]]:
 def non_persistent_buffers(proto: onnx.ModelProto) -> set[str]:
     """The buffers a dynamo-exported file's signature marks ``persistent=False``: not in the module's state_dict
     (transformers' ``position_ids``), so a split must not write them. Empty for another file."""
-    text = next((p.value for p in proto.graph.metadata_props if p.key == SIGNATURE_KEY), "")
-    return set(re.findall(r"BUFFER target='([^']*)' persistent=False", text))
+    return set(re.findall(r"BUFFER target='([^']*)' persistent=False", _signature(proto) or ""))
 
 
 def exporter_constants(proto: onnx.ModelProto) -> set[str]:

@@ -21,6 +21,7 @@ to what to change before tf2onnx runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -29,9 +30,10 @@ from onnx import numpy_helper
 from onnxfuse.core._graph import node_label
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
 
-__all__ = ["never_trained", "guess_warnings", "trained_note", "Producer", "PRODUCERS", "producer_of", "WEIGHT_INPUTS"]
+__all__ = ["never_trained", "guess_warnings", "trained_note", "Producer", "PRODUCERS", "producer_of",
+           "WEIGHT_INPUTS"]
 
-_FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+Arrays = Callable[[str], np.ndarray]  # an initializer's value by name (SourceModel.array: converted once)
 _SHOWN = 4  # initializers named in a warning before "and N more"
 # the inputs of each op that hold a layer's weights (positions; "*": every input)
 WEIGHT_INPUTS: dict[str, tuple | str] = {
@@ -40,7 +42,6 @@ WEIGHT_INPUTS: dict[str, tuple | str] = {
     "GroupNormalization": (1, 2), "LSTM": (1, 2, 3), "GRU": (1, 2, 3), "RNN": (1, 2, 3), "PRelu": (1,),
 }
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div"}  # a vector read here is a bias or a scale; a table may be a buffer
-_RNN_STATES = {"LSTM": (5, 6), "GRU": (5,), "RNN": (5,)}  # initial_h (and initial_c)
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,10 @@ class Producer:
 
 
 PRODUCERS = {
-    "pytorch": Producer("torch's TorchScript exporter", "the torch module", "fuse with like=MODULE:FACTORY (the torch class, which says "
-                        "which are buffers), or export with `onnxfuse export`"),
+    "pytorch": Producer("torch's TorchScript exporter", "the torch module", "fuse with like=MODULE:FACTORY (the "
+                        "torch class, which says which are buffers), or export with `onnxfuse export`"),
     "tf2onnx": Producer("tf2onnx", "the Keras model", "freeze those Keras does not train with frozen=NAME",
                         constants_outside_weights=True),
-
 }
 _OTHER = Producer("its exporter", "the model it came from", "freeze what is not a weight with frozen=NAME")
 
@@ -75,22 +75,22 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
-def never_trained(model: onnx.ModelProto, weights: set[str]) -> dict[str, str]:
-    """Weights of ``model`` that no run trains, by name, with why: non-finite values (any file); what the producer
-    writes as an initializer that is a constant (tf2onnx: an RNN's initial state)."""
-    inits = {t.name: t for t in model.graph.initializer}
+def never_trained(model: onnx.ModelProto, weights: set[str], array: Arrays) -> dict[str, str]:
+    """Weights of ``model`` (their values by ``array``) that no run trains, by name, with why: non-finite values
+    (any file); what the producer writes as an initializer that is a constant of the model's code (tf2onnx: the
+    zero an RNN's initial state is expanded from)."""
+    inits = {t.name for t in model.graph.initializer}
     out = {}
-    for name in sorted(weights):
-        t = inits.get(name)
-        if t is not None and t.data_type in _FLOAT and not np.isfinite(numpy_helper.to_array(t)).all():
+    for name in sorted(weights & inits):
+        v = array(name)
+        if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all():
             out[name] = "holds non-finite values (a mask): a constant, never trained"
     if producer_of(model).constants_outside_weights:
         readers = _readers(model)
         computed = {o for n in model.graph.node for o in n.output}
-        for name in sorted(weights):
+        for name in sorted(weights & inits):
             uses = readers.get(name, [])
-            if name in inits and uses and not any(
-                    _in_weight_slot(n, i, numpy_helper.to_array(inits[name]), computed) for n, i in uses):
+            if uses and not any(_in_weight_slot(n, i, array(name), computed) for n, i in uses):
                 node = uses[0][0]
                 out[name] = (f"read by '{node_label(node)}' ({node.op_type}) in no weight slot: a constant of the "
                              f"model's code ({producer_of(model).name} writes them as initializers), never trained")
@@ -122,16 +122,14 @@ def _in_weight_slot(node: onnx.NodeProto, i: int, array: np.ndarray, computed: s
             and all(x in computed for x in others))
 
 
-def _buffer_like(model: onnx.ModelProto, trained: set[str]) -> list[str]:
+def _buffer_like(model: onnx.ModelProto, trained: set[str], arrays: Arrays) -> list[str]:
     """The trained initializers that look like buffers or constants, each as "'name' (why)"."""
-    inits = {t.name: t for t in model.graph.initializer}
+    inits = {t.name for t in model.graph.initializer}
     readers = _readers(model)
     computed = {o for n in model.graph.node for o in n.output}
     found = []
-    for name in sorted(trained):
-        if name not in inits:
-            continue
-        array = numpy_helper.to_array(inits[name])
+    for name in sorted(trained & inits):
+        array = arrays(name)
         uses = readers.get(name, [])
         why = []
         if uses and not any(_in_weight_slot(n, i, array, computed) for n, i in uses):
@@ -164,8 +162,8 @@ def _eval_signs(model: onnx.ModelProto, trained: set[str]) -> list[str]:
     shared = sorted(n for n in trained if len({node.op_type for node, _ in readers.get(n, [])} - {"Identity"}) > 1)
     merged = sorted(n.input[0] for n in model.graph.node if n.op_type == "Identity" and n.input[0] in trained)
     if merged or shared:
-        signs.append(f"initializers read by layers of different kinds ({_listed(sorted(set(merged) | set(shared)))}): equal "
-                     "values the exporter merged train as one tensor, unlike parameters of their own")
+        signs.append(f"initializers read by layers of different kinds ({_listed(sorted(set(merged) | set(shared)))}"
+                     "): equal values the exporter merged train as one tensor, unlike parameters of their own")
     return signs
 
 
@@ -202,16 +200,17 @@ def _tf2onnx_steps(model: onnx.ModelProto, trained: set[str]) -> list[str]:
     return steps
 
 
-def guess_warnings(model: onnx.ModelProto, label: str, trained: set[str], frozen: dict[str, str]) -> list[str]:
+def guess_warnings(model: onnx.ModelProto, label: str, trained: set[str], frozen: dict[str, str],
+                   arrays: Arrays) -> list[str]:
     """The warnings for a file whose parameters are guessed (``trained``: the initializers it will train;
-    ``frozen``: :func:`never_trained`'s): what was frozen, what looks like a buffer, what shows an eval-mode or
-    lossy export, each with the producer's fix. [] when there is nothing to say."""
+    ``frozen``: :func:`never_trained`'s; ``arrays``: their values): what was frozen, what looks like a buffer,
+    what shows an eval-mode or lossy export, each with the producer's fix. [] when there is nothing to say."""
     producer = producer_of(model)
     out = []
     if frozen:
         out.append(f"{label}: {len(frozen)} initializer(s) never trained: "
                    + _listed([f"'{n}' ({why})" for n, why in frozen.items()]))
-    suspects = _buffer_like(model, trained)
+    suspects = _buffer_like(model, trained, arrays)
     if suspects:
         out.append(f"{label}: the file does not say which initializers are parameters, and {len(suspects)} of the "
                    f"{len(trained)} it will train look like buffers or constants: {_listed(suspects)}; if they are, "

@@ -173,8 +173,8 @@ def _training_semantics(result: FusionResult, sources: list[SourceModel],
     trained = {fw.sources[0] for fw in result.weights.values() if fw.role == "param"}
     guessed = sources[0].trainable is None
     result.summary["guessed"] = len(trained) if guessed else 0  # `train` says how many were guessed
-    for message in (guess_warnings(sources[0].model, sources[0].label, trained, sources[0].never_trained)
-                    if guessed else []):
+    for message in (guess_warnings(sources[0].model, sources[0].label, trained, sources[0].never_trained,
+                                   sources[0].array) if guessed else []):
         warnings.warn(message, stacklevel=3)
     if result.summary["unfused"]:
         listed = ", ".join(f"{u['node']} ({u['op_type']})" for u in result.summary["unfused"][:10])

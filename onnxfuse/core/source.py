@@ -29,7 +29,7 @@ __all__ = ["SourceModel", "load_source", "check_every_input_defined", "check_sha
 # which are buffers, and the state_dict entries that are not in the graph (e.g. num_batches_tracked).
 METADATA_KEY = "onnxfuse"
 # Under it, ``like``: the torch factory the model was built by ({"factory": "MODULE:FACTORY", "args": {...}}), which
-# `onnxfuse export` and `fuse --like` record; the module it builds is the truth split and verification read.
+# `onnxfuse export` and `fuse --like` record (nothing reads it yet: verification against torch.optim on it is to come).
 LIKE_KEY = "like"
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -89,7 +89,7 @@ class SourceModel:
     def never_trained(self) -> dict[str, str]:
         """Weights no run trains whatever the file says, with why (non-finite values; what the producer writes as
         an initializer that is a constant): :func:`~onnxfuse.core.guesses.never_trained`."""
-        return never_trained(self.model, self.weight_names)
+        return never_trained(self.model, self.weight_names, self.array)
 
 
 def _metadata(proto: onnx.ModelProto, label: str = "model") -> dict:

@@ -26,8 +26,8 @@ from onnxfuse.core.errors import ConfigError, InputFileError
 from onnxfuse.core.source import METADATA_KEY
 from onnxfuse.core.weights import MISSING, ArraySpec, unpack_weight
 
-__all__ = ["to_inference", "split_weights", "with_extra_state", "missing_keys", "check_missing", "model_steps", "final_states", "split_states",
-           "split_array", "check_like", "WHICH"]
+__all__ = ["to_inference", "split_weights", "with_extra_state", "missing_keys", "check_missing", "model_steps",
+           "final_states", "split_states", "split_array", "check_like", "WHICH"]
 
 log = logging.getLogger("onnxfuse")
 WHICH = ("final", "best")  # the states of a trained model split writes (--which); "initial" is --initial's
@@ -63,12 +63,14 @@ def split_weights(spec: ArraySpec, fused: dict[str, np.ndarray], steps: int | Se
 
     Fused weights are unpacked (one entry per tensor, however many nodes read it). The entries of
     ``spec.extra_state`` are state that is not a graph initializer: ``alias`` of another key (tied weights: the
-    trained value of the key it aliases, copied), ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the
-    number of training steps, as torch does once per training forward) and ``constant`` (its value at export time).
-    Arrays made before aliases were recorded carry tied weights as constants (their export-time value).
-    ``fused`` may hold torch tensors: the unpacked weights are then torch tensors too (the extra state stays numpy).
-    ``like``: extra state of the same kinds, for the keys the array does not know (a graph from a plain export
-    holds no record of them): :func:`onnxfuse.exporters.torch_export.module_extra_state` of the source module.
+    trained value of the key it aliases, copied; ``transposed``: of a 2-D initializer that holds it transposed),
+    ``bn_counter`` (BatchNorm's num_batches_tracked, advanced by the number of training steps, as torch does once
+    per training forward), ``constant`` (its value at export time) and ``missing`` (no value: left out;
+    :func:`check_missing` refuses it first). Arrays made before aliases were recorded carry tied weights as
+    constants (their export-time value). ``fused`` may hold torch tensors: the unpacked weights are then torch
+    tensors too (the extra state stays numpy). ``like``: extra state of the same kinds, for the keys the array does
+    not know under the module's names (a graph from a plain export holds no record of them):
+    :func:`onnxfuse.exporters.state_map.split_plan`.
     ``models``: only these models' (positions in the array), in that order."""
     per_model = list(steps) if isinstance(steps, (list, tuple)) else [steps] * spec.B
     out = []

@@ -264,11 +264,13 @@ def split_plan(module: torch.nn.Module, spec, source: onnx.ModelProto, name: str
     from onnxfuse.core.source import METADATA_KEY
     from onnxfuse.core.split import check_like, graph_keys
 
-    meta = next((p.value for p in source.metadata_props if p.key == METADATA_KEY), "")
+    import json
+
+    meta = json.loads(next((p.value for p in source.metadata_props if p.key == METADATA_KEY), "{}"))
     keys = module_keys(module)
     persistent = {k for k, i in keys.items() if i.persistent}
     fix = "give the class (and factory arguments) the models were made with"
-    if '"trainable"' in meta:  # the array records every key: onnxfuse export, onnxfuse.fuse, fuse --like
+    if "trainable" in meta:  # the array records every key: onnxfuse export, onnxfuse.fuse, fuse --like
         check_like(spec, module.state_dict(), name)
         lacking = sorted(persistent - graph_keys(spec))
         if lacking:

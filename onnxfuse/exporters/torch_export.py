@@ -45,9 +45,8 @@ def check_opset(opset) -> int:
     top = min(max_torchscript_opset(), MAX_OPSET)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= top:
         raise ConfigError(f"opset={opset!r} is not supported: torch's TorchScript exporter writes opsets up to "
-                          f"{max_torchscript_opset()} and onnxfuse reads opsets {MIN_OPSET} to {MAX_OPSET}; give one in "
-                          f"{MIN_OPSET}..{top} "
-                          f"(default {DEFAULT_OPSET})")
+                          f"{max_torchscript_opset()} and onnxfuse reads opsets {MIN_OPSET} to {MAX_OPSET}; give one "
+                          f"in {MIN_OPSET}..{top} (default {DEFAULT_OPSET})")
     return opset
 
 

@@ -30,7 +30,8 @@ from onnxfuse.runtime.protocol import Runtime
 
 log = logging.getLogger("onnxfuse.train")
 
-__all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "RTOL", "ATOL_FRACTION", "LOSS_RTOL", "LOSS_ATOL", "NUDGES", "SENSITIVITY_FACTOR"]
+__all__ = ["VerifyReport", "ModelCheck", "TensorCheck", "verify_steps", "reference_optimizer", "RTOL", "ATOL_FRACTION",
+           "LOSS_RTOL", "LOSS_ATOL", "NUDGES", "SENSITIVITY_FACTOR"]
 
 RTOL = 1e-3
 ATOL_FRACTION = 1e-6

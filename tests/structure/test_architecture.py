@@ -218,8 +218,8 @@ def test_the_tests_mirror_the_package():
         if rel == ".":
             assert own == [], f"test files outside the package's folders: {own}"
             continue
-        assert rel.split(os.sep)[0] in ("fuzz", "structure", "data") or os.path.isdir(os.path.join(ROOT, "onnxfuse", rel)), \
-            f"tests/{rel} mirrors no package of onnxfuse"
+        assert rel.split(os.sep)[0] in ("fuzz", "structure", "data") or \
+            os.path.isdir(os.path.join(ROOT, "onnxfuse", rel)), f"tests/{rel} mirrors no package of onnxfuse"
         for f in own:
             seen.setdefault(f, []).append(rel)
     assert {f: where for f, where in seen.items() if len(where) > 1} == {}

@@ -32,12 +32,12 @@ import torch
 
 from onnxfuse.core._graph import node_label
 from onnxfuse.core._opset import is_training_batchnorm, onnx_opset
-from onnxfuse.core.errors import ExportMismatchError
+from onnxfuse.core.errors import ConfigError, ExportMismatchError
 from onnxfuse.core.source import tensor_shape
 from onnxfuse.runtime.graph_passes import without_dropout
 
 __all__ = ["dropout_off", "sample_inputs", "module_outputs", "graph_outputs", "Disagreement", "disagreement",
-           "check_agreement", "mismatch", "check_fused", "parameters_read", "FACTOR", "FLOOR"]
+           "check_agreement", "mismatch", "check_fused", "parameters_read", "forward_parameters", "FACTOR", "FLOOR"]
 
 FACTOR = 8.0  # two float32 programs of one function, each about as far from exact as torch's float32 run is
 FLOOR = 2.0 ** -17  # relative: a few roundings of the output itself, summed in another order
@@ -104,8 +104,6 @@ def sample_inputs(proto: onnx.ModelProto, shapes: dict[str, Sequence[int]] | Seq
     """The graph inputs' names and one sample of each: the shapes given (``shapes`` by input name, or one shape
     for a graph of one input), else the graph's, each symbolic dimension ``SAMPLE_DIM``; floats random normal,
     integers random below the rows of the table they index (zeros where they index none), booleans True."""
-    from onnxfuse.core.errors import ConfigError
-
     inits = {t.name for t in proto.graph.initializer}
     first = next((vi.name for vi in proto.graph.input if vi.name not in inits), None)
     if shapes is not None and not isinstance(shapes, dict):
@@ -148,12 +146,17 @@ def _flat(out) -> list[torch.Tensor]:
     return []
 
 
+def forward_parameters(module: torch.nn.Module) -> list[str]:
+    """The parameter names of ``module.forward`` ([] where its signature cannot be read)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def _call(module: torch.nn.Module, names: Sequence[str], inputs: tuple) -> object:
     """``module`` on ``inputs``: by keyword when every graph input is a parameter of its forward, else in order."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
+    params = forward_parameters(module)
     if names and all(n in params for n in names):
         return module(**dict(zip(names, inputs)))
     return module(*inputs)

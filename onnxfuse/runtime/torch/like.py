@@ -40,7 +40,7 @@ from onnxfuse.core.weights import MISSING
 from onnxfuse.exporters.state_map import StateMap, map_state
 from onnxfuse.exporters.torch_export import (build_module, example_error, export_module, max_torchscript_opset,
                                              module_extra_state)
-from onnxfuse.runtime.torch.agreement import check_agreement, parameters_read, sample_inputs
+from onnxfuse.runtime.torch.agreement import check_agreement, forward_parameters, parameters_read, sample_inputs
 
 __all__ = ["Adopted", "adopt", "adopt_files", "EXPORT_FIX"]
 
@@ -95,14 +95,9 @@ def _load(module: torch.nn.Module, values: Mapping[str, np.ndarray]) -> None:
 
 def _call_args(module: torch.nn.Module, names: Sequence[str], inputs: tuple) -> tuple:
     """The example the export traces with: the inputs by keyword (a trailing dict) where every name is a
-    parameter of the module's forward, as the check runs it."""
-    import inspect
-
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if names and all(n in params for n in names) and list(names) != list(params)[:len(names)]:
+    parameter of the module's forward (and not its first ones, in order), as the check runs it."""
+    params = forward_parameters(module)
+    if names and all(n in params for n in names) and list(names) != params[:len(names)]:
         return (dict(zip(names, inputs)),)
     return tuple(inputs)
 
